@@ -1,0 +1,165 @@
+"""Model configuration: ``engines/<model>/config.yaml`` parsed once into frozen pydantic models.
+
+Layout of one model folder (Triton-like)::
+
+    engines/<model>/config.yaml
+    engines/<model>/<version>/model.onnx      # integer version folders
+
+A bad config fails at start with ``ConfigError`` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .datatypes import Datatype
+from .errors import ConfigError
+
+Backend = Literal["auto", "onnxruntime", "tensorrt"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Profile(_Frozen):
+    """TensorRT optimization profile of one input: the min/opt/max shapes, batch axis included."""
+
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Profile":
+        if not (len(self.min) == len(self.opt) == len(self.max)):
+            raise ValueError("min, opt and max must have the same rank")
+        for axis, (lo, mid, hi) in enumerate(zip(self.min, self.opt, self.max)):
+            if not 1 <= lo <= mid <= hi:
+                raise ValueError(f"axis {axis}: need 1 <= min <= opt <= max, got {lo}/{mid}/{hi}")
+        return self
+
+
+class TensorSpec(_Frozen):
+    """One input or output tensor: name, KServe datatype and dims (-1 = dynamic; batch axis first)."""
+
+    name: str
+    datatype: Datatype
+    dims: tuple[int, ...]
+    profile: Optional[Profile] = None
+
+    @model_validator(mode="after")
+    def _dims(self) -> "TensorSpec":
+        if any(d == 0 or d < -1 for d in self.dims):
+            raise ValueError(f"dims must be positive or -1 (dynamic), got {list(self.dims)}")
+        if self.profile is not None:
+            if len(self.profile.max) != len(self.dims):
+                raise ValueError(f"profile rank {len(self.profile.max)} != dims rank {len(self.dims)}")
+            for axis, d in enumerate(self.dims):
+                if d != -1 and not (self.profile.min[axis] == self.profile.max[axis] == d):
+                    raise ValueError(f"profile axis {axis} must equal the fixed dim {d}")
+        return self
+
+    def bounds(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Allowed (min, max) shape; fixed dims from ``dims``, dynamic ones from the profile."""
+        if self.profile is not None:
+            return self.profile.min, self.profile.max
+        return tuple(1 if d == -1 else d for d in self.dims), tuple(
+            2**31 - 1 if d == -1 else d for d in self.dims)
+
+
+class Autoscaling(_Frozen):
+    """Ray Serve ``autoscaling_config`` fields this project passes through."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: Optional[int] = Field(None, ge=0)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    metrics_interval_s: Optional[float] = Field(None, gt=0)
+    look_back_period_s: Optional[float] = Field(None, gt=0)
+
+
+class DeploymentOptions(_Frozen):
+    """How the model is placed: its own deployment (``dedicated``) or the multiplexed ``pool``."""
+
+    mode: Literal["dedicated", "pool"] = "pool"
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: Optional[Autoscaling] = None
+    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(0.1, ge=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+
+
+class ModelConfig(_Frozen):
+    """A model's contract, parsed from its ``config.yaml``.
+
+    ``max_batch_size`` is the largest first-axis size accepted (0 = the model has no batch
+    axis); it may not exceed any input profile's max on axis 0. ``instances`` is the number
+    of execution contexts per replica. A ``pipeline`` model (e.g. ``ocr``) has no ONNX file:
+    it names a pipeline in ``deployments.pipelines`` that composes other models.
+    """
+
+    name: str
+    backend: Backend = "auto"
+    max_batch_size: int = Field(0, ge=0)
+    instances: int = Field(1, ge=1)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    deployment: DeploymentOptions = DeploymentOptions()
+    pipeline: Optional[str] = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _contract(self) -> "ModelConfig":
+        if not self.inputs or not self.outputs:
+            raise ValueError("a model needs at least one input and one output")
+        for group in (self.inputs, self.outputs):
+            names = [t.name for t in group]
+            if len(set(names)) != len(names):
+                raise ValueError(f"duplicate tensor names in {names}")
+        if self.max_batch_size:
+            for t in self.inputs:
+                lo, hi = t.bounds()
+                if hi[0] < self.max_batch_size:
+                    raise ValueError(
+                        f"max_batch_size {self.max_batch_size} exceeds input '{t.name}' "
+                        f"profile max batch {hi[0]}")
+        return self
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Parse and validate one ``config.yaml``.
+
+    Raises:
+        ConfigError: unreadable YAML or an invalid field; the message names ``path`` and the field.
+    """
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: cannot read YAML ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    raw.setdefault("name", path.parent.name)
+    try:
+        config = ModelConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_describe(e)}") from None
+    if config.name != path.parent.name:
+        raise ConfigError(f"{path}: name: '{config.name}' must equal its folder name '{path.parent.name}'")
+    return config

@@ -1,0 +1,62 @@
+"""KServe v2 / Open Inference Protocol datatypes and their numpy and ONNX equivalents.
+
+Source: the Open Inference Protocol REST spec, "Tensor Data Types" table.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Datatype = Literal[
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+    "FP16", "FP32", "FP64", "BYTES",
+]
+
+NUMPY_BY_DATATYPE: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(np.object_),
+}
+
+# ONNX Runtime's type strings (NodeArg.type) for each datatype.
+ONNX_TYPE_BY_DATATYPE: dict[str, str] = {
+    "BOOL": "tensor(bool)",
+    "UINT8": "tensor(uint8)",
+    "UINT16": "tensor(uint16)",
+    "UINT32": "tensor(uint32)",
+    "UINT64": "tensor(uint64)",
+    "INT8": "tensor(int8)",
+    "INT16": "tensor(int16)",
+    "INT32": "tensor(int32)",
+    "INT64": "tensor(int64)",
+    "FP16": "tensor(float16)",
+    "FP32": "tensor(float)",
+    "FP64": "tensor(double)",
+    "BYTES": "tensor(string)",
+}
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """KServe datatype of a numpy array; object and string arrays are BYTES.
+
+    Raises:
+        KeyError: the dtype has no KServe v2 equivalent.
+    """
+    if array.dtype.kind in "OSU":
+        return "BYTES"
+    for name, dtype in NUMPY_BY_DATATYPE.items():
+        if dtype == array.dtype:
+            return name
+    raise KeyError(f"numpy dtype {array.dtype} has no KServe v2 datatype")

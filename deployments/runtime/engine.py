@@ -1,0 +1,94 @@
+"""The engine contract both backends fill, and backend selection.
+
+An ``Engine`` is the loaded, read-only model (TensorRT: ``ICudaEngine``; ONNX Runtime: an
+``InferenceSession``). An ``ExecutionContext`` is the unit of concurrency: one request at a
+time each; ``ModelHost`` pools them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Memory a loaded model holds, in bytes.
+
+    ``engine_bytes``: weights/plan; ``context_bytes``: per execution context (activations,
+    I/O buffers); ``measured``: True when taken from the backend or a memory delta, False when
+    predicted.
+    """
+
+    engine_bytes: int
+    context_bytes: int
+    measured: bool = True
+
+    def total(self, instances: int) -> int:
+        return self.engine_bytes + instances * self.context_bytes
+
+
+class ExecutionContext(Protocol):
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one request. Inputs are validated already; returns every output by name.
+
+        Raises:
+            InferenceError: the backend reported a failure.
+        """
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    backend: str
+
+    def create_context(self) -> ExecutionContext: ...
+
+    def footprint(self) -> Footprint: ...
+
+    def close(self) -> None:
+        """Release the engine; every context must be closed first."""
+
+
+def tensorrt_available() -> bool:
+    """True when a TensorRT module imports and a CUDA GPU is visible."""
+    if importlib.util.find_spec("tensorrt") is None and importlib.util.find_spec("tensorrt_rtx") is None:
+        return False
+    try:
+        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    err, count = cudart.cudaGetDeviceCount()
+    return int(err) == 0 and count > 0
+
+
+def resolve_backend(requested: str) -> str:
+    """``auto`` -> ``tensorrt`` when available, else ``onnxruntime``.
+
+    Raises:
+        ConfigError: ``tensorrt`` was asked for and no TensorRT GPU is present.
+    """
+    if requested == "auto":
+        return "tensorrt" if tensorrt_available() else "onnxruntime"
+    if requested == "tensorrt" and not tensorrt_available():
+        raise ConfigError("backend 'tensorrt' requested, but no TensorRT module and CUDA GPU are present")
+    return requested
+
+
+def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> Engine:
+    """Load the model in ``model_dir`` (a version folder) with the chosen backend."""
+    chosen = resolve_backend(config.backend if backend == "auto" else backend)
+    if chosen == "tensorrt":
+        from .tensorrt_engine import TensorRTEngine  # GPU only; imported lazily
+
+        return TensorRTEngine(config, model_dir)
+    from .onnxruntime_engine import OnnxRuntimeEngine
+
+    return OnnxRuntimeEngine(config, model_dir)

@@ -1,0 +1,51 @@
+"""Typed serving errors: the only exceptions the engine layer raises on purpose.
+
+Each class maps to one HTTP status in ``deployments.protocol.errors.STATUS_BY_ERROR``
+(the one error table). A ``ServingError``'s message is written for the client: it names
+what was wrong and what is allowed, and never carries internal exception text.
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """Base class; ``message`` is safe to send to a client."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # keeps the type and message across Ray's pickling
+        return (type(self), (self.message,))
+
+
+class InvalidInput(ServingError):
+    """The request is malformed or does not fit the model's contract (HTTP 400)."""
+
+
+class ModelNotFound(ServingError):
+    """Unknown model or version (HTTP 404)."""
+
+
+class PayloadTooLarge(ServingError):
+    """The request body is over the configured limit (HTTP 413)."""
+
+
+class ModelNotReady(ServingError):
+    """The model exists but is not loaded or still loading (HTTP 503)."""
+
+
+class OverBudget(ServingError):
+    """Loading the model would exceed the memory budget (HTTP 503)."""
+
+
+class InferenceTimeout(ServingError):
+    """No execution context or answer within the deadline (HTTP 504)."""
+
+
+class InferenceError(ServingError):
+    """A real fault while running a model (HTTP 500); the message names the failed call."""
+
+
+class ConfigError(ServingError):
+    """A model repository or application config is invalid; raised at start, names file and field."""

@@ -1,0 +1,133 @@
+"""ModelHost: one loaded model in a replica, its engine and a pool of execution contexts."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .engine import Engine, ExecutionContext, Footprint, open_engine
+from .errors import InferenceTimeout, InvalidInput, ModelNotReady
+from .repository import ModelEntry
+from .validation import validate_inputs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelHost:
+    """Owns an ``Engine`` and ``config.instances`` execution contexts; one request per context.
+
+    ``infer`` blocks the calling thread: call it from a worker thread in async code. Requests
+    beyond the pool size wait up to ``checkout_timeout_s`` for a free context.
+    ``in_flight`` counts requests that hold the model; ``unload`` waits for it to reach zero.
+    """
+
+    def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
+        self.entry = entry
+        self.config = entry.config
+        self.version = entry.latest
+        self.backend_request = backend
+        self.checkout_timeout_s = checkout_timeout_s
+        self.engine: Engine | None = None
+        self._contexts: list[ExecutionContext] = []
+        self._free: queue.SimpleQueue[ExecutionContext] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._in_flight = 0
+        self.load_ms: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def load(self) -> "ModelHost":
+        """Load the engine and create the contexts; idempotent. Returns self."""
+        with self._lock:
+            if self.engine is not None:
+                return self
+            start = time.perf_counter()
+            engine = open_engine(self.config, self.entry.onnx_path(self.version).parent, self.backend_request)
+            contexts = [engine.create_context() for _ in range(self.config.instances)]
+            for c in contexts:
+                self._free.put(c)
+            self._contexts, self.engine = contexts, engine
+            self.load_ms = (time.perf_counter() - start) * 1e3
+        logger.info("loaded model %s v%d (%s, %d contexts) in %.1f ms",
+                    self.name, self.version, engine.backend, len(contexts), self.load_ms)
+        return self
+
+    def footprint(self) -> Footprint:
+        if self.engine is None:
+            raise ModelNotReady(f"model '{self.name}' is not loaded")
+        return self.engine.footprint()
+
+    def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Validate, run on a free execution context and return the requested outputs.
+
+        Args:
+            inputs: input name -> array, shapes with batch axis when ``max_batch_size > 0``.
+            outputs: names to return; all outputs when None.
+
+        Raises:
+            InvalidInput: inputs or requested outputs do not fit the config.
+            ModelNotReady: the model is not loaded.
+            InferenceTimeout: no context became free within ``checkout_timeout_s``.
+            InferenceError: the backend failed.
+        """
+        validate_inputs(self.config, inputs)
+        wanted = self._output_names(outputs)
+        with self._lock:
+            if self.engine is None:
+                raise ModelNotReady(f"model '{self.name}' is not loaded")
+            self._in_flight += 1
+        try:
+            try:
+                context = self._free.get(timeout=self.checkout_timeout_s)
+            except queue.Empty:
+                raise InferenceTimeout(
+                    f"model '{self.name}': no execution context free within "
+                    f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)") from None
+            try:
+                result = context.infer(inputs)
+            finally:
+                self._free.put(context)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
+        return {name: result[name] for name in wanted}
+
+    def _output_names(self, outputs: Iterable[str] | None) -> list[str]:
+        declared = [t.name for t in self.config.outputs]
+        if outputs is None:
+            return declared
+        wanted = list(outputs)
+        unknown = [n for n in wanted if n not in declared]
+        if unknown:
+            raise InvalidInput(f"model '{self.name}' has no outputs {unknown}; outputs: {declared}")
+        return wanted
+
+    def unload(self) -> None:
+        """Wait for in-flight requests, then close contexts and the engine (in that order)."""
+        with self._lock:
+            engine, self.engine = self.engine, None  # new requests now get ModelNotReady
+            self._lock.wait_for(lambda: self._in_flight == 0)
+            contexts, self._contexts = self._contexts, []
+            self._free = queue.SimpleQueue()
+        if engine is None:
+            return
+        for c in contexts:
+            c.close()
+        engine.close()
+        logger.info("unloaded model %s v%d", self.name, self.version)

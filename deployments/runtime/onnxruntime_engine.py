@@ -1,0 +1,95 @@
+"""ONNX Runtime backend (CPU): the default on machines without a TensorRT GPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import onnxruntime as ort
+
+from .config import ModelConfig
+from .datatypes import ONNX_TYPE_BY_DATATYPE
+from .engine import Footprint
+from .errors import ConfigError, InferenceError
+from .repository import MODEL_FILENAME
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process, from /proc (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class OnnxRuntimeContext:
+    """One execution slot over a shared ``InferenceSession`` (``run`` is thread-safe)."""
+
+    def __init__(self, engine: "OnnxRuntimeEngine") -> None:
+        self._engine = engine
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        session = self._engine.session
+        feeds = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
+        try:
+            values = session.run(self._engine.output_names, feeds)
+        except Exception as e:  # ORT raises its own types for shape/runtime faults
+            raise InferenceError(
+                f"model '{self._engine.config.name}': ONNX Runtime run failed ({type(e).__name__})") from e
+        return dict(zip(self._engine.output_names, values))
+
+    def close(self) -> None:
+        pass
+
+
+class OnnxRuntimeEngine:
+    """An ``InferenceSession`` on ``<model_dir>/model.onnx``.
+
+    The footprint is measured as the process RSS delta across session creation (engine) and
+    a first run at the profile's opt shape is not attempted: context bytes are 0 until the
+    memory planner measures them.
+
+    Raises:
+        ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types).
+    """
+
+    backend = "onnxruntime"
+
+    def __init__(self, config: ModelConfig, model_dir: Path, intra_op_threads: int | None = None) -> None:
+        self.config = config
+        options = ort.SessionOptions()
+        threads = intra_op_threads or int(os.environ.get("ORT_INTRA_OP_THREADS", "0"))
+        options.intra_op_num_threads = threads
+        before = _rss_bytes()
+        self.session = ort.InferenceSession(
+            str(Path(model_dir) / MODEL_FILENAME), sess_options=options, providers=["CPUExecutionProvider"])
+        self._engine_bytes = max(0, _rss_bytes() - before)
+        self._check_signature()
+        self.output_names = [t.name for t in config.outputs]
+
+    def _check_signature(self) -> None:
+        where = f"model '{self.config.name}'"
+        for kind, declared, actual in (
+            ("input", self.config.inputs, self.session.get_inputs()),
+            ("output", self.config.outputs, self.session.get_outputs()),
+        ):
+            by_name = {a.name: a for a in actual}
+            for spec in declared:
+                arg = by_name.get(spec.name)
+                if arg is None:
+                    raise ConfigError(
+                        f"{where}: config {kind} '{spec.name}' is not in the ONNX file; "
+                        f"the file has {sorted(by_name)}")
+                if arg.type != ONNX_TYPE_BY_DATATYPE[spec.datatype]:
+                    raise ConfigError(
+                        f"{where}: {kind} '{spec.name}' is {arg.type} in the ONNX file, "
+                        f"config says {spec.datatype}")
+
+    def create_context(self) -> OnnxRuntimeContext:
+        return OnnxRuntimeContext(self)
+
+    def footprint(self) -> Footprint:
+        return Footprint(engine_bytes=self._engine_bytes, context_bytes=0, measured=True)
+
+    def close(self) -> None:
+        self.session = None  # type: ignore[assignment]

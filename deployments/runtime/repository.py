@@ -1,0 +1,95 @@
+"""The model repository: one folder per model under a root (``engines/`` by default).
+
+Lookups go through an in-memory index built once at start, so a request's model name never
+reaches the filesystem: ``../x`` or ``a%2Fb`` is simply an unknown name (``ModelNotFound``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig, load_model_config
+from .errors import ConfigError, ModelNotFound
+
+MODEL_FILENAME = "model.onnx"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model found in the repository: its config, folder and version numbers (ascending)."""
+
+    config: ModelConfig
+    path: Path
+    versions: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def latest(self) -> int:
+        return self.versions[-1]
+
+    def onnx_path(self, version: int | None = None) -> Path:
+        """Path of ``<version>/model.onnx`` (latest version by default)."""
+        return self.path / str(self.latest if version is None else version) / MODEL_FILENAME
+
+
+class ModelRepository:
+    """Index of ``root/<model>/config.yaml`` and its integer version folders.
+
+    A pipeline model has no version folders; it is served as version 1.
+    Only the latest version of a model is served (Triton's ``latest: 1`` policy).
+
+    Raises:
+        ConfigError: at construction, for a missing root, a bad config or a model with no
+            ``<version>/model.onnx`` (the message says to run ``make models``).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise ConfigError(f"model repository {self.root} does not exist")
+        entries: dict[str, ModelEntry] = {}
+        for config_path in sorted(self.root.glob("*/config.yaml")):
+            config = load_model_config(config_path)
+            folder = config_path.parent
+            if config.pipeline:
+                versions: tuple[int, ...] = (1,)
+            else:
+                versions = tuple(sorted(
+                    int(p.name) for p in folder.iterdir()
+                    if p.is_dir() and p.name.isdigit() and (p / MODEL_FILENAME).is_file()))
+                if not versions:
+                    raise ConfigError(
+                        f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
+                        "(python -m deployments.prepare) to fetch and generate the models")
+            entries[config.name] = ModelEntry(config=config, path=folder, versions=versions)
+        if not entries:
+            raise ConfigError(f"model repository {self.root} holds no */config.yaml")
+        self._entries = entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def entries(self) -> list[ModelEntry]:
+        return [self._entries[n] for n in self.names()]
+
+    def get(self, name: str, version: str | None = None) -> ModelEntry:
+        """The entry for ``name``; with ``version``, check that it is the served version.
+
+        Raises:
+            ModelNotFound: unknown name, a version that does not exist, or one not served.
+        """
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model '{name}'; available models: {self.names()}")
+        if version is not None:
+            if not version.isdigit() or int(version) not in entry.versions:
+                raise ModelNotFound(
+                    f"model '{name}' has no version '{version}'; versions: {list(entry.versions)}")
+            if int(version) != entry.latest:
+                raise ModelNotFound(
+                    f"version {version} of model '{name}' is not served; served version: {entry.latest}")
+        return entry
