@@ -67,10 +67,19 @@ class ModelHost:
                     self.name, self.version, engine.backend, len(contexts), self.load_ms)
         return self
 
-    def footprint(self) -> Footprint:
+    def _loaded(self) -> Engine:
         if self.engine is None:
             raise ModelNotReady(f"model '{self.name}' is not loaded")
-        return self.engine.footprint()
+        return self.engine
+
+    @property
+    def backend(self) -> str:
+        """``onnxruntime`` or ``tensorrt``. Raises ModelNotReady when not loaded."""
+        return self._loaded().backend
+
+    def footprint(self) -> Footprint:
+        """Raises ModelNotReady when not loaded."""
+        return self._loaded().footprint()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Validate, run on a free execution context and return the requested outputs.

@@ -42,17 +42,26 @@ class ModelRepository:
     A pipeline model has no version folders; it is served as version 1.
     Only the latest version of a model is served (Triton's ``latest: 1`` policy).
 
+    ``names`` restricts the index to those models (the rest of the folder is not read).
+
     Raises:
-        ConfigError: at construction, for a missing root, a bad config or a model with no
-            ``<version>/model.onnx`` (the message says to run ``make models``).
+        ConfigError: at construction, for a missing root, a bad config, a model with no
+            ``<version>/model.onnx`` (the message says to run ``make models``), or a name in
+            ``names`` that has no folder.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, names: list[str] | None = None) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ConfigError(f"model repository {self.root} does not exist")
         entries: dict[str, ModelEntry] = {}
-        for config_path in sorted(self.root.glob("*/config.yaml")):
+        paths = sorted(self.root.glob("*/config.yaml"))
+        if names is not None:
+            missing = sorted(set(names) - {p.parent.name for p in paths})
+            if missing:
+                raise ConfigError(f"models {missing} have no config.yaml in {self.root}")
+            paths = [p for p in paths if p.parent.name in names]
+        for config_path in paths:
             config = load_model_config(config_path)
             folder = config_path.parent
             if config.pipeline:

@@ -1,0 +1,36 @@
+# `make serve` and `make test` do all the set-up on a fresh machine (Python 3.10+ with venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+EXTRAS ?= test,bench
+
+.PHONY: serve test unit integration models engines plan venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+# Fetch the OCR models from the rapidocr-onnxruntime wheel and generate the CNNs into engines/.
+models: $(STAMP)
+	$(PY) -m deployments.prepare --root engines
+
+# Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST).
+serve: models
+	$(VENV)/bin/serve run serve_config.yaml
+
+test: models
+	$(PY) -m pytest tests
+
+unit: models
+	$(PY) -m pytest tests/unit
+
+integration: models
+	$(PY) -m pytest tests/integration
+
+clean:
+	rm -rf $(VENV) engines/.cache engines/*/[0-9]*/

@@ -1,0 +1,113 @@
+"""``build_app(args)``: the bound Serve application that ``serve_config.yaml`` imports.
+
+    applications:
+      - name: models
+        route_prefix: /
+        import_path: deployments.app:build_app
+        args: {repository: engines, pool: {max_num_models_per_replica: 3}}
+
+One dedicated deployment per model whose config says ``mode: dedicated`` (pipelines included),
+one multiplexed pool deployment for the rest, and the ``Router`` ingress in front.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.serve import Application
+
+from .ingress import Router
+from .model import ModelDeployment, PipelineDeployment, PoolDeployment
+from .runtime.config import Backend, DeploymentOptions
+from .runtime.errors import ConfigError
+from .runtime.repository import ModelRepository
+
+logger = logging.getLogger("ray.serve")
+
+
+class PoolOptions(DeploymentOptions):
+    """The multiplexed pool deployment: placement plus Ray's per-replica model count cap."""
+
+    max_num_models_per_replica: int = Field(3, ge=1)
+
+
+class AppArgs(BaseModel):
+    """``args`` of the application in ``serve_config.yaml``.
+
+    ``use_gpus``: ``auto`` reserves each model's ``num_gpus`` only when the cluster has GPU
+    resources (so the same file runs on a laptop); ``true`` always reserves (use it on an
+    autoscaling cluster whose GPU nodes start on demand); ``false`` never does.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    repository: str = "engines"
+    backend: Backend = "auto"
+    use_gpus: Union[Literal["auto"], bool] = "auto"
+    max_body_mb: float = Field(64.0, gt=0)
+    request_timeout_s: float = Field(60.0, gt=0)
+    router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=256)
+    pool: PoolOptions = PoolOptions()
+    models: Optional[list[str]] = None  # serve only these models (default: all in the repository)
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def ray_options(options: DeploymentOptions, use_gpus: bool) -> dict[str, Any]:
+    """Deployment options for ``.options(...)`` from a model's (or the pool's) config."""
+    actor = {"num_cpus": options.num_cpus}
+    if use_gpus and options.num_gpus:
+        actor["num_gpus"] = options.num_gpus
+    out: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests}
+    if options.autoscaling is not None:
+        out["autoscaling_config"] = options.autoscaling.model_dump(exclude_none=True)
+    else:
+        out["num_replicas"] = options.num_replicas
+    return out
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Bind the application graph from ``args`` (see ``AppArgs``).
+
+    Raises:
+        ConfigError: invalid args or model repository, naming the file and field.
+    """
+    try:
+        app_args = AppArgs.model_validate(args or {})
+    except ValidationError as e:
+        fields = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"serve_config.yaml application args: {fields}") from None
+    entries = ModelRepository(app_args.repository, app_args.models).entries()
+    use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
+    if not use_gpus:
+        logger.info("no GPU resources in the cluster: models' num_gpus are not reserved")
+
+    pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
+    pool = None
+    if pool_models:
+        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus)).bind(
+            app_args.repository, pool_models, app_args.backend, app_args.pool.max_num_models_per_replica)
+    dedicated: dict[str, Any] = {}
+    for e in entries:
+        if e.name in pool_models or e.config.pipeline:
+            continue
+        dedicated[e.name] = ModelDeployment.options(
+            name=f"model-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+            app_args.repository, e.name, app_args.backend)
+    steps = dict(dedicated)
+    for e in entries:
+        if e.config.pipeline:
+            dedicated[e.name] = PipelineDeployment.options(
+                name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+                app_args.repository, e.name, steps, pool, pool_models)
+    return Router.options(name="router", **ray_options(app_args.router, False)).bind(
+        app_args.repository, dedicated, pool, pool_models,
+        max_body_bytes=int(app_args.max_body_mb * (1 << 20)),
+        request_timeout_s=app_args.request_timeout_s,
+        models=app_args.models, backend=app_args.backend)

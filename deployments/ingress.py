@@ -1,0 +1,208 @@
+"""The router / ingress deployment: KServe v2 REST routes, validation, dispatch by model name.
+
+Routes (Open Inference Protocol, plus Triton's repository index):
+    GET  /v2/health/live, /v2/health/ready, /v2
+    GET  /v2/models/{name}[/versions/{version}][/ready]
+    POST /v2/models/{name}[/versions/{version}]/infer
+    POST /v2/repository/index
+Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from typing import Any, Awaitable, Callable, Iterable
+
+from ray import serve
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import __version__
+from .model import ModelClient
+from .protocol.errors import error_status
+from .protocol.v2 import (
+    check_outputs,
+    decode_infer_request,
+    encode_infer_response,
+    model_metadata,
+    parse_json,
+)
+from .runtime.errors import InferenceTimeout, ModelNotReady, PayloadTooLarge
+from .runtime.repository import ModelEntry, ModelRepository
+from .runtime.validation import validate_inputs
+
+logger = logging.getLogger("ray.serve")
+
+SERVER_NAME = "trt-serve"
+EXTENSIONS = ["model_repository"]
+_READY_POLL_S = 1.0
+_MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
+# KServe / Triton platform names by backend.
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
+
+
+def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Turn any exception a route raises into its ``{"error": ...}`` response (one error table)."""
+
+    @functools.wraps(route)
+    async def wrapper(self: Any, request: Request) -> Response:
+        try:
+            return await route(self, request)
+        except Exception as e:
+            status, message = error_status(e)
+            return JSONResponse({"error": message}, status_code=status)
+
+    return wrapper
+
+
+@serve.deployment
+@serve.ingress()
+class Router:
+    """Ingress: speaks KServe v2 over HTTP and calls model deployments through handles.
+
+    Args:
+        repository: model repository root (each replica reads the configs, never the models).
+        dedicated: model name -> handle of its dedicated deployment (pipelines included).
+        pool: handle of the multiplexed pool deployment, or None.
+        pool_models: names served by the pool.
+        max_body_bytes: request bodies above this get 413.
+        request_timeout_s: a model call taking longer gets 504.
+        models: the served subset of the repository (None: all).
+        backend: the configured backend, reported as the platform of pool models.
+    """
+
+    def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
+                 pool_models: Iterable[str], max_body_bytes: int = 64 << 20,
+                 request_timeout_s: float = 60.0, models: list[str] | None = None,
+                 backend: str = "auto") -> None:
+        self.repo = ModelRepository(repository, models)
+        self.client = ModelClient(dedicated, pool, pool_models)
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout_s = request_timeout_s
+        # Platform per model for metadata; dedicated replicas report theirs when ready.
+        self.platforms = {name: PLATFORMS.get(backend, backend) for name in self.client.pool_models}
+        # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
+        self.ready_models: set[str] = set(self.client.pool_models)
+        self._poller = asyncio.get_running_loop().create_task(self._poll_ready())
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.server_ready, methods=["GET"]),
+            Route("/v2", self.server_metadata, methods=["GET"]),
+            Route("/v2/models/{name}", self.metadata, methods=["GET"]),
+            Route("/v2/models/{name}/versions/{version}", self.metadata, methods=["GET"]),
+            Route("/v2/models/{name}/ready", self.model_ready, methods=["GET"]),
+            Route("/v2/models/{name}/versions/{version}/ready", self.model_ready, methods=["GET"]),
+            Route("/v2/models/{name}/infer", self.infer, methods=["POST"]),
+            Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+
+    # --- readiness -------------------------------------------------------------------------
+    async def _poll_ready(self) -> None:
+        pending = set(self.client.dedicated)
+        while pending:
+            for name in sorted(pending):
+                try:
+                    backend = await asyncio.wait_for(self.client.dedicated[name].ready.remote(), _READY_POLL_S)
+                    self.platforms[name] = PLATFORMS.get(backend, backend)
+                    self.ready_models.add(name)
+                    pending.discard(name)
+                except Exception:  # no replica yet, or still loading: poll again
+                    pass
+            await asyncio.sleep(_READY_POLL_S)
+
+    def _entry(self, request: Request) -> ModelEntry:
+        params = request.path_params
+        return self.repo.get(params["name"], params.get("version"))
+
+    def _require_ready(self, entry: ModelEntry) -> None:
+        if entry.name not in self.ready_models:
+            raise ModelNotReady(
+                f"model '{entry.name}' is not ready: its deployment is still loading or has no "
+                "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
+                    "{name}", entry.name))
+
+    # --- routes ------------------------------------------------------------------------------
+    async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
+        # A model name holding '/' (e.g. "../x" sent as "..%2Fx") matches no route: answer it
+        # exactly as any unknown model name, without touching the filesystem.
+        match = _MODEL_PATH.match(request.url.path)
+        if match:
+            message = f"unknown model '{match.group('name')}'; available models: {self.repo.names()}"
+        else:
+            message = f"no route {request.method} {request.url.path}; see the KServe v2 REST API"
+        return JSONResponse({"error": message}, status_code=404)
+
+    async def _not_allowed(self, request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": f"method {request.method} not allowed on {request.url.path}"},
+                            status_code=405)
+
+    async def live(self, request: Request) -> JSONResponse:
+        return JSONResponse({"live": True})
+
+    async def server_ready(self, request: Request) -> JSONResponse:
+        loading = sorted(set(self.repo.names()) - self.ready_models)
+        if loading:
+            return JSONResponse({"error": f"server not ready: models still loading: {loading}"}, status_code=503)
+        return JSONResponse({"ready": True})
+
+    async def server_metadata(self, request: Request) -> JSONResponse:
+        return JSONResponse({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
+
+    @_answers_errors
+    async def metadata(self, request: Request) -> JSONResponse:
+        entry = self._entry(request)
+        return JSONResponse(model_metadata(entry.config, (entry.latest,), self.platforms.get(entry.name, "")))
+
+    @_answers_errors
+    async def model_ready(self, request: Request) -> JSONResponse:
+        entry = self._entry(request)
+        self._require_ready(entry)
+        return JSONResponse({"name": entry.name, "ready": True})
+
+    async def repository_index(self, request: Request) -> JSONResponse:
+        index = []
+        for entry in self.repo.entries():
+            item = {"name": entry.name, "version": str(entry.latest),
+                    "state": "READY" if entry.name in self.ready_models else "LOADING"}
+            if entry.name in self.client.pool_models:
+                item["reason"] = "multiplexed pool: loads on first request"
+            index.append(item)
+        return JSONResponse(index)
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise PayloadTooLarge(
+                f"request body is {int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
+        try:
+            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferenceTimeout(f"model '{name}' did not answer within {self.request_timeout_s:g} s") from None
+
+    @_answers_errors
+    async def infer(self, request: Request) -> Response:
+        entry = self._entry(request)
+        infer_request = decode_infer_request(parse_json(await self._read_body(request)))
+        validate_inputs(entry.config, infer_request.inputs)
+        check_outputs(entry.config, infer_request.outputs)
+        self._require_ready(entry)
+        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
+        content = encode_infer_response(entry.name, str(entry.latest), infer_request.id, outputs)
+        return Response(content, media_type="application/json")

@@ -1,0 +1,238 @@
+"""KServe v2 / Open Inference Protocol: JSON request decoding and response encoding.
+
+Source: the Open Inference Protocol REST spec ("Inference Request JSON Object", "Tensor Data").
+BYTES elements travel as UTF-8 strings, or base64 when the tensor's parameters carry
+``"content_type": "base64"`` (MLServer's convention); responses use base64 only for BYTES
+outputs that are not valid UTF-8.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..runtime.config import ModelConfig
+from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.errors import InferenceError, InvalidInput
+
+DATATYPES = sorted(NUMPY_BY_DATATYPE)
+
+
+@dataclass
+class InferRequest:
+    """A decoded infer request: arrays by input name, requested outputs and their parameters."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[str] | None = None
+    output_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _reject_constant(token: str) -> Any:
+    raise InvalidInput(f"request body is not valid JSON: {token} is not allowed (JSON has no NaN or Infinity)")
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a JSON body strictly.
+
+    Raises:
+        InvalidInput: not UTF-8, not JSON, or holds NaN/Infinity tokens.
+    """
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidInput("request body is not valid JSON: nested too deeply") from None
+
+
+def _flatten(data: Any, out: list) -> None:
+    if isinstance(data, list):
+        for item in data:
+            _flatten(item, out)
+    else:
+        out.append(data)
+
+
+def _check_shape(where: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, list):
+        raise InvalidInput(f"{where}: 'shape' must be a list of positive integers, got {json.dumps(shape)[:80]}")
+    for axis, d in enumerate(shape):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise InvalidInput(f"{where}: shape axis {axis} is {json.dumps(d)[:40]}, must be a positive integer")
+        if d <= 0:
+            raise InvalidInput(f"{where}: shape axis {axis} is {d}, must be a positive integer (>= 1)")
+    return tuple(shape)
+
+
+def _numeric_array(where: str, datatype: str, flat: list) -> np.ndarray:
+    dtype = NUMPY_BY_DATATYPE[datatype]
+    try:
+        raw = np.asarray(flat)
+    except (ValueError, OverflowError):
+        raw = np.asarray(flat, dtype=object)
+    kind = raw.dtype.kind
+    if datatype == "BOOL":
+        if kind != "b":
+            raise InvalidInput(f"{where}: BOOL data must be true/false values")
+        return raw
+    if dtype.kind in "iu":
+        if kind not in "iu":
+            raise InvalidInput(f"{where}: {datatype} data must be integers (no fractions, strings, booleans or nulls)")
+        info = np.iinfo(dtype)
+        if raw.size and (raw.min() < info.min or raw.max() > info.max):
+            raise InvalidInput(f"{where}: {datatype} data must be integers in [{info.min}, {info.max}]")
+    elif kind not in "iuf":
+        raise InvalidInput(f"{where}: {datatype} data must be numbers (no strings, booleans, nulls or huge integers)")
+    return raw.astype(dtype, copy=False)
+
+
+def _bytes_array(where: str, flat: list, base64_encoded: bool) -> np.ndarray:
+    out = np.empty(len(flat), dtype=object)
+    for i, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise InvalidInput(f"{where}: BYTES data must be strings, element {i} is {type(item).__name__}")
+        if base64_encoded:
+            try:
+                out[i] = base64.b64decode(item, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidInput(f"{where}: element {i} is not valid base64 (content_type is base64)") from None
+        else:
+            out[i] = item.encode("utf-8")
+    return out
+
+
+def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
+    """One JSON input tensor -> (name, array shaped as declared).
+
+    Raises:
+        InvalidInput: a missing field, an unknown datatype, a bad shape, element count or value.
+    """
+    if not isinstance(obj, dict):
+        raise InvalidInput(f"inputs[{index}] must be an object with name, shape, datatype and data")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
+    where = f"input '{name}'"
+    datatype = obj.get("datatype")
+    if datatype not in NUMPY_BY_DATATYPE:
+        raise InvalidInput(f"{where}: datatype {json.dumps(datatype)[:40]} is not one of {DATATYPES}")
+    shape = _check_shape(where, obj.get("shape"))
+    if "data" not in obj:
+        raise InvalidInput(f"{where}: 'data' is missing")
+    flat: list = []
+    _flatten(obj["data"], flat)
+    count = math.prod(shape)
+    if len(flat) != count:
+        raise InvalidInput(f"{where}: shape {list(shape)} needs {count} elements, data has {len(flat)}")
+    params = obj.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{where}: 'parameters' must be an object")
+    if datatype == "BYTES":
+        array = _bytes_array(where, flat, params.get("content_type") == "base64")
+    else:
+        array = _numeric_array(where, datatype, flat)
+    return name, array.reshape(shape)
+
+
+def decode_infer_request(payload: Any) -> InferRequest:
+    """A parsed JSON infer request -> ``InferRequest``.
+
+    Raises:
+        InvalidInput: the request does not follow the protocol.
+    """
+    if not isinstance(payload, dict):
+        raise InvalidInput("request body must be a JSON object with an 'inputs' list")
+    raw_inputs = payload.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidInput("request needs a non-empty 'inputs' list")
+    request_id = payload.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    inputs: dict[str, np.ndarray] = {}
+    for i, raw in enumerate(raw_inputs):
+        name, array = decode_tensor(raw, i)
+        if name in inputs:
+            raise InvalidInput(f"input '{name}' is given twice")
+        inputs[name] = array
+    outputs = None
+    output_parameters: dict[str, dict[str, Any]] = {}
+    raw_outputs = payload.get("outputs")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise InvalidInput("'outputs' must be a list of {\"name\": ...} objects")
+        outputs = []
+        for i, o in enumerate(raw_outputs):
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise InvalidInput(f"outputs[{i}] must be an object with a string 'name'")
+            outputs.append(o["name"])
+            output_parameters[o["name"]] = o.get("parameters") or {}
+    parameters = payload.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("'parameters' must be an object")
+    return InferRequest(request_id, inputs, outputs, output_parameters, parameters)
+
+
+def check_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> None:
+    """Raises InvalidInput when a requested output is not declared by the model."""
+    if outputs is None:
+        return
+    declared = [t.name for t in config.outputs]
+    unknown = [n for n in outputs if n not in declared]
+    if unknown:
+        raise InvalidInput(f"model '{config.name}' has no outputs {unknown}; outputs: {declared}")
+
+
+def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
+    """One output array -> a JSON tensor object (flat ``data``)."""
+    datatype = datatype_of(array)
+    tensor: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+    if datatype == "BYTES":
+        items = [x if isinstance(x, bytes) else str(x).encode("utf-8") for x in array.reshape(-1)]
+        try:
+            tensor["data"] = [x.decode("utf-8") for x in items]
+        except UnicodeDecodeError:
+            tensor["data"] = [base64.b64encode(x).decode("ascii") for x in items]
+            tensor["parameters"] = {"content_type": "base64"}
+    else:
+        tensor["data"] = array.reshape(-1).tolist()
+    return tensor
+
+
+def encode_infer_response(model_name: str, model_version: str, request_id: str | None,
+                          outputs: Mapping[str, np.ndarray]) -> bytes:
+    """Outputs -> the JSON infer response body (UTF-8).
+
+    Raises:
+        InferenceError: an output holds NaN or Infinity, which JSON cannot carry.
+    """
+    body: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        body["id"] = request_id
+    body["outputs"] = [encode_tensor(n, a) for n, a in outputs.items()]
+    try:
+        return json.dumps(body, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except ValueError:
+        raise InferenceError(
+            f"model '{model_name}' produced NaN or Infinity, which JSON cannot carry") from None
+
+
+def model_metadata(config: ModelConfig, versions: Iterable[int], platform: str) -> dict[str, Any]:
+    """The model metadata response object (``GET /v2/models/{name}``)."""
+    def tensors(specs):
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.dims)} for t in specs]
+
+    return {
+        "name": config.name,
+        "versions": [str(v) for v in versions],
+        "platform": platform,
+        "inputs": tensors(config.inputs),
+        "outputs": tensors(config.outputs),
+    }

@@ -1,0 +1,57 @@
+"""One real Ray Serve instance on 127.0.0.1 for every integration test in the session."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+REPOSITORY = str(ROOT / "engines")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_instance():
+    """A local Ray cluster and Serve's HTTP proxy on a free loopback port; yields the base URL."""
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"ORT_INTRA_OP_THREADS": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(serve_instance):
+    """The application of serve_config.yaml over the real repository, served at ``/``."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}}),
+              name="models", route_prefix="/")
+    wait_ready(serve_instance)
+    return serve_instance
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    """Poll ``/v2/health/ready`` until 200 (every dedicated model answered)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if requests.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
