@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 
 from .ingress import Router
-from .model import ModelDeployment, PipelineDeployment, PoolDeployment
+from .model import ModelDeployment, PipelineDeployment
+from .pool import PoolDeployment
 from .runtime.config import Backend, DeploymentOptions
 from .runtime.errors import ConfigError
 from .runtime.repository import ModelRepository

@@ -71,6 +71,23 @@ class TensorSpec(_Frozen):
             2**31 - 1 if d == -1 else d for d in self.dims)
 
 
+class TensorRTOptions(_Frozen):
+    """How ``python -m deployments.runtime.build`` builds this model's TensorRT plan
+    (the optional ``tensorrt:`` section of ``config.yaml``).
+
+    ``precision``: ``fp16``/``bf16`` set the builder flag where the flavour has one (TensorRT
+    10); strongly typed flavours (TensorRT-RTX, later TensorRT) keep the ONNX file's types and
+    the manifest says so. ``workspace_mib``: the builder's workspace pool limit, in MiB.
+    ``profiles``: optimization profiles beyond the one the inputs' ``profile`` fields define
+    (profile 0, which bounds every request); each maps every dynamic input to min/opt/max
+    inside profile 0's range, e.g. a small-batch profile tuned for latency.
+    """
+
+    precision: Literal["fp32", "fp16", "bf16"] = "fp16"
+    workspace_mib: int = Field(1024, ge=1)
+    profiles: tuple[dict[str, Profile], ...] = ()
+
+
 class Autoscaling(_Frozen):
     """Ray Serve ``autoscaling_config`` fields this project passes through."""
 
@@ -113,6 +130,7 @@ class ModelConfig(_Frozen):
     deployment: DeploymentOptions = DeploymentOptions()
     pipeline: Optional[str] = None
     parameters: dict[str, Any] = Field(default_factory=dict)
+    tensorrt: TensorRTOptions = TensorRTOptions()
 
     @model_validator(mode="after")
     def _contract(self) -> "ModelConfig":
@@ -129,10 +147,35 @@ class ModelConfig(_Frozen):
                     raise ValueError(
                         f"max_batch_size {self.max_batch_size} exceeds input '{t.name}' "
                         f"profile max batch {hi[0]}")
+        for index, profile in enumerate(self.tensorrt.profiles, start=1):
+            _check_extra_profile(self.inputs, index, profile)
         return self
 
     def input(self, name: str) -> TensorSpec:
         return next(t for t in self.inputs if t.name == name)
+
+
+def _check_extra_profile(inputs: tuple[TensorSpec, ...], index: int, profile: dict[str, Profile]) -> None:
+    """An extra TensorRT profile names every dynamic input and lies inside profile 0's range."""
+    where = f"tensorrt.profiles[{index - 1}] (TensorRT profile {index})"
+    by_name = {t.name: t for t in inputs}
+    unknown = sorted(set(profile) - set(by_name))
+    if unknown:
+        raise ValueError(f"{where}: {unknown} are not inputs; inputs: {sorted(by_name)}")
+    for spec in inputs:
+        shapes = profile.get(spec.name)
+        if shapes is None:
+            if -1 in spec.dims:
+                raise ValueError(f"{where}: dynamic input '{spec.name}' needs min/opt/max")
+            continue
+        if len(shapes.max) != len(spec.dims):
+            raise ValueError(f"{where}: input '{spec.name}' rank {len(shapes.max)} != dims rank {len(spec.dims)}")
+        lo, hi = spec.bounds()
+        for axis in range(len(spec.dims)):
+            if not (lo[axis] <= shapes.min[axis] and shapes.max[axis] <= hi[axis]):
+                raise ValueError(
+                    f"{where}: input '{spec.name}' axis {axis} range [{shapes.min[axis]}, "
+                    f"{shapes.max[axis]}] is outside profile 0's [{lo[axis]}, {hi[axis]}]")
 
 
 def _describe(err: ValidationError) -> str:
