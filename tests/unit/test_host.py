@@ -1,0 +1,97 @@
+"""ModelHost on real ONNX Runtime: outputs equal a direct session run, the context pool under load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from deployments.runtime.errors import ConfigError, InvalidInput, ModelNotReady
+from deployments.runtime.host import ModelHost
+from deployments.runtime.repository import ModelRepository
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def repo() -> ModelRepository:
+    return ModelRepository(ROOT / "engines")
+
+
+@pytest.fixture(scope="module")
+def tiny(repo):
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    yield host
+    host.unload()
+
+
+def reference(path: Path, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+
+
+def test_infer_equals_a_direct_onnxruntime_run(tiny, repo):
+    x = np.random.default_rng(0).standard_normal((3, 3, 224, 224), dtype=np.float32)
+    out = tiny.infer({"input": x})
+    assert list(out) == ["logits"] and out["logits"].shape == (3, 1000)
+    np.testing.assert_allclose(out["logits"], reference(repo.get("tiny_cnn").onnx_path(), x), rtol=1e-5, atol=1e-6)
+    assert tiny.backend == "onnxruntime" and tiny.ready
+
+
+def test_concurrent_requests_beyond_the_pool_equal_serial_runs(tiny):
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((1, 3, 224, 224), dtype=np.float32) for _ in range(8)]
+    serial = [tiny.infer({"input": x})["logits"] for x in xs]
+    with ThreadPoolExecutor(8) as pool:  # 8 requests, 2 contexts
+        parallel = list(pool.map(lambda x: tiny.infer({"input": x})["logits"], xs))
+    for a, b in zip(serial, parallel):
+        np.testing.assert_array_equal(a, b)
+    assert tiny.in_flight == 0
+
+
+@pytest.mark.parametrize("inputs,fragment", [
+    ({"input": np.zeros((1, 3, 224, 225), np.float32)}, "axis 3 is 225, allowed 224"),
+    ({"input": np.zeros((33, 3, 224, 224), np.float32)}, "axis 0 is 33, allowed [1, 32]"),
+    ({"input": np.zeros((1, 3, 224, 224), np.float64)}, "datatype must be FP32"),
+    ({"input": np.zeros((3, 224, 224), np.float32)}, "expected rank 4"),
+    ({"image": np.zeros((1, 3, 224, 224), np.float32)}, "missing ['input'], unknown ['image']"),
+])
+def test_inputs_outside_the_contract_are_rejected_before_a_context_is_used(tiny, inputs, fragment):
+    with pytest.raises(InvalidInput) as err:
+        tiny.infer(inputs)
+    assert fragment in err.value.message and "tiny_cnn" in err.value.message
+
+
+def test_unknown_requested_output_is_invalid_input(tiny):
+    with pytest.raises(InvalidInput, match=r"no outputs \['probs'\]"):
+        tiny.infer({"input": np.zeros((1, 3, 224, 224), np.float32)}, ["probs"])
+
+
+def test_unload_waits_for_the_request_in_flight_then_refuses_new_ones(repo):
+    host = ModelHost(repo.get("resnet18"), backend="onnxruntime").load()
+    x = np.random.default_rng(2).standard_normal((8, 3, 224, 224), dtype=np.float32)
+    results: dict[str, np.ndarray] = {}
+    worker = threading.Thread(target=lambda: results.setdefault("y", host.infer({"input": x})["logits"]))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while host.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert host.in_flight == 1
+    host.unload()  # returns only after the request finished
+    assert "y" in results and results["y"].shape == (8, 1000)
+    worker.join()
+    assert not host.ready
+    with pytest.raises(ModelNotReady, match="not loaded"):
+        host.infer({"input": x[:1]})
+
+
+def test_config_that_disagrees_with_the_onnx_file_fails_at_load(repo, tmp_path):
+    entry = repo.get("tiny_cnn")
+    bad = entry.config.model_copy(update={"inputs": (entry.config.inputs[0].model_copy(update={"name": "x"}),)})
+    host = ModelHost(type(entry)(config=bad, path=entry.path, versions=entry.versions), backend="onnxruntime")
+    with pytest.raises(ConfigError, match="config input 'x' is not in the ONNX file"):
+        host.load()

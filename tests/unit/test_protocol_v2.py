@@ -1,0 +1,126 @@
+"""KServe v2 JSON codec: every datatype round-trips; bad tensors are InvalidInput naming the input."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from deployments.protocol.errors import error_status
+from deployments.protocol.v2 import decode_infer_request, encode_infer_response, parse_json
+from deployments.runtime.datatypes import NUMPY_BY_DATATYPE
+from deployments.runtime.errors import (
+    InferenceError, InferenceTimeout, InvalidInput, ModelNotFound, ModelNotReady, OverBudget, PayloadTooLarge)
+
+
+def decode(tensor: dict, **request) -> dict[str, np.ndarray]:
+    return decode_infer_request({"inputs": [tensor], **request}).inputs
+
+
+@pytest.mark.parametrize("datatype", sorted(set(NUMPY_BY_DATATYPE) - {"BYTES", "BOOL"}))
+def test_numeric_datatypes_decode_to_their_numpy_dtype(datatype):
+    arr = decode({"name": "a", "shape": [2, 2], "datatype": datatype, "data": [[1, 2], [3, 4]]})["a"]
+    assert arr.dtype == NUMPY_BY_DATATYPE[datatype] and arr.shape == (2, 2)
+    assert arr.ravel().tolist() == [1, 2, 3, 4]
+
+
+def test_bool_and_bytes_decode():
+    assert decode({"name": "b", "shape": [2], "datatype": "BOOL", "data": [True, False]})["b"].tolist() == [True, False]
+    arr = decode({"name": "s", "shape": [2], "datatype": "BYTES", "data": ["héllo", "x"]})["s"]
+    assert arr.dtype == object and arr.tolist() == ["héllo".encode(), b"x"]
+
+
+def test_base64_bytes_marked_by_content_type_decode_to_raw_bytes():
+    raw = bytes(range(256))
+    arr = decode({"name": "img", "shape": [1], "datatype": "BYTES", "data": [base64.b64encode(raw).decode()],
+                  "parameters": {"content_type": "base64"}})["img"]
+    assert arr[0] == raw
+
+
+def test_request_fields_id_outputs_and_parameters_are_kept():
+    req = decode_infer_request({"id": "r7", "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1.5]}],
+                                "outputs": [{"name": "y", "parameters": {"binary_data": True}}],
+                                "parameters": {"priority": 1}})
+    assert req.id == "r7" and req.outputs == ["y"] and req.output_parameters == {"y": {"binary_data": True}}
+    assert req.parameters == {"priority": 1}
+
+
+@pytest.mark.parametrize("tensor,fragment", [
+    ({"name": "a", "shape": [2], "datatype": "FP32", "data": [1]}, "needs 2 elements, data has 1"),
+    ({"name": "a", "shape": [2], "datatype": "FP33", "data": [1, 2]}, "datatype \"FP33\" is not one of"),
+    ({"name": "a", "shape": [-2], "datatype": "FP32", "data": []}, "axis 0 is -2"),
+    ({"name": "a", "shape": [0], "datatype": "FP32", "data": []}, "axis 0 is 0"),
+    ({"name": "a", "shape": [1.5], "datatype": "FP32", "data": [1]}, "axis 0 is 1.5"),
+    ({"name": "a", "shape": [True], "datatype": "FP32", "data": [1]}, "axis 0 is true"),
+    ({"name": "a", "shape": "2", "datatype": "FP32", "data": [1, 2]}, "'shape' must be a list"),
+    ({"name": "a", "shape": [2], "datatype": "INT8", "data": [1, 128]}, "INT8 data must be integers in [-128, 127]"),
+    ({"name": "a", "shape": [2], "datatype": "UINT8", "data": [1, -1]}, "UINT8 data must be integers in [0, 255]"),
+    ({"name": "a", "shape": [2], "datatype": "INT32", "data": [1, 1.5]}, "INT32 data must be integers"),
+    ({"name": "a", "shape": [2], "datatype": "FP32", "data": [1, "2"]}, "FP32 data must be numbers"),
+    ({"name": "a", "shape": [2], "datatype": "FP32", "data": [1, None]}, "FP32 data must be numbers"),
+    ({"name": "a", "shape": [1], "datatype": "BOOL", "data": [1]}, "BOOL data must be true/false"),
+    ({"name": "a", "shape": [1], "datatype": "BYTES", "data": [1]}, "BYTES data must be strings"),
+    ({"name": "a", "shape": [1], "datatype": "BYTES", "data": ["%%"], "parameters": {"content_type": "base64"}},
+     "not valid base64"),
+    ({"name": "a", "shape": [1], "datatype": "FP32"}, "'data' is missing"),
+    ({"shape": [1], "datatype": "FP32", "data": [1]}, "'name' must be a non-empty string"),
+])
+def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
+    with pytest.raises(InvalidInput) as err:
+        decode(tensor)
+    assert fragment in err.value.message
+
+
+@pytest.mark.parametrize("payload,fragment", [
+    ([], "JSON object"), ({}, "non-empty 'inputs'"), ({"inputs": {}}, "non-empty 'inputs'"),
+    ({"id": 5, "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}]}, "'id' must be a string"),
+    ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}] * 2}, "given twice"),
+    ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}], "outputs": "y"}, "'outputs' must be"),
+])
+def test_bad_requests_are_invalid_input(payload, fragment):
+    with pytest.raises(InvalidInput, match=fragment):
+        decode_infer_request(payload)
+
+
+@pytest.mark.parametrize("body", [b"{", b"[1,]", b"\xff\xfe", b'{"a": NaN}', b'{"a": -Infinity}', b"[" * 100000])
+def test_strict_json_parsing(body):
+    with pytest.raises(InvalidInput, match="not valid JSON"):
+        parse_json(body)
+
+
+def test_response_encodes_outputs_flat_with_shapes_and_echoes_id():
+    body = json.loads(encode_infer_response("m", "1", "r1", {
+        "y": np.arange(6, dtype=np.float32).reshape(2, 3), "t": np.array([b"ok", "é".encode()], dtype=object),
+        "raw": np.array([b"\xff\x00"], dtype=object)}))
+    assert body["id"] == "r1" and body["model_name"] == "m" and body["model_version"] == "1"
+    y, t, raw = body["outputs"]
+    assert y == {"name": "y", "datatype": "FP32", "shape": [2, 3], "data": [0, 1, 2, 3, 4, 5]}
+    assert t["data"] == ["ok", "é"] and "parameters" not in t
+    assert raw["parameters"] == {"content_type": "base64"} and base64.b64decode(raw["data"][0]) == b"\xff\x00"
+
+
+def test_nan_output_is_an_inference_error_not_invalid_json():
+    with pytest.raises(InferenceError, match="NaN or Infinity"):
+        encode_infer_response("m", "1", None, {"y": np.array([np.nan], np.float32)})
+
+
+@pytest.mark.parametrize("exc,status", [
+    (InvalidInput("x"), 400), (ModelNotFound("x"), 404), (PayloadTooLarge("x"), 413), (ModelNotReady("x"), 503),
+    (OverBudget("x"), 503), (InferenceTimeout("x"), 504), (InferenceError("x"), 500),
+])
+def test_error_table(exc, status):
+    assert error_status(exc) == (status, "x")
+
+
+def test_unknown_exceptions_are_500_without_leaking_their_text():
+    status, message = error_status(KeyError("secret internal detail"))
+    assert status == 500 and "secret" not in message
+
+
+def test_ray_wrapped_errors_keep_their_status():
+    from ray.exceptions import RayTaskError
+
+    wrapped = RayTaskError("infer", "traceback text", InvalidInput("bad axis")).as_instanceof_cause()
+    assert error_status(wrapped) == (400, "bad axis")
