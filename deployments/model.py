@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
+from .pipelines import create_pipeline
 from .runtime.errors import ModelNotFound
 from .runtime.host import ModelHost
 from .runtime.validation import validate_inputs
@@ -80,16 +81,13 @@ class PipelineDeployment:
 
     def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str]) -> None:
-        from .pipelines import build_pipeline
-
         repo = ModelRepository(repository)
         self.config = repo.get(name).config
-        client = ModelClient(dedicated, pool, pool_models)
-        self.pipeline = build_pipeline(self.config, repo, client.infer)
+        self.pipeline = create_pipeline(repo, name, ModelClient(dedicated, pool, pool_models).infer)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         validate_inputs(self.config, inputs)
-        result = await self.pipeline.run(inputs)
+        result = await self.pipeline.infer(inputs)
         return result if outputs is None else {n: result[n] for n in outputs}
 
     def ready(self) -> str:
