@@ -101,6 +101,22 @@ class Autoscaling(_Frozen):
     look_back_period_s: Optional[float] = Field(None, gt=0)
 
 
+class DynamicBatching(_Frozen):
+    """Server-side batching of concurrent requests (the optional ``dynamic_batching:`` section).
+
+    Like Triton's ``dynamic_batching``: requests that arrive within ``max_queue_delay_ms`` of
+    the first one are concatenated along axis 0 and run as one batch of at most
+    ``max(preferred_batch_size)`` rows (``max_batch_size`` rows when no preferred size is
+    given); each request keeps its own rows. Needs a batch axis (``max_batch_size > 0``);
+    every preferred size lies in ``[1, max_batch_size]``, so a batch never exceeds the
+    profile max either. ``enabled: false`` keeps the section but turns batching off.
+    """
+
+    enabled: bool = True
+    max_queue_delay_ms: float = Field(1.0, ge=0, le=10_000)
+    preferred_batch_size: tuple[int, ...] = ()
+
+
 class DeploymentOptions(_Frozen):
     """How the model is placed: its own deployment (``dedicated``) or the multiplexed ``pool``."""
 
@@ -131,6 +147,7 @@ class ModelConfig(_Frozen):
     pipeline: Optional[str] = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     tensorrt: TensorRTOptions = TensorRTOptions()
+    dynamic_batching: Optional[DynamicBatching] = None
 
     @model_validator(mode="after")
     def _contract(self) -> "ModelConfig":
@@ -149,6 +166,15 @@ class ModelConfig(_Frozen):
                         f"profile max batch {hi[0]}")
         for index, profile in enumerate(self.tensorrt.profiles, start=1):
             _check_extra_profile(self.inputs, index, profile)
+        batching = self.dynamic_batching
+        if batching is not None and batching.enabled:
+            if not self.max_batch_size:
+                raise ValueError("dynamic_batching needs a batch axis: set max_batch_size > 0")
+            too_big = [b for b in batching.preferred_batch_size if not 1 <= b <= self.max_batch_size]
+            if too_big:
+                raise ValueError(
+                    f"dynamic_batching.preferred_batch_size {too_big} outside [1, max_batch_size "
+                    f"{self.max_batch_size}]")
         return self
 
     def input(self, name: str) -> TensorSpec:
