@@ -5,6 +5,7 @@ Routes (Open Inference Protocol, plus Triton's repository index):
     GET  /v2/models/{name}[/versions/{version}][/ready]
     POST /v2/models/{name}[/versions/{version}]/infer
     POST /v2/repository/index
+Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
 """
 
@@ -24,14 +25,9 @@ from starlette.routing import Route
 
 from . import __version__
 from .model import ModelClient
+from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
-from .protocol.v2 import (
-    check_outputs,
-    decode_infer_request,
-    encode_infer_response,
-    model_metadata,
-    parse_json,
-)
+from .protocol.v2 import check_outputs, model_metadata
 from .runtime.errors import InferenceTimeout, ModelNotReady, PayloadTooLarge
 from .runtime.repository import ModelEntry, ModelRepository
 from .runtime.validation import validate_inputs
@@ -177,7 +173,7 @@ class Router:
             index.append(item)
         return JSONResponse(index)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request) -> bytes | memoryview:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise PayloadTooLarge(
@@ -188,7 +184,7 @@ class Router:
             if size > self.max_body_bytes:
                 raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
+        return join_body(chunks, request.headers.get(HEADER_LENGTH))
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
         try:
@@ -199,10 +195,11 @@ class Router:
     @_answers_errors
     async def infer(self, request: Request) -> Response:
         entry = self._entry(request)
-        infer_request = decode_infer_request(parse_json(await self._read_body(request)))
+        body = await self._read_body(request)
+        infer_request = decode_request(body, request.headers.get(HEADER_LENGTH))
         validate_inputs(entry.config, infer_request.inputs)
         check_outputs(entry.config, infer_request.outputs)
         self._require_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
-        content = encode_infer_response(entry.name, str(entry.latest), infer_request.id, outputs)
-        return Response(content, media_type="application/json")
+        content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
+        return Response(content, headers=headers)

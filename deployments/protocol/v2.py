@@ -13,7 +13,7 @@ import binascii
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -142,8 +142,12 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
     return name, array.reshape(shape)
 
 
-def decode_infer_request(payload: Any) -> InferRequest:
+def decode_infer_request(payload: Any,
+                         decode: Callable[[Any, int], tuple[str, np.ndarray]] = decode_tensor) -> InferRequest:
     """A parsed JSON infer request -> ``InferRequest``.
+
+    ``decode`` turns each ``inputs[i]`` object into ``(name, array)`` (``protocol.binary``
+    passes one that also reads tensors from the binary section of the body).
 
     Raises:
         InvalidInput: the request does not follow the protocol.
@@ -158,7 +162,7 @@ def decode_infer_request(payload: Any) -> InferRequest:
         raise InvalidInput("'id' must be a string")
     inputs: dict[str, np.ndarray] = {}
     for i, raw in enumerate(raw_inputs):
-        name, array = decode_tensor(raw, i)
+        name, array = decode(raw, i)
         if name in inputs:
             raise InvalidInput(f"input '{name}' is given twice")
         inputs[name] = array
