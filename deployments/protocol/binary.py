@@ -1,0 +1,275 @@
+"""Triton's binary tensor data extension for KServe v2 HTTP requests and responses.
+
+Source: Triton Inference Server, "Binary Tensor Data Extension"
+(docs/protocol/extension_binary_data.md), as ``tritonclient.http`` speaks it.
+
+Request: the ``Inference-Header-Content-Length: N`` header says the body's first ``N`` bytes
+are the JSON infer request; the bytes after it are the raw data of every input whose
+``parameters`` carry ``binary_data_size``, one after another in the order of ``inputs``.
+Raw data is row-major and little-endian; BOOL takes one byte per element; BYTES is, per
+element, a 4-byte little-endian length then that many bytes.
+
+Response: an output is binary when its ``outputs[i].parameters.binary_data`` is true, or when
+the request's ``parameters.binary_data_output`` is true and the output does not say
+``binary_data: false``. The JSON header then lists it with ``parameters.binary_data_size``
+and no ``data``; its bytes follow the header in output order, and the response carries
+``Inference-Header-Content-Length``. With no binary output the response is plain JSON.
+
+Zero copy: ``join_body`` places the body in one buffer whose binary section starts on a
+64-byte boundary, and numeric inputs are ``np.frombuffer`` views of it (copied only when an
+input's offset is not a multiple of its element size).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.errors import InferenceError, InvalidInput
+from .v2 import (
+    DATATYPES,
+    InferRequest,
+    _check_shape,
+    decode_infer_request,
+    decode_tensor,
+    encode_infer_response,
+    encode_tensor,
+    parse_json,
+)
+
+HEADER_LENGTH = "inference-header-content-length"
+JSON_MEDIA_TYPE = "application/json"
+BINARY_MEDIA_TYPE = "application/octet-stream"
+_ALIGN = 64
+_LENGTH_PREFIX = struct.Struct("<I")
+
+Body = bytes | bytearray | memoryview
+
+
+def parse_header_length(value: str | None, body_bytes: int) -> int | None:
+    """The JSON header's length from ``Inference-Header-Content-Length`` (None: no header).
+
+    Raises:
+        InvalidInput: not a non-negative integer, or longer than the body.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isdigit():
+        raise InvalidInput(f"Inference-Header-Content-Length must be a non-negative integer, got {value[:40]!r}")
+    length = int(text)
+    if length > body_bytes:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length is {length} bytes but the body has only {body_bytes} bytes")
+    return length
+
+
+def join_body(chunks: list[bytes], header_value: str | None) -> Body:
+    """Join the body's chunks into one buffer (one copy, as ``b"".join``).
+
+    For a binary request the buffer is placed so that the binary section (after the JSON
+    header) starts 64-byte aligned, so numeric inputs decode as aligned views without a copy.
+    A missing or malformed header length joins plainly (``decode_request`` reports it).
+    """
+    size = sum(len(c) for c in chunks)
+    try:
+        header = parse_header_length(header_value, size)
+    except InvalidInput:
+        header = None
+    if header is None or header == size:
+        return b"".join(chunks)
+    raw = np.empty(size + _ALIGN, dtype=np.uint8)
+    start = -(raw.ctypes.data + header) % _ALIGN
+    pos = start
+    for chunk in chunks:
+        raw[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        pos += len(chunk)
+    return memoryview(raw[start:pos]).cast("B")
+
+
+class _BinarySection:
+    """Reads input tensors from the binary section of a body, in order."""
+
+    def __init__(self, data: memoryview, has_header: bool) -> None:
+        self.data = data
+        self.offset = 0
+        self.has_header = has_header
+
+    def decode(self, obj: Any, index: int) -> tuple[str, np.ndarray]:
+        """``inputs[index]`` -> (name, array): from the binary section when it has
+        ``parameters.binary_data_size``, else from its JSON ``data``.
+
+        Raises:
+            InvalidInput: the size is not a non-negative integer, runs past the body or
+                disagrees with shape x datatype (the message gives both byte counts).
+        """
+        params = obj.get("parameters") if isinstance(obj, dict) else None
+        if not isinstance(params, dict) or "binary_data_size" not in params:
+            return decode_tensor(obj, index)
+        name = obj.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
+        where = f"input '{name}'"
+        size = params["binary_data_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer, got {size!r}"[:200])
+        if "data" in obj:
+            raise InvalidInput(f"{where}: give either 'data' or parameters.binary_data_size, not both")
+        datatype = obj.get("datatype")
+        if datatype not in NUMPY_BY_DATATYPE:
+            raise InvalidInput(f"{where}: datatype {datatype!r} is not one of {DATATYPES}"[:200])
+        shape = _check_shape(where, obj.get("shape"))
+        remaining = len(self.data) - self.offset
+        if size > remaining:
+            if not self.has_header:
+                raise InvalidInput(
+                    f"{where}: binary_data_size is {size} bytes but the request has no "
+                    "Inference-Header-Content-Length header (binary tensor data extension)")
+            raise InvalidInput(
+                f"{where}: binary_data_size is {size} bytes but only {remaining} bytes of binary "
+                "data remain in the body")
+        raw = self.data[self.offset:self.offset + size]
+        self.offset += size
+        count = math.prod(shape)
+        if datatype == "BYTES":
+            array = _decode_bytes(where, raw, count)
+        else:
+            array = _decode_fixed(where, raw, datatype, shape, count)
+        return name, array.reshape(shape)
+
+    def finish(self) -> None:
+        """Raises InvalidInput when bytes are left over after the last binary input."""
+        left = len(self.data) - self.offset
+        if left:
+            raise InvalidInput(
+                f"the body has {left} bytes after the binary data of every input "
+                f"({self.offset} bytes declared by binary_data_size)")
+
+
+def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, ...], count: int) -> np.ndarray:
+    dtype = NUMPY_BY_DATATYPE[datatype].newbyteorder("<")
+    expected = count * dtype.itemsize
+    if len(raw) != expected:
+        raise InvalidInput(
+            f"{where}: shape {list(shape)} x {datatype} needs {expected} bytes, binary_data_size "
+            f"gives {len(raw)} bytes")
+    array = np.frombuffer(raw, dtype=dtype, count=count)
+    if not array.flags.aligned:  # an offset not a multiple of the element size
+        array = array.copy()
+    return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
+
+
+def _decode_bytes(where: str, raw: memoryview, count: int) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    pos, end = 0, len(raw)
+    for i in range(count):
+        if pos + 4 > end:
+            raise InvalidInput(
+                f"{where}: BYTES element {i} of {count} starts at byte {pos}, past the "
+                f"{end} bytes given by binary_data_size (each element is a 4-byte length, then its bytes)")
+        (length,) = _LENGTH_PREFIX.unpack_from(raw, pos)
+        pos += 4
+        if pos + length > end:
+            raise InvalidInput(
+                f"{where}: BYTES element {i} says {length} bytes but only {end - pos} bytes remain "
+                f"of binary_data_size {end}")
+        out[i] = bytes(raw[pos:pos + length])
+        pos += length
+    if pos != end:
+        raise InvalidInput(
+            f"{where}: {count} BYTES elements take {pos} bytes, binary_data_size gives {end} bytes")
+    return out
+
+
+def decode_request(body: Body, header_value: str | None) -> InferRequest:
+    """An infer request body, JSON or binary, -> ``InferRequest``.
+
+    Args:
+        body: the whole request body (``join_body``'s result or plain bytes).
+        header_value: the ``Inference-Header-Content-Length`` header, or None for plain JSON.
+
+    Raises:
+        InvalidInput: the JSON or the binary section does not follow the protocol.
+    """
+    view = memoryview(body).cast("B")
+    length = parse_header_length(header_value, len(view))
+    if length is None:
+        header, section = view, _BinarySection(view[:0], has_header=False)
+    else:
+        header, section = view[:length], _BinarySection(view[length:], has_header=True)
+    request = decode_infer_request(parse_json(bytes(header)), decode=section.decode)
+    section.finish()
+    return request
+
+
+def _flag(where: str, params: Mapping[str, Any], key: str) -> bool | None:
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{where}: parameters.{key} must be true or false")
+    return value
+
+
+def binary_outputs(request: InferRequest, names: Iterable[str]) -> set[str]:
+    """Names among ``names`` to answer in binary form (see the module docstring).
+
+    Raises:
+        InvalidInput: ``binary_data`` or ``binary_data_output`` is not a boolean.
+    """
+    default = bool(_flag("request", request.parameters, "binary_data_output"))
+    chosen = set()
+    for name in names:
+        own = _flag(f"output '{name}'", request.output_parameters.get(name, {}), "binary_data")
+        if own if own is not None else default:
+            chosen.add(name)
+    return chosen
+
+
+def _raw_bytes(array: np.ndarray) -> bytes | memoryview:
+    if datatype_of(array) == "BYTES":
+        parts = []
+        for x in array.reshape(-1):
+            item = x if isinstance(x, bytes) else str(x).encode("utf-8")
+            parts.append(_LENGTH_PREFIX.pack(len(item)))
+            parts.append(item)
+        return b"".join(parts)
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return memoryview(little).cast("B")
+
+
+def encode_response(model_name: str, model_version: str, request: InferRequest,
+                    outputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """Outputs -> (response body, response headers), binary where the request asks.
+
+    Raises:
+        InvalidInput: a binary flag is not a boolean.
+        InferenceError: a JSON output holds NaN or Infinity (binary outputs may).
+    """
+    binary = binary_outputs(request, outputs)
+    if not binary:
+        return encode_infer_response(model_name, model_version, request.id, outputs), {
+            "content-type": JSON_MEDIA_TYPE}
+    header: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request.id is not None:
+        header["id"] = request.id
+    tensors, buffers = [], []
+    for name, array in outputs.items():
+        if name in binary:
+            raw = _raw_bytes(array)
+            tensors.append({"name": name, "datatype": datatype_of(array), "shape": list(array.shape),
+                            "parameters": {"binary_data_size": len(raw)}})
+            buffers.append(raw)
+        else:
+            tensors.append(encode_tensor(name, array))
+    header["outputs"] = tensors
+    try:
+        head = json.dumps(header, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except ValueError:
+        raise InferenceError(
+            f"model '{model_name}' produced NaN or Infinity in a JSON output, which JSON cannot "
+            "carry; ask for binary outputs") from None
+    return b"".join([head, *buffers]), {"content-type": BINARY_MEDIA_TYPE, HEADER_LENGTH: str(len(head))}
