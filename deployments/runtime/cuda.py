@@ -251,7 +251,7 @@ class PinnedBuffer(_Buffer):
         if count == 0:
             return np.empty(shape, dtype)
         raw = (ctypes.c_uint8 * nbytes).from_address(self.ptr)
-        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+        return np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
 class HostBufferLike(Protocol):

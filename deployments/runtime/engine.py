@@ -7,7 +7,6 @@ time each; ``ModelHost`` pools them.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Protocol
@@ -58,15 +57,11 @@ class Engine(Protocol):
 
 
 def tensorrt_available() -> bool:
-    """True when a TensorRT module imports and a CUDA GPU is visible."""
-    if importlib.util.find_spec("tensorrt") is None and importlib.util.find_spec("tensorrt_rtx") is None:
-        return False
-    try:
-        from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
-    except ImportError:
-        return False
-    err, count = cudart.cudaGetDeviceCount()
-    return int(err) == 0 and count > 0
+    """True when a TensorRT module imports, a CUDA GPU is visible and the module can run on it
+    (a stubs-only ``tensorrt`` folder does not count; TensorRT-RTX refuses e.g. an H200)."""
+    from .trt_module import runtime_available
+
+    return runtime_available()
 
 
 def resolve_backend(requested: str) -> str:
