@@ -1,0 +1,93 @@
+"""The OCR pipeline over HTTP: a real image in, the printed text out, as rapidocr reads it."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image, ImageDraw, ImageFont
+
+pytestmark = pytest.mark.integration
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "ocr_sample.png"
+FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+
+
+def ocr(server: str, image: bytes, request_id: str | None = None) -> requests.Response:
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                        "parameters": {"content_type": "base64"}, "data": [base64.b64encode(image).decode()]}]}
+    if request_id:
+        body["id"] = request_id
+    return requests.post(f"{server}/v2/models/ocr/infer", json=body, timeout=120)
+
+
+def outputs(response: requests.Response) -> dict[str, dict]:
+    assert response.status_code == 200, response.text
+    return {o["name"]: o for o in response.json()["outputs"]}
+
+
+def jpeg_of(lines: list[str]) -> bytes:
+    image = Image.new("RGB", (640, 200), "white")
+    draw = ImageDraw.Draw(image)
+    for i, line in enumerate(lines):
+        draw.text((30, 40 + 80 * i), line, fill="black", font=ImageFont.truetype(FONT, 36))
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=95)
+    return buf.getvalue()
+
+
+def test_png_sample_returns_its_text_in_reading_order_like_rapidocr(server):
+    from rapidocr_onnxruntime import RapidOCR
+
+    image = SAMPLE.read_bytes()
+    out = outputs(ocr(server, image, "ocr-1"))
+    assert out["text"]["data"] == ["Hello World 2026", "The quick brown fox"]
+    reference, _ = RapidOCR()(image)
+    assert out["text"]["data"] == [r[1] for r in reference]
+    boxes = np.array(out["boxes"]["data"], np.float32).reshape(out["boxes"]["shape"])
+    assert boxes.shape == (2, 4, 2) and out["boxes"]["datatype"] == "FP32"
+    np.testing.assert_allclose(boxes, np.array([r[0] for r in reference], np.float32), atol=2.0)
+    assert out["scores"]["shape"] == [2] and all(0.5 < s <= 1.0 for s in out["scores"]["data"])
+
+
+def rapidocr_texts(image: bytes) -> list[str]:
+    from rapidocr_onnxruntime import RapidOCR
+
+    result, _ = RapidOCR()(image)
+    return [r[1] for r in result or []]
+
+
+def test_jpeg_reads_like_rapidocr(server):
+    image = jpeg_of(["Ray Serve 42", "KServe v2 protocol"])
+    texts = outputs(ocr(server, image))["text"]["data"]
+    assert texts == rapidocr_texts(image)
+    assert " ".join(texts) == "Ray Serve 42 KServe v2 protocol"
+
+
+def test_upside_down_image_is_flipped_by_the_angle_classifier(server):
+    buf = io.BytesIO()
+    Image.open(SAMPLE).rotate(180).save(buf, "PNG")
+    texts = outputs(ocr(server, buf.getvalue()))["text"]["data"]
+    assert texts == rapidocr_texts(buf.getvalue()) == ["The quick brown fox", "Hello World 2026"]
+
+
+def test_blank_image_returns_empty_outputs(server):
+    buf = io.BytesIO()
+    Image.new("RGB", (320, 240), "white").save(buf, "PNG")
+    out = outputs(ocr(server, buf.getvalue()))
+    assert out["text"]["shape"] == [0] and out["boxes"]["shape"] == [0, 4, 2] and out["scores"]["shape"] == [0]
+
+
+def test_tritonclient_sends_the_image_as_bytes(server):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.removeprefix("http://"))
+    tensor = httpclient.InferInput("image", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([SAMPLE.read_bytes()], dtype=np.object_), binary_data=True)
+    result = client.infer("ocr", [tensor], outputs=[httpclient.InferRequestedOutput("text", binary_data=False)])
+    assert [t.decode() if isinstance(t, bytes) else t for t in result.as_numpy("text")] == \
+        ["Hello World 2026", "The quick brown fox"]
