@@ -1,0 +1,52 @@
+"""Composed models: a model whose ``config.yaml`` says ``pipeline: <kind>`` is served by a
+pipeline class that calls other models through an async ``infer(model_name, inputs)`` callable.
+
+The Ray layer builds one with ``create_pipeline(repository, name, infer)``, gets handles for
+``pipeline.steps`` and serves ``await pipeline.infer(inputs)``. Pipeline modules are imported
+only when built (the OCR one pulls in OpenCV and rapidocr).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Awaitable, Callable, Mapping, Protocol
+
+import numpy as np
+
+from ..runtime.errors import ConfigError
+from ..runtime.repository import ModelRepository
+
+InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
+
+# pipeline kind (``pipeline:`` in config.yaml) -> "module:class" of a class with
+# ``from_repository(repository, infer, name)``.
+PIPELINES: dict[str, str] = {
+    "ocr": "deployments.pipelines.ocr:OcrPipeline",
+}
+
+
+class Pipeline(Protocol):
+    @property
+    def steps(self) -> tuple[str, ...]:
+        """Names of the models the pipeline calls."""
+
+    async def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run on the pipeline model's inputs; returns its outputs by name."""
+
+
+def create_pipeline(repository: ModelRepository, name: str, infer: InferFn) -> Pipeline:
+    """Build the pipeline that serves model ``name``.
+
+    Raises:
+        ModelNotFound: ``name`` or one of its steps is not in the repository.
+        ConfigError: ``name`` is not a pipeline model, its kind is unknown, or its parameters
+            or steps are invalid.
+    """
+    config = repository.get(name).config
+    if config.pipeline is None:
+        raise ConfigError(f"model '{name}' is not a pipeline model (no `pipeline:` in its config)")
+    target = PIPELINES.get(config.pipeline)
+    if target is None:
+        raise ConfigError(f"model '{name}': unknown pipeline '{config.pipeline}'; known: {sorted(PIPELINES)}")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls).from_repository(repository, infer, name)

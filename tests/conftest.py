@@ -1,0 +1,31 @@
+"""Shared fixtures: the real model repository, prepared once per session.
+
+``prepared_engines`` runs ``deployments.prepare`` on ``engines/`` (idempotent: about 0.3 s when
+the files are already there; the first time it downloads the rapidocr wheel from PyPI).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments.prepare import prepare
+from deployments.runtime.repository import ModelRepository
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENGINES = REPO_ROOT / "engines"
+WHEEL_CACHE = ENGINES / ".cache"
+
+
+@pytest.fixture(scope="session")
+def prepared_engines() -> Path:
+    """``engines/`` with every model file fetched or generated."""
+    prepare(ENGINES, WHEEL_CACHE, progress=lambda line: None)
+    return ENGINES
+
+
+@pytest.fixture(scope="session")
+def model_repository(prepared_engines: Path) -> ModelRepository:
+    """``ModelRepository`` over the prepared ``engines/``."""
+    return ModelRepository(prepared_engines)
