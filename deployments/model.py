@@ -14,6 +14,7 @@ import numpy as np
 from ray import serve
 
 from .pipelines import create_pipeline
+from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.errors import ModelNotFound
 from .runtime.host import ModelHost
 from .runtime.validation import validate_inputs
@@ -24,14 +25,39 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment
 class ModelDeployment:
-    """A dedicated deployment: every replica loads one model at start (eager)."""
+    """A dedicated deployment: every replica loads one model at start (eager).
+
+    With ``dynamic_batching`` in the model's config, concurrent requests are batched through
+    ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once.
+    """
 
     def __init__(self, repository: str, name: str, backend: str = "auto") -> None:
         self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
+        self.batch_stats = BatchStats()
+        policy = BatchPolicy.of(self.host.config)
+        self._batched = None
+        if policy is not None:
+            async def run(items: list[BatchItem]) -> list:
+                done = await asyncio.to_thread(run_batch, self.host, items)
+                self.batch_stats.record(items, done)
+                return done.results
+
+            self._batched = serve.batch(
+                max_batch_size=policy.max_rows, batch_wait_timeout_s=policy.wait_s,
+                max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request; see ``ModelHost.infer`` for shapes and raised errors."""
-        return await asyncio.to_thread(self.host.infer, inputs, outputs)
+        if self._batched is None:
+            return await asyncio.to_thread(self.host.infer, inputs, outputs)
+        result = await self._batched(BatchItem.of(self.host.config, inputs, outputs))
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def batching(self) -> dict:
+        """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""
+        return {"enabled": self._batched is not None, **self.batch_stats.as_dict()}
 
     def ready(self) -> str:
         """The backend in use (``onnxruntime`` or ``tensorrt``) once loaded.

@@ -1,0 +1,132 @@
+"""Dynamic batching over real HTTP: concurrent requests share model calls, each keeps its own answer.
+
+A second application ("batching", under /batching) serves copies of ocr_cls and ocr_rec with a
+wide batching window (``max_queue_delay_ms: 500``), so requests sent together land in one
+batch; the replica's own counters (``ModelDeployment.batching``) say what it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+import yaml
+
+from .conftest import REPOSITORY, wait_ready
+
+pytestmark = pytest.mark.integration
+
+MODELS = ("ocr_cls", "ocr_rec")
+PREFIX = "/batching"
+
+
+@pytest.fixture(scope="module")
+def batching_server(serve_instance, tmp_path_factory):
+    """The app over a repository of ocr_cls and ocr_rec with a 500 ms batching window."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    root = tmp_path_factory.mktemp("batching-repo")
+    for name in MODELS:
+        raw = yaml.safe_load((Path(REPOSITORY) / name / "config.yaml").read_text())
+        raw["dynamic_batching"] = {"max_queue_delay_ms": 500}
+        raw["deployment"] = {"mode": "dedicated", "max_ongoing_requests": 32}
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
+        (root / name / "1").symlink_to(Path(REPOSITORY) / name / "1")
+    serve.run(build_app({"repository": str(root)}), name="batching", route_prefix=PREFIX)
+    url = f"{serve_instance}{PREFIX}"
+    wait_ready(url)
+    yield url
+    serve.delete("batching")
+
+
+def counters(model: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle(f"model-{model}", app_name="batching").batching.remote().result()
+
+
+def reference(model: str, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(f"{REPOSITORY}/{model}/1/model.onnx", providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def post(url: str, model: str, request_id: str, x: np.ndarray, binary: bool) -> requests.Response:
+    """JSON or binary (request and response) infer of one FP32 input ``x``."""
+    tensor = {"name": "x", "shape": list(x.shape), "datatype": "FP32"}
+    if not binary:
+        body = {"id": request_id, "inputs": [{**tensor, "data": x.ravel().tolist()}]}
+        return requests.post(f"{url}/v2/models/{model}/infer", json=body, timeout=120)
+    head = json.dumps({"id": request_id, "inputs": [{**tensor, "parameters": {"binary_data_size": x.nbytes}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+    return requests.post(f"{url}/v2/models/{model}/infer", data=head + x.tobytes(), timeout=120,
+                         headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def output(response: requests.Response) -> tuple[str, np.ndarray]:
+    """(id, first output) of a JSON or binary response."""
+    assert response.status_code == 200, response.text
+    length = response.headers.get("Inference-Header-Content-Length")
+    header = json.loads(response.content if length is None else response.content[:int(length)])
+    (tensor,) = header["outputs"]
+    if length is None:
+        data = np.array(tensor["data"], np.float32)
+    else:
+        data = np.frombuffer(response.content[int(length):], np.float32)
+    return header["id"], data.reshape(tensor["shape"])
+
+
+def send_together(calls: list) -> list:
+    """Run every call at once: a barrier releases all threads together."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call):
+        barrier.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching_server):
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((rows, 3, 48, 192), dtype=np.float32) for rows in (1, 2, 1, 3, 1, 2)]
+    bad = np.zeros((1, 3, 48, 100), np.float32)  # width 100: outside ocr_cls's fixed 192
+    calls = [lambda i=i, x=x: post(batching_server, "ocr_cls", f"cls-{i}", x, binary=i % 2 == 1)
+             for i, x in enumerate(inputs)]
+    calls.append(lambda: post(batching_server, "ocr_cls", "cls-bad", bad, binary=False))
+    before = counters("ocr_cls")
+    responses = send_together(calls)
+
+    for i, (x, response) in enumerate(zip(inputs, responses)):
+        request_id, got = output(response)
+        assert request_id == f"cls-{i}"
+        np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
+    assert responses[-1].status_code == 400 and "axis 3 is 100" in responses[-1].json()["error"]
+    after = counters("ocr_cls")
+    assert after["enabled"] and after["requests"] - before["requests"] == len(inputs)
+    assert after["max_requests"] > 1 and after["max_rows"] <= 32
+    assert after["retried_alone"] == before["retried_alone"]
+
+
+def test_ocr_rec_batches_each_width_apart(batching_server):
+    rng = np.random.default_rng(12)
+    widths = [160, 320, 160, 320, 160, 320]
+    inputs = [rng.standard_normal((1, 3, 48, w), dtype=np.float32) for w in widths]
+    responses = send_together([lambda i=i, x=x: post(batching_server, "ocr_rec", f"rec-{i}", x, binary=True)
+                               for i, x in enumerate(inputs)])
+    for i, (x, response) in enumerate(zip(inputs, responses)):
+        request_id, got = output(response)
+        assert request_id == f"rec-{i}"
+        np.testing.assert_allclose(got, reference("ocr_rec", x), rtol=1e-4, atol=1e-5)
+    stats = counters("ocr_rec")
+    # Joined calls happened, and none had to be re-run alone (mixed widths would fail to join).
+    assert stats["max_requests"] > 1 and stats["retried_alone"] == 0

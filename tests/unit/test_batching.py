@@ -1,0 +1,144 @@
+"""Dynamic batching: policy from config, grouping by shape, splitting outputs, failures stay per request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from deployments.batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
+from deployments.runtime.config import ModelConfig
+from deployments.runtime.errors import InferenceError, InferenceTimeout, InvalidInput
+from deployments.runtime.host import ModelHost
+from deployments.runtime.repository import ModelRepository
+
+
+def config(**overrides) -> ModelConfig:
+    raw = {"name": "m", "max_batch_size": 8,
+           "inputs": [{"name": "x", "datatype": "FP32", "dims": [-1, 2]}],
+           "outputs": [{"name": "y", "datatype": "FP32", "dims": [-1, 2]},
+                       {"name": "s", "datatype": "FP32", "dims": [-1]}]}
+    raw.update(overrides)
+    return ModelConfig.model_validate(raw)
+
+
+class DoublingHost:
+    """Stands in for ``ModelHost``: y = 2x, s = row sums; a NaN anywhere fails the call."""
+
+    name = "m"
+
+    def __init__(self, fail_with: Exception | None = None, drop_a_row: bool = False) -> None:
+        self.calls: list[int] = []
+        self.fail_with = fail_with
+        self.drop_a_row = drop_a_row
+
+    def infer(self, inputs, outputs=None):
+        x = inputs["x"]
+        self.calls.append(x.shape[0])
+        if self.fail_with is not None:
+            raise self.fail_with
+        if np.isnan(x).any():
+            raise InferenceError("model 'm': NaN input")
+        if self.drop_a_row and x.shape[0] > 1:
+            x = x[1:]
+        result = {"y": 2 * x, "s": x.sum(axis=1)}
+        return result if outputs is None else {n: result[n] for n in outputs}
+
+
+def item(cfg: ModelConfig, rows: int, value: float = 1.0, outputs=None) -> BatchItem:
+    return BatchItem.of(cfg, {"x": np.full((rows, 2), value, np.float32)}, outputs)
+
+
+def test_policy_caps_rows_at_the_largest_preferred_size_else_max_batch_size():
+    assert BatchPolicy.of(config()) is None
+    assert BatchPolicy.of(config(dynamic_batching={"max_queue_delay_ms": 5})) == BatchPolicy(8, 5.0)
+    assert BatchPolicy.of(config(dynamic_batching={"preferred_batch_size": [2, 4]})).max_rows == 4
+    assert BatchPolicy.of(config(dynamic_batching={"enabled": False})) is None
+    assert BatchPolicy.of(config(max_batch_size=1, dynamic_batching={})) is None
+    assert BatchPolicy(8, 2.5).wait_s == 0.0025
+
+
+def test_config_refuses_batching_without_batch_axis_or_above_max_batch_size():
+    with pytest.raises(ValueError, match="needs a batch axis"):
+        config(max_batch_size=0, inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}],
+               outputs=[{"name": "y", "datatype": "FP32", "dims": [2]}], dynamic_batching={})
+    with pytest.raises(ValueError, match=r"preferred_batch_size \[16\] outside \[1, max_batch_size 8\]"):
+        config(dynamic_batching={"preferred_batch_size": [4, 16]})
+
+
+def test_items_are_validated_before_they_join_a_batch():
+    cfg = config()
+    with pytest.raises(InvalidInput, match="axis 1"):
+        BatchItem.of(cfg, {"x": np.zeros((1, 3), np.float32)}, None)
+    with pytest.raises(InvalidInput, match="no outputs"):
+        BatchItem.of(cfg, {"x": np.zeros((1, 2), np.float32)}, ["nope"])
+    assert total_rows([item(cfg, 3), item(cfg, 2)]) == 5
+
+
+def test_requests_of_one_shape_run_as_one_call_and_get_their_own_rows_back():
+    cfg, host = config(), DoublingHost()
+    items = [item(cfg, 1, 1.0), item(cfg, 3, 2.0, ["s"]), item(cfg, 2, 3.0, ["y"])]
+    run = run_batch(host, items)
+    assert host.calls == [6] and run.calls == [(3, 6)] and run.retried_alone == 0
+    first, second, third = run.results
+    np.testing.assert_array_equal(first["y"], np.full((1, 2), 2.0))
+    assert list(second) == ["s"] and second["s"].tolist() == [4.0, 4.0, 4.0]
+    assert list(third) == ["y"] and third["y"].shape == (2, 2) and (third["y"] == 6.0).all()
+
+
+def test_one_failing_request_fails_alone_and_the_rest_of_its_batch_succeeds():
+    cfg, host = config(), DoublingHost()
+    items = [item(cfg, 1, 1.0), item(cfg, 2, np.nan), item(cfg, 1, 5.0)]
+    run = run_batch(host, items)
+    assert host.calls == [4, 1, 2, 1]  # the joined call, then each alone
+    assert isinstance(run.results[1], InferenceError)
+    assert (run.results[0]["y"] == 2.0).all() and (run.results[2]["y"] == 10.0).all()
+    assert run.retried_alone == 3 and run.calls == [(1, 1), (1, 2), (1, 1)]
+
+
+def test_a_failure_no_request_owns_fails_the_group_without_retries():
+    cfg, host = config(), DoublingHost(fail_with=InferenceTimeout("no context free"))
+    run = run_batch(host, [item(cfg, 1), item(cfg, 1)])
+    assert host.calls == [2] and all(isinstance(r, InferenceTimeout) for r in run.results)
+    assert run.calls == []
+
+
+def test_outputs_that_do_not_keep_the_batch_rows_are_run_per_request():
+    cfg, host = config(), DoublingHost(drop_a_row=True)
+    run = run_batch(host, [item(cfg, 1, 1.0), item(cfg, 1, 2.0)])
+    assert host.calls == [2, 1, 1] and run.retried_alone == 2
+    assert run.results[1]["y"].tolist() == [[4.0, 4.0]]
+
+
+def test_stats_count_model_calls_by_requests_and_rows():
+    cfg, host, stats = config(), DoublingHost(), BatchStats()
+    first = [item(cfg, 2), item(cfg, 1)]
+    stats.record(first, run_batch(host, first))
+    second = [item(cfg, 1, np.nan)]
+    stats.record(second, run_batch(host, second))
+    assert stats.as_dict() == {"batches": 2, "requests": 3, "max_requests": 2, "max_rows": 3,
+                               "calls_by_requests": {1: 1, 2: 1}, "calls_by_rows": {1: 1, 3: 1},
+                               "retried_alone": 0}
+
+
+@pytest.fixture(scope="module")
+def ocr_rec(model_repository: ModelRepository):
+    host = ModelHost(model_repository.get("ocr_rec"), "onnxruntime").load()
+    yield host
+    host.unload()
+
+
+def test_ocr_rec_widths_are_batched_only_with_their_own_width(ocr_rec, prepared_engines: Path):
+    cfg = ocr_rec.config
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((rows, 3, 48, width), dtype=np.float32)
+              for rows, width in [(1, 160), (2, 320), (1, 160), (1, 320), (2, 160)]]
+    run = run_batch(ocr_rec, [BatchItem.of(cfg, {"x": x}, None) for x in inputs])
+    assert sorted(run.calls) == [(2, 3), (3, 4)]  # width 320: 3 rows; width 160: 4 rows
+    session = ort.InferenceSession(str(prepared_engines / "ocr_rec" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    for x, result in zip(inputs, run.results):
+        (expected,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(result["softmax_11.tmp_0"], expected, rtol=1e-4, atol=1e-5)
