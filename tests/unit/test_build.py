@@ -273,3 +273,11 @@ def test_all_six_repository_models_build_real_plans_on_the_cpu(tmp_path):
             for t in config.inputs}
         assert manifest.onnx_sha256 == file_sha256(REPO_ENGINES / model / "1" / "model.onnx")
         assert stale_reasons(manifest, config, tmp_path / model / "1" / "model.onnx", result.plan_path) == []
+
+
+def test_the_progress_display_follows_the_builders_phases(repo, capsys):
+    monitor = build.progress_monitor(trt_module.load("tensorrt_rtx"))
+    assert monitor is not None  # TensorRT-RTX has IProgressMonitor
+    assert only(build.build_all(repo, progress=True)).status == "built"
+    drawn = capsys.readouterr().err
+    assert "plans" in drawn and "Building engine" in drawn  # tqdm bars: models, then TensorRT's phases
