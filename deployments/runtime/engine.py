@@ -7,6 +7,7 @@ time each; ``ModelHost`` pools them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Protocol
@@ -15,6 +16,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,26 @@ def resolve_backend(requested: str) -> str:
 
 
 def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> Engine:
-    """Load the model in ``model_dir`` (a version folder) with the chosen backend."""
-    chosen = resolve_backend(config.backend if backend == "auto" else backend)
+    """Load the model in ``model_dir`` (a version folder) with the chosen backend.
+
+    Under ``auto``, a TensorRT GPU without a fresh plan for it falls back to ONNX Runtime with
+    a warning (``make engines`` builds the plans); an explicit ``tensorrt`` raises instead.
+
+    Raises:
+        ConfigError: the backend cannot load this model (no plan, stale plan, signature mismatch).
+    """
+    requested = config.backend if backend == "auto" else backend
+    chosen = resolve_backend(requested)
     if chosen == "tensorrt":
+        from .plans import PlanMismatch
         from .tensorrt_engine import TensorRTEngine  # GPU only; imported lazily
 
-        return TensorRTEngine(config, model_dir)
+        try:
+            return TensorRTEngine(config, model_dir)
+        except PlanMismatch as e:
+            if requested != "auto":
+                raise
+            logger.warning("%s; serving model '%s' with ONNX Runtime instead", e.message, config.name)
     from .onnxruntime_engine import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(config, model_dir)
