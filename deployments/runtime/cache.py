@@ -1,0 +1,576 @@
+"""ModelCache: the models one replica holds, under a byte budget and an optional count cap.
+
+Three load policies (DESIGN.md, "The three load policies"):
+
+* ``eager``: ``start()`` loads every model; nothing is ever evicted.
+* ``lazy``: a model loads on its first request; nothing is ever evicted.
+* ``lru``: a model loads on its first request; before a load, least-recently-used models that
+  no request holds are evicted until the new one fits ``budget_bytes`` (and ``max_models``).
+
+Promises, all policies:
+
+* A request holds its model (a reference count) from ``acquire`` to the end of the ``with``
+  block; a held model is never evicted: eviction only picks models at zero.
+* Concurrent first requests for one cold model load it once (single flight): the others wait
+  for that load and share its outcome.
+* A model whose footprint alone is over ``budget_bytes`` is refused with ``OverBudget`` (503)
+  naming both figures. With ``lru``, when the new model does not fit because the resident
+  models are in use, the request waits up to ``wait_timeout_s`` for them to be released, then
+  gets ``OverBudget``; ``eager`` and ``lazy`` never free memory, so they refuse at once.
+* ``resident_bytes`` (the footprints of the loaded models) is at most ``budget_bytes`` after
+  every event of the timeline.
+
+Footprint of a model = ``engine_bytes + instances x context_bytes`` (``engine.Footprint``). Before
+a model's first load the cache reserves the best figure it has: one measured earlier in this
+process (``memory.measured_footprint``), one passed in ``footprints``, one recorded beside the
+model (``memory.read_record``), else the graph prediction (``memory.predict``), capped at the
+budget. The load then measures the real one (``memory.load_and_measure``: exact on TensorRT,
+RSS growth on ONNX Runtime); when it is larger than the reservation, more models are evicted
+before the load counts as done, and if that is impossible within the wait the model is
+unloaded again and the request gets ``OverBudget``. Reloads use the measured figure.
+
+Loads and evictions run one at a time in the process (a process-wide lock), outside the cache's
+bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
+process-wide, so serializing loads also keeps one load's measurement free of another's.
+
+Timeline: every load, reload, evict and refusal is logged (logger ``deployments.runtime.cache``)
+and kept (the last ``timeline_size``) for ``timeline()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Mapping
+
+import numpy as np
+
+from . import memory
+from .engine import Footprint, resolve_backend
+from .errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
+from .host import ModelHost
+from .repository import ModelRepository
+
+logger = logging.getLogger(__name__)
+
+LoadPolicy = Literal["eager", "lazy", "lru"]
+LOAD_POLICIES: tuple[str, ...] = ("eager", "lazy", "lru")
+
+_ABSENT, _LOADING, _READY, _EVICTING = "absent", "loading", "ready", "evicting"
+
+# One load or eviction at a time in the process: RSS readings are process-wide.
+_LOAD_LOCK = threading.Lock()
+
+
+def _mb(n: float) -> str:
+    return f"{n / memory.MB:,.1f} MB"
+
+
+@dataclass
+class _Flight:
+    """One load in progress; ``holders`` requests (the loader included) get a reference when it
+    succeeds, or ``error`` when it fails."""
+
+    holders: int = 1
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
+class _Slot:
+    name: str
+    host: ModelHost
+    state: str = _ABSENT
+    refcount: int = 0
+    last_used: int = 0
+    bytes: int = 0
+    footprint: Footprint | None = None
+    footprint_source: str = ""
+    flight: _Flight | None = None
+    backend: str = ""
+    loads: int = 0
+    evictions: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class ModelCache:
+    """The models of one replica, loaded by policy and kept under a byte budget.
+
+    Args:
+        repository: the model repository.
+        names: the models this cache serves (default: every non-pipeline model).
+        load_policy: ``eager``, ``lazy`` or ``lru`` (module docstring).
+        budget_bytes: the most bytes of model footprints resident at once; None for no limit.
+        max_models: the most models resident at once (Ray's multiplexed count cap); None for
+            no limit. Both limits apply together.
+        backend: ``auto``, ``onnxruntime`` or ``tensorrt`` (``engine.resolve_backend``).
+        wait_timeout_s: how long a load waits for held models to be released (``lru``).
+        measure_elements: input elements of the measuring runs at a model's first load on ONNX
+            Runtime (``memory.measure_batch_of``); None measures at the full max batch.
+        footprints: known footprints by model name (e.g. from ``memory measure --write`` or a
+            TensorRT build), used before the first load instead of the prediction.
+        checkout_timeout_s: ``ModelHost``'s wait for a free execution context.
+        timeline_size: events kept for ``timeline()``.
+        loader_threads: threads ``acquire`` uses in async code to wait for a load.
+
+    Raises:
+        ConfigError: an unknown policy, a pipeline model among ``names``, a non-positive limit.
+        ModelNotFound: a name the repository does not hold.
+    """
+
+    def __init__(self, repository: ModelRepository, names: Iterable[str] | None = None, *,
+                 load_policy: LoadPolicy = "lazy", budget_bytes: int | None = None,
+                 max_models: int | None = None, backend: str = "auto", wait_timeout_s: float = 30.0,
+                 measure_elements: int | None = memory.MEASURE_INPUT_ELEMENTS,
+                 footprints: Mapping[str, Footprint] | None = None, checkout_timeout_s: float = 30.0,
+                 timeline_size: int = 1000, loader_threads: int = 8) -> None:
+        if load_policy not in LOAD_POLICIES:
+            raise ConfigError(f"load_policy must be one of {list(LOAD_POLICIES)}, got '{load_policy}'")
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ConfigError(f"budget_bytes must be positive, got {budget_bytes}")
+        if max_models is not None and max_models < 1:
+            raise ConfigError(f"max_models must be at least 1, got {max_models}")
+        entries = ([repository.get(n) for n in names] if names is not None
+                   else [e for e in repository.entries() if not e.config.pipeline])
+        pipelines = [e.name for e in entries if e.config.pipeline]
+        if pipelines:
+            raise ConfigError(f"pipeline models {pipelines} have no engine to cache")
+        self.load_policy: str = load_policy
+        self.budget_bytes = budget_bytes
+        self.max_models = max_models
+        self.wait_timeout_s = wait_timeout_s
+        self.measure_elements = measure_elements
+        self._backend_request = backend
+        self._given = dict(footprints or {})
+        self._slots = {e.name: _Slot(e.name, ModelHost(e, backend, checkout_timeout_s)) for e in entries}
+        self._cond = threading.Condition()
+        self._resident_bytes = 0
+        self._reserved_bytes = 0
+        self._tick = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._events: deque[dict[str, Any]] = deque(maxlen=timeline_size)
+        self._started = time.monotonic()
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="model-cache")
+
+    # ---------------------------------------------------------------------------- public API
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._slots)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Sum of the footprints of the loaded models (bytes)."""
+        return self._resident_bytes
+
+    def start(self) -> "ModelCache":
+        """``eager``: load every model now, in name order; other policies: nothing. Returns self.
+
+        Raises:
+            OverBudget: the models do not fit ``budget_bytes`` / ``max_models`` together.
+            ConfigError, InferenceError: a model failed to load.
+        """
+        if self.load_policy == "eager":
+            for name in self.names:
+                with self.acquire(name):
+                    pass
+        return self
+
+    def acquire(self, name: str) -> "Lease":
+        """Hold model ``name`` for one request: ``with cache.acquire(name) as host:`` or
+        ``async with cache.acquire(name) as host:``; ``host`` is a loaded ``ModelHost``.
+
+        Entering loads the model when needed (evicting others under ``lru``) and blocks until
+        it is ready; the async form waits in a cache thread, never on the event loop. The
+        model cannot be evicted until the block exits. Call ``host.infer`` inside the block
+        (in async code through ``asyncio.to_thread``, or use ``infer_async``).
+
+        Raises (on entering):
+            ModelNotFound: ``name`` is not served by this cache.
+            OverBudget: the model alone is over the budget, or no room was freed in time.
+            ModelNotReady: the cache is closed, or a concurrent load of this model failed.
+            ConfigError, InferenceError: this request's load of the model failed.
+        """
+        if name not in self._slots:
+            raise ModelNotFound(f"unknown model '{name}'; this replica serves {self.names}")
+        return Lease(self, name)
+
+    def infer(self, name: str, inputs: Mapping[str, np.ndarray],
+              outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Acquire ``name``, run ``ModelHost.infer`` (blocking) and release.
+
+        Raises: as ``acquire`` and ``ModelHost.infer``.
+        """
+        with self.acquire(name) as host:
+            return host.infer(inputs, outputs)
+
+    async def infer_async(self, name: str, inputs: Mapping[str, np.ndarray],
+                          outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Async ``infer``: the load wait and the run happen in threads. If the calling task is
+        cancelled, the run still finishes in its thread and releases the model then.
+
+        Raises: as ``acquire`` and ``ModelHost.infer``.
+        """
+        host = await self._checkout_async(name)
+        loop = asyncio.get_running_loop()
+
+        def run() -> dict[str, np.ndarray]:
+            try:
+                return host.infer(inputs, outputs)
+            finally:
+                self._release(name)
+
+        return await asyncio.shield(loop.run_in_executor(None, run))
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """The cache's events, oldest first, as JSON-ready dicts (for an HTTP endpoint).
+
+        Keys: ``seq``; ``t_s`` (seconds since the cache was made); ``unix_time``; ``event``
+        (``load``, ``reload`` (a load after an eviction), ``evict``, ``refused``); ``model``;
+        ``ms`` (duration of the load or eviction, 0 for a refusal); ``model_bytes`` (its
+        footprint); ``footprint_source`` (``measured``, ``given``, ``recorded``, ``predicted``);
+        ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
+        ``budget_bytes``; ``max_models``; ``process_rss_bytes`` (the process's resident set
+        after the event, for comparison); ``detail`` (refusals: the message).
+        """
+        with self._cond:
+            return [dict(e) for e in self._events]
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-ready snapshot: policy, limits, resident and reserved bytes, and per model its
+        state (``absent``, ``loading``, ``ready``, ``evicting``), bytes, holders, loads, evictions."""
+        with self._cond:
+            return {
+                "load_policy": self.load_policy, "budget_bytes": self.budget_bytes,
+                "max_models": self.max_models, "resident_bytes": self._resident_bytes,
+                "reserved_bytes": self._reserved_bytes,
+                "models": {s.name: {"state": s.state, "bytes": s.bytes, "in_use": s.refcount,
+                                    "loads": s.loads, "evictions": s.evictions,
+                                    "footprint_source": s.footprint_source}
+                           for s in sorted(self._slots.values(), key=lambda s: s.name)},
+            }
+
+    def resident(self) -> list[str]:
+        """Names of the loaded models, least recently used first."""
+        with self._cond:
+            return [s.name for s in sorted(self._slots.values(), key=lambda s: s.last_used)
+                    if s.state in (_READY, _EVICTING)]
+
+    def footprint(self, name: str) -> tuple[Footprint, str]:
+        """The footprint the cache uses for ``name`` and its source (``measured`` once loaded)."""
+        slot = self._slot(name)
+        with self._cond:
+            if slot.footprint is not None:
+                return slot.footprint, slot.footprint_source
+        return self._estimate(slot)
+
+    def close(self) -> None:
+        """Refuse new requests, wait for held models to be released, unload everything."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: all(s.refcount == 0 and s.state != _LOADING for s in self._slots.values()))
+            for s in self._slots.values():
+                if s.state == _READY:
+                    s.state = _EVICTING
+        with _LOAD_LOCK:
+            self._evict_marked()
+        self._executor.shutdown(wait=False)
+
+    # ---------------------------------------------------------------------------- checkout
+
+    def _slot(self, name: str) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            raise ModelNotFound(f"unknown model '{name}'; this replica serves {self.names}")
+        return slot
+
+    def _try_checkout(self, name: str) -> ModelHost | None:
+        """Take a reference without blocking when the model is loaded; else None."""
+        slot = self._slot(name)
+        with self._cond:
+            if slot.state == _READY and not self._closed:
+                slot.refcount += 1
+                slot.last_used = next(self._tick)
+                return slot.host
+        return None
+
+    def _checkout(self, name: str) -> ModelHost:
+        """Take a reference, loading the model first when needed (blocking)."""
+        slot = self._slot(name)
+        deadline = time.monotonic() + self.wait_timeout_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ModelNotReady(f"model '{name}': the model cache is closed")
+                if slot.state == _READY:
+                    slot.refcount += 1
+                    slot.last_used = next(self._tick)
+                    return slot.host
+                if slot.state == _LOADING:
+                    joined = slot.flight
+                    assert joined is not None
+                    joined.holders += 1
+                    self._cond.wait_for(lambda: joined.done)
+                    if joined.error is not None:
+                        raise _shared_error(joined.error, name)
+                    return slot.host  # the loader took our reference
+                if slot.state == _EVICTING:
+                    self._cond.wait_for(lambda: slot.state != _EVICTING)
+                    continue
+                flight = _Flight()
+                slot.state, slot.flight = _LOADING, flight
+                break
+        try:
+            self._load(slot, flight, deadline)
+        except BaseException as error:
+            with self._cond:
+                slot.state, slot.flight = _ABSENT, None
+                flight.error, flight.done = error, True
+                self._cond.notify_all()
+            raise
+        return slot.host
+
+    async def _checkout_async(self, name: str) -> ModelHost:
+        host = self._try_checkout(name)
+        if host is not None:
+            return host
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._checkout, name)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The checkout goes on in its thread; give its reference back when it lands.
+            future.add_done_callback(
+                lambda f: self._release(name) if not f.cancelled() and f.exception() is None else None)
+            raise
+
+    def _release(self, name: str) -> None:
+        slot = self._slots[name]
+        with self._cond:
+            slot.refcount -= 1
+            slot.last_used = next(self._tick)
+            if slot.refcount == 0:
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------- loading
+
+    def _estimate(self, slot: _Slot) -> tuple[Footprint, str]:
+        entry = slot.host.entry
+        if not slot.backend:
+            requested = entry.config.backend if self._backend_request == "auto" else self._backend_request
+            slot.backend = resolve_backend(requested)
+        backend = slot.backend
+        known = memory.measured_footprint(entry, backend)
+        if known is not None:
+            return known, "measured"
+        if slot.name in self._given:
+            return self._given[slot.name], "given"
+        recorded = memory.read_record(entry, backend)
+        if recorded is not None:
+            return recorded, "recorded"
+        return memory.predict(entry).footprint(), "predicted"
+
+    def _load(self, slot: _Slot, flight: _Flight, deadline: float) -> None:
+        """Make room, load and measure ``slot``'s model, then publish it (state ready, the
+        flight's holders as references). Runs in the loading request's thread."""
+        instances = slot.host.config.instances
+        estimate, source = self._estimate(slot)
+        need = estimate.total(instances)
+        if source != "predicted":
+            self._refuse_if_alone_over_budget(slot, estimate, source)
+        reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
+        self._reserve(slot, reserved, deadline, adds_model=True)
+        loaded = False
+        try:
+            with _LOAD_LOCK:
+                self._evict_marked()
+                start = time.perf_counter()
+                if source != "predicted":
+                    slot.host.load()
+                    footprint = (slot.host.footprint() if slot.host.engine is not None
+                                 and slot.host.engine.backend == "tensorrt" else estimate)
+                else:
+                    footprint = memory.load_and_measure(slot.host, self.measure_elements)
+                    source = "measured"
+                load_ms = (time.perf_counter() - start) * 1e3
+            loaded = True
+            actual = footprint.total(instances)
+            if actual > reserved:
+                self._refuse_if_alone_over_budget(slot, footprint, source)
+                self._reserve(slot, actual - reserved, deadline, adds_model=False)
+                reserved = actual
+                with _LOAD_LOCK:
+                    self._evict_marked()
+        except BaseException:
+            with self._cond:
+                self._reserved_bytes -= reserved
+                self._cond.notify_all()
+            if loaded:
+                with _LOAD_LOCK:
+                    slot.host.unload()
+            raise
+        with self._cond:
+            self._reserved_bytes -= reserved
+            self._resident_bytes += actual
+            slot.bytes, slot.footprint, slot.footprint_source = actual, footprint, source
+            slot.state, slot.flight = _READY, None
+            slot.refcount += flight.holders
+            slot.last_used = next(self._tick)
+            slot.loads += 1
+            flight.done = True
+            self._record("reload" if slot.evictions else "load", slot, load_ms)
+            self._cond.notify_all()
+
+    def _refuse_if_alone_over_budget(self, slot: _Slot, footprint: Footprint, source: str) -> None:
+        if self.budget_bytes is None:
+            return
+        instances = slot.host.config.instances
+        need = footprint.total(instances)
+        if need <= self.budget_bytes:
+            return
+        message = (f"model '{slot.name}' needs {_mb(need)} ({source}: engine {_mb(footprint.engine_bytes)} + "
+                   f"{instances} x context {_mb(footprint.context_bytes)}), more than this replica's "
+                   f"memory budget of {_mb(self.budget_bytes)}")
+        with self._cond:
+            self._record("refused", slot, 0.0, detail=message, model_bytes=need)
+        raise OverBudget(message)
+
+    def _reserve(self, slot: _Slot, need: int, deadline: float, adds_model: bool) -> None:
+        """Reserve ``need`` bytes for ``slot``: mark least-recently-used unheld models for
+        eviction when that makes it fit (``lru``), else wait (``lru``, until ``deadline``) or
+        refuse. The marked models are unloaded by the next holder of the load lock."""
+        with self._cond:
+            while True:
+                victims = self._plan(slot, need, adds_model)
+                if victims is not None:
+                    for victim in victims:
+                        victim.state = _EVICTING
+                    self._reserved_bytes += need
+                    return
+                remaining = deadline - time.monotonic()
+                if self.load_policy != "lru" or remaining <= 0:
+                    message = self._no_room_message(slot, need, waited=self.load_policy == "lru")
+                    self._record("refused", slot, 0.0, detail=message, model_bytes=need)
+                    raise OverBudget(message)
+                self._cond.wait(remaining)
+
+    def _plan(self, slot: _Slot, need: int, adds_model: bool) -> list[_Slot] | None:
+        """Models to evict so that ``need`` more bytes (and one more model) fit; [] when it fits
+        now, None when even evicting every unheld model (``lru``) is not enough."""
+        pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
+        used = self._resident_bytes - pending + self._reserved_bytes
+        count = sum(1 for s in self._slots.values() if s.state in (_READY, _LOADING) and s is not slot)
+        count += 1  # the model being loaded
+
+        def fits() -> bool:
+            return ((self.budget_bytes is None or used + need <= self.budget_bytes)
+                    and (not adds_model or self.max_models is None or count <= self.max_models))
+
+        if fits():
+            return []
+        if self.load_policy != "lru":
+            return None
+        victims = []
+        for candidate in sorted(self._slots.values(), key=lambda s: s.last_used):
+            if candidate is slot or candidate.state != _READY or candidate.refcount:
+                continue
+            victims.append(candidate)
+            used -= candidate.bytes
+            count -= 1
+            if fits():
+                return victims
+        return None
+
+    def _no_room_message(self, slot: _Slot, need: int, waited: bool) -> str:
+        held = [s for s in self._slots.values() if s.state == _READY and s.refcount]
+        held_text = ", ".join(f"{s.name} ({_mb(s.bytes)}, {s.refcount} in use)" for s in held) or "none"
+        limits = []
+        if self.budget_bytes is not None:
+            limits.append(f"budget {_mb(self.budget_bytes)}, {_mb(self._resident_bytes)} resident, "
+                          f"{_mb(self._reserved_bytes)} reserved by loads in progress")
+        if self.max_models is not None:
+            limits.append(f"at most {self.max_models} models")
+        wait = (f" after waiting {self.wait_timeout_s:g} s for models in use to be released" if waited
+                else f" ({self.load_policy} policy never evicts)")
+        return (f"model '{slot.name}' needs {_mb(need)} but there is no room{wait}: {'; '.join(limits)}; "
+                f"in use: {held_text}")
+
+    def _evict_marked(self) -> None:
+        """Unload every model marked for eviction (the load lock is held)."""
+        while True:
+            with self._cond:
+                slot = next((s for s in self._slots.values() if s.state == _EVICTING), None)
+                if slot is None:
+                    return
+            start = time.perf_counter()
+            slot.host.unload()
+            ms = (time.perf_counter() - start) * 1e3
+            with self._cond:
+                self._resident_bytes -= slot.bytes
+                model_bytes, slot.bytes = slot.bytes, 0
+                slot.state = _ABSENT
+                slot.evictions += 1
+                self._record("evict", slot, ms, model_bytes=model_bytes)
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------- timeline
+
+    def _record(self, event: str, slot: _Slot, ms: float, detail: str = "", model_bytes: int | None = None) -> None:
+        """Append one event (``self._cond`` is held) and log it."""
+        resident = sorted(s.name for s in self._slots.values() if s.state in (_READY, _EVICTING) and s.bytes)
+        model_bytes = slot.bytes if model_bytes is None else model_bytes
+        record: dict[str, Any] = {
+            "seq": next(self._seq), "t_s": round(time.monotonic() - self._started, 6), "unix_time": time.time(),
+            "event": event, "model": slot.name, "ms": round(ms, 3),
+            "model_bytes": model_bytes,
+            "footprint_source": slot.footprint_source, "resident_bytes": self._resident_bytes,
+            "resident_models": resident, "budget_bytes": self.budget_bytes, "max_models": self.max_models,
+            "process_rss_bytes": memory.process_rss_bytes(), "detail": detail,
+        }
+        self._events.append(record)
+        budget = _mb(self.budget_bytes) if self.budget_bytes is not None else "no budget"
+        if event == "refused":
+            logger.warning("model cache: refused %s: %s", slot.name, detail)
+        else:
+            logger.info("model cache: %s %s in %.1f ms (%s); resident %s of %s: %s", event, slot.name, ms,
+                        _mb(model_bytes), _mb(self._resident_bytes), budget, ", ".join(resident))
+
+
+def _shared_error(error: BaseException, name: str) -> BaseException:
+    """The error a request that waited on another request's load gets."""
+    if isinstance(error, ServingError):
+        return type(error)(error.message)
+    return ModelNotReady(f"model '{name}' failed to load")
+
+
+class Lease:
+    """A request's hold on one model: a sync and async context manager yielding the ``ModelHost``."""
+
+    def __init__(self, cache: ModelCache, name: str) -> None:
+        self._cache = cache
+        self.name = name
+        self._held = False
+
+    def __enter__(self) -> ModelHost:
+        host = self._cache._checkout(self.name)
+        self._held = True
+        return host
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held:
+            self._held = False
+            self._cache._release(self.name)
+
+    async def __aenter__(self) -> ModelHost:
+        host = await self._cache._checkout_async(self.name)
+        self._held = True
+        return host
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__()

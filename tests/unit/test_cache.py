@@ -1,0 +1,278 @@
+"""ModelCache over the six real models on ONNX Runtime: policies, budget, holds, single flight.
+
+The module fixture loads every model once through a lazy cache; that first load measures each
+footprint (``memory.load_and_measure``), which the process remembers, so the other caches here
+start from measured figures and their budgets are set from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from deployments.runtime.cache import ModelCache
+from deployments.runtime.config import ModelConfig
+from deployments.runtime.errors import OverBudget
+from deployments.runtime.host import ModelHost
+from deployments.runtime.repository import ModelRepository
+
+MODELS = ["tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec"]
+
+
+def random_inputs(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Small valid inputs: batch 1-2, dynamic axes a multiple of 32 between the profile min and
+    min(opt, 160), so each request runs in milliseconds."""
+    batch = int(rng.integers(1, min(2, config.max_batch_size) + 1)) if config.max_batch_size else None
+    inputs = {}
+    for spec in config.inputs:
+        lo, _ = spec.bounds()
+        shape = []
+        for axis, dim in enumerate(spec.dims):
+            if axis == 0 and batch is not None:
+                shape.append(batch)
+            elif dim != -1:
+                shape.append(dim)
+            else:
+                top = min(spec.profile.opt[axis], 160) if spec.profile else 160
+                steps = np.arange(max(32, lo[axis]), top + 1, 32)
+                shape.append(int(rng.choice(steps)))
+        inputs[spec.name] = rng.standard_normal(shape).astype(np.float32)
+    return inputs
+
+
+def events(cache: ModelCache, kind: str | None = None, model: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in cache.timeline() if (kind is None or e["event"] == kind)
+            and (model is None or e["model"] == model)]
+
+
+def loads_of(cache: ModelCache, model: str) -> int:
+    return sum(1 for e in events(cache, model=model) if e["event"] in ("load", "reload"))
+
+
+@pytest.fixture(scope="module")
+def repo(model_repository: ModelRepository) -> ModelRepository:
+    return model_repository
+
+
+@pytest.fixture(scope="module")
+def lazy_run(repo: ModelRepository) -> dict[str, Any]:
+    """One request per model through a lazy cache without budget; returns its timeline and the
+    measured footprints (bytes for the configured instances), then unloads everything."""
+    cache = ModelCache(repo, MODELS, load_policy="lazy")
+    rng = np.random.default_rng(0)
+    for name in MODELS:
+        cache.infer(name, random_inputs(repo.get(name).config, rng))
+    result = {"timeline": cache.timeline(), "status": cache.status(),
+              "bytes": {n: cache.status()["models"][n]["bytes"] for n in MODELS}}
+    cache.close()
+    return result
+
+
+@pytest.fixture(scope="module")
+def sizes(lazy_run: dict[str, Any]) -> dict[str, int]:
+    return lazy_run["bytes"]
+
+
+def test_lazy_cache_measures_each_model_at_first_load_and_never_evicts(lazy_run: dict[str, Any]) -> None:
+    timeline = lazy_run["timeline"]
+    assert [e["model"] for e in timeline if e["event"] == "load"] == MODELS
+    assert not [e for e in timeline if e["event"] in ("evict", "reload")]
+    for name, model in lazy_run["status"]["models"].items():
+        assert model["footprint_source"] == "measured", name
+        assert model["bytes"] > 0, name
+    assert timeline[-1]["resident_bytes"] == sum(lazy_run["bytes"].values())
+
+
+def test_random_workload_stays_under_budget_and_matches_a_serial_run(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    total = sum(sizes.values())
+    budget = int(0.45 * total)
+    assert max(sizes.values()) <= budget < total / 2
+    rng = np.random.default_rng(1234)
+    requests = [(name, random_inputs(repo.get(name).config, rng))
+                for name in rng.choice(MODELS, size=48, p=[0.25, 0.2, 0.2, 0.1, 0.15, 0.1])]
+
+    expected: list[dict[str, np.ndarray] | None] = [None] * len(requests)
+    for name in MODELS:  # the serial run: one plain host per model, one request at a time
+        host = ModelHost(repo.get(name), "onnxruntime").load()
+        for i, (model, inputs) in enumerate(requests):
+            if model == name:
+                expected[i] = host.infer(inputs)
+        host.unload()
+
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda r: cache.infer(*r), requests))
+
+    for i, (result, want) in enumerate(zip(results, expected)):
+        assert want is not None
+        for output, array in want.items():
+            np.testing.assert_array_equal(result[output], array, err_msg=f"request {i} ({requests[i][0]})")
+    timeline = cache.timeline()
+    assert all(e["resident_bytes"] <= budget for e in timeline)
+    assert events(cache, "evict") and events(cache, "reload"), "the workload should force evictions"
+    assert not events(cache, "refused")
+    cache.close()
+
+
+def test_model_held_by_a_long_request_is_evicted_only_after_it_finishes(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    held, other, pusher = "tiny_cnn", "mid_cnn", "resnet18"
+    budget = sizes[held] + sizes[other] + 10_000_000  # pusher fits alone, not beside held
+    assert sizes[pusher] <= budget < sizes[held] + sizes[pusher]
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
+    rng = np.random.default_rng(7)
+    x = random_inputs(repo.get(held).config, rng)
+    want = cache.infer(held, x)
+    cache.infer(other, random_inputs(repo.get(other).config, rng))
+
+    holding, go = threading.Event(), threading.Event()
+    finished: dict[str, Any] = {}
+
+    def long_request() -> None:
+        with cache.acquire(held) as host:
+            holding.set()
+            go.wait(30)
+            finished["result"] = host.infer(x)
+            finished["unix_time"] = time.time()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        long_future = pool.submit(long_request)
+        assert holding.wait(10)
+        push_future = pool.submit(cache.infer, pusher, random_inputs(repo.get(pusher).config, rng))
+        time.sleep(1.0)
+        assert not push_future.done(), "the load must wait while the held model is in use"
+        assert cache.status()["models"][held]["state"] == "ready"
+        assert not events(cache, "evict", held)
+        go.set()
+        long_future.result(30)
+        push_future.result(60)
+
+    np.testing.assert_array_equal(finished["result"]["logits"], want["logits"])
+    evicted = events(cache, "evict", held)
+    assert len(evicted) == 1 and evicted[0]["unix_time"] >= finished["unix_time"]
+    assert cache.status()["models"][pusher]["state"] == "ready"
+    assert all(e["resident_bytes"] <= budget for e in cache.timeline())
+    cache.close()
+
+
+def test_load_waits_for_held_models_then_answers_over_budget(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    held, wanted = "tiny_cnn", "resnet18"
+    budget = sizes[held] + 10_000_000
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=0.5)
+    with cache.acquire(held):
+        start = time.monotonic()
+        with pytest.raises(OverBudget) as raised:
+            with cache.acquire(wanted):
+                pass
+        waited = time.monotonic() - start
+    assert 0.5 <= waited < 5
+    assert "tiny_cnn" in raised.value.message and "in use" in raised.value.message
+    assert events(cache, "refused", wanted)
+    cache.close()
+
+
+def test_concurrent_first_requests_for_a_cold_model_load_it_once(repo: ModelRepository) -> None:
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    x = random_inputs(repo.get("resnet18").config, np.random.default_rng(3))
+    barrier = threading.Barrier(8)
+
+    def request() -> dict[str, np.ndarray]:
+        barrier.wait()
+        return cache.infer("resnet18", x)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = [f.result(60) for f in [pool.submit(request) for _ in range(8)]]
+    assert loads_of(cache, "resnet18") == 1
+    for r in results[1:]:
+        np.testing.assert_array_equal(r["logits"], results[0]["logits"])
+    assert cache.status()["models"]["resnet18"]["in_use"] == 0
+    cache.close()
+
+
+def test_concurrent_async_first_requests_load_once(repo: ModelRepository) -> None:
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    x = random_inputs(repo.get("mid_cnn").config, np.random.default_rng(4))
+
+    async def main() -> list[dict[str, np.ndarray]]:
+        return await asyncio.gather(*(cache.infer_async("mid_cnn", x) for _ in range(8)))
+
+    results = asyncio.run(main())
+    assert len(results) == 8 and loads_of(cache, "mid_cnn") == 1
+    assert cache.status()["models"]["mid_cnn"]["in_use"] == 0
+    cache.close()
+
+
+def test_cancelled_async_request_gives_its_hold_back_once_the_load_lands(repo: ModelRepository) -> None:
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    x = random_inputs(repo.get("resnet18").config, np.random.default_rng(10))
+
+    async def main() -> None:
+        task = asyncio.create_task(cache.infer_async("resnet18", x))
+        await asyncio.sleep(0.01)  # the load is under way in a cache thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with cache.acquire("resnet18") as host:  # waits for that load, then holds
+            assert host.ready and cache.status()["models"]["resnet18"]["in_use"] >= 1
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while cache.status()["models"]["resnet18"]["in_use"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.status()["models"]["resnet18"]["in_use"] == 0
+    assert loads_of(cache, "resnet18") == 1
+    cache.close()
+
+
+def test_model_alone_over_budget_is_refused_with_both_figures(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    budget = sizes["ocr_rec"] - 1_000_000
+    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget)
+    with pytest.raises(OverBudget) as raised:
+        cache.infer("ocr_rec", random_inputs(repo.get("ocr_rec").config, np.random.default_rng(5)))
+    message = raised.value.message
+    assert f"{sizes['ocr_rec'] / 1e6:,.1f} MB" in message and f"{budget / 1e6:,.1f} MB" in message
+    assert loads_of(cache, "ocr_rec") == 0 and events(cache, "refused", "ocr_rec")
+    cache.close()
+
+
+def test_eager_loads_every_model_at_start_and_requests_load_nothing(repo: ModelRepository) -> None:
+    cache = ModelCache(repo, MODELS, load_policy="eager").start()
+    assert sorted(e["model"] for e in events(cache, "load")) == sorted(MODELS)
+    assert all(m["state"] == "ready" for m in cache.status()["models"].values())
+    before = len(cache.timeline())
+    cache.infer("ocr_cls", random_inputs(repo.get("ocr_cls").config, np.random.default_rng(6)))
+    assert len(cache.timeline()) == before
+    cache.close()
+
+
+def test_lazy_cache_with_a_budget_refuses_instead_of_evicting(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    budget = sizes["mid_cnn"] + sizes["ocr_cls"] + 1_000_000
+    cache = ModelCache(repo, MODELS, load_policy="lazy", budget_bytes=budget)
+    rng = np.random.default_rng(8)
+    for name in ("mid_cnn", "ocr_cls"):
+        cache.infer(name, random_inputs(repo.get(name).config, rng))
+    with pytest.raises(OverBudget):
+        cache.infer("resnet18", random_inputs(repo.get("resnet18").config, rng))
+    assert not events(cache, "evict")
+    assert cache.resident() == ["mid_cnn", "ocr_cls"]
+    cache.close()
+
+
+def test_count_cap_evicts_the_least_recently_used_model(repo: ModelRepository) -> None:
+    cache = ModelCache(repo, MODELS, load_policy="lru", max_models=2)
+    rng = np.random.default_rng(9)
+    for name in ("ocr_cls", "mid_cnn", "ocr_cls", "tiny_cnn"):
+        cache.infer(name, random_inputs(repo.get(name).config, rng))
+    assert [e["model"] for e in events(cache, "evict")] == ["mid_cnn"]
+    assert sorted(cache.resident()) == ["ocr_cls", "tiny_cnn"]
+    cache.close()
