@@ -29,9 +29,13 @@ logger = logging.getLogger("ray.serve")
 
 
 class PoolOptions(DeploymentOptions):
-    """The multiplexed pool deployment: placement plus Ray's per-replica model count cap."""
+    """The multiplexed pool deployment: placement, and per replica the model count cap, the
+    load policy and the byte budget (MiB) of ``deployments.pool.PoolDeployment``."""
 
     max_num_models_per_replica: int = Field(3, ge=1)
+    load_policy: Literal["eager", "lazy", "lru"] = "lru"
+    memory_budget_mb: Optional[float] = Field(None, gt=0)
+    wait_timeout_s: float = Field(30.0, gt=0)
 
 
 class AppArgs(BaseModel):
@@ -92,8 +96,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
-        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus)).bind(
-            app_args.repository, pool_models, app_args.backend, app_args.pool.max_num_models_per_replica)
+        p = app_args.pool
+        pool = PoolDeployment.options(name="pool", **ray_options(p, use_gpus)).bind(
+            app_args.repository, pool_models, app_args.backend, p.max_num_models_per_replica,
+            p.load_policy, p.memory_budget_mb, p.wait_timeout_s)
     dedicated: dict[str, Any] = {}
     for e in entries:
         if e.name in pool_models or e.config.pipeline:

@@ -98,6 +98,7 @@ class Router:
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]),
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+            Route("/v2/memory", self.memory, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     # --- readiness -------------------------------------------------------------------------
@@ -172,6 +173,16 @@ class Router:
                 item["reason"] = "multiplexed pool: loads on first request"
             index.append(item)
         return JSONResponse(index)
+
+    @_answers_errors
+    async def memory(self, request: Request) -> JSONResponse:
+        """Resident memory: the pool replica's cache (status + load/evict timeline) and each
+        ready dedicated model's footprint."""
+        engines = [n for n in sorted(self.client.dedicated)
+                   if n in self.ready_models and not self.repo.get(n).config.pipeline]
+        dedicated = {n: await self.client.dedicated[n].memory.remote() for n in engines}
+        pool = await self.client.pool.memory.remote() if self.client.pool is not None else None
+        return JSONResponse({"pool": pool, "dedicated": dedicated})
 
     async def _read_body(self, request: Request) -> bytes | memoryview:
         declared = request.headers.get("content-length")

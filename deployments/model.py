@@ -67,6 +67,13 @@ class ModelDeployment:
         """
         return self.host.backend
 
+    def memory(self) -> dict[str, Any]:
+        """The loaded model's footprint in bytes (engine, per context, total for its instances)."""
+        footprint = self.host.footprint()
+        return {"backend": self.host.backend, "engine_bytes": footprint.engine_bytes,
+                "context_bytes": footprint.context_bytes, "instances": self.host.config.instances,
+                "total_bytes": footprint.total(self.host.config.instances), "measured": footprint.measured}
+
     def check_health(self) -> None:
         if not self.host.ready:
             raise RuntimeError(f"model '{self.host.name}' is not loaded")

@@ -1,77 +1,63 @@
-"""The multiplexed pool deployment: the long tail of models, loaded on first use."""
+"""The multiplexed pool deployment: the long tail of models, under a byte budget per replica."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Iterable
 
 import numpy as np
 from ray import serve
 
-from .runtime.errors import ModelNotFound, ModelNotReady
-from .runtime.host import ModelHost
+from .runtime.cache import ModelCache
+from .runtime.errors import ModelNotFound
 from .runtime.repository import ModelRepository
-
-_EVICTION_RETRIES = 3
-
-
-class _PooledModel:
-    """What the multiplexed loader returns; Ray calls ``__del__`` when it evicts the model."""
-
-    def __init__(self, host: ModelHost) -> None:
-        self.host = host
-
-    def __del__(self) -> None:
-        self.host.unload()  # waits for in-flight requests, then frees contexts and engine
 
 
 @serve.deployment
 class PoolDeployment:
-    """The multiplexed pool: serves the long tail of models, loaded on first use.
+    """Serves the models not given a dedicated deployment, chosen by multiplexed model id.
 
-    The model is chosen by the request's multiplexed model id (the router sets it through
-    ``handle.options(multiplexed_model_id=name)``). Ray Serve routes a model's requests to a
-    replica that has it loaded and evicts least recently used models past
-    ``max_num_models_per_replica``.
+    Ray Serve's multiplexing routes a model's requests to a replica that has it and caps the
+    models per replica by count (``max_num_models_per_replica``); what is actually resident is
+    decided by the replica's ``ModelCache``: the same count cap plus ``memory_budget_mb``, with
+    the chosen ``load_policy``, never evicting a model a request holds.
+
+    Args:
+        repository: model repository root.
+        names: the models of the pool.
+        backend: ``auto``, ``onnxruntime`` or ``tensorrt``.
+        max_num_models_per_replica: count cap (Ray's and the cache's).
+        load_policy: ``eager``, ``lazy`` or ``lru``.
+        memory_budget_mb: byte budget in MiB (2**20 bytes) for the models' footprints; None
+            for no byte limit.
+        wait_timeout_s: how long a load waits for held models to be released before 503.
     """
 
     def __init__(self, repository: str, names: Iterable[str], backend: str = "auto",
-                 max_num_models_per_replica: int = 3) -> None:
-        repo = ModelRepository(repository)
-        self._entries = {n: repo.get(n) for n in names}
-        self._backend = backend
+                 max_num_models_per_replica: int = 3, load_policy: str = "lru",
+                 memory_budget_mb: float | None = None, wait_timeout_s: float = 30.0) -> None:
+        names = list(names)
+        self.cache = ModelCache(
+            ModelRepository(repository, names), names, load_policy=load_policy,  # type: ignore[arg-type]
+            budget_bytes=None if memory_budget_mb is None else int(memory_budget_mb * (1 << 20)),
+            max_models=max_num_models_per_replica, backend=backend, wait_timeout_s=wait_timeout_s).start()
 
-        async def load(name: str) -> _PooledModel:  # a plain function: Ray keeps its LRU on it
-            return await self._load(name)
+        async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
+            if name not in self.cache.names:
+                raise ModelNotFound(f"model '{name}' is not in the multiplexed pool; pool: {self.cache.names}")
+            return name  # residency is the cache's business, not Ray's
 
-        self._loader = load
-        self._get_model = serve.multiplexed(max_num_models_per_replica=max_num_models_per_replica)(load)
-
-    async def _load(self, name: str) -> _PooledModel:
-        entry = self._entries.get(name)
-        if entry is None:
-            raise ModelNotFound(f"model '{name}' is not in the multiplexed pool; pool: {sorted(self._entries)}")
-        host = ModelHost(entry, self._backend)
-        await asyncio.to_thread(host.load)
-        return _PooledModel(host)
+        self._register = register
+        self._get_model = serve.multiplexed(max_num_models_per_replica=max_num_models_per_replica)(register)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model named by the multiplexed model id.
 
-        A model evicted between lookup and use answers ``ModelNotReady``; it is looked up
-        (and so reloaded) again rather than failing the request.
+        Raises: as ``ModelCache.acquire`` and ``ModelHost.infer`` (e.g. ``OverBudget``).
         """
-        name = serve.get_multiplexed_model_id()
-        for attempt in range(_EVICTION_RETRIES):
-            model = await self._get_model(name)
-            try:
-                return await asyncio.to_thread(model.host.infer, inputs, outputs)
-            except ModelNotReady:
-                if attempt == _EVICTION_RETRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
+        name = await self._get_model(serve.get_multiplexed_model_id())
+        return await self.cache.infer_async(name, inputs, outputs)
 
-    def loaded_models(self) -> dict[str, Any]:
-        """Names of the models this replica holds now."""
-        wrapper = getattr(self._loader, "__serve_multiplex_wrapper", None)
-        return {"models": sorted(wrapper.models) if wrapper is not None else []}
+    def memory(self) -> dict[str, Any]:
+        """This replica's cache status and load/evict/reload timeline (JSON-ready)."""
+        context = serve.get_replica_context()
+        return {"replica": context.replica_id.unique_id, **self.cache.status(), "events": self.cache.timeline()}
