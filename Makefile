@@ -30,6 +30,10 @@ serve: models
 engines: models
 	$(PY) -m deployments.runtime.build --root engines
 
+# Per model: parameters, engine and context bytes (predicted and measured), fit on a GPU.
+plan: models
+	$(PY) -m deployments.runtime.memory plan --root engines --measure
+
 test: models
 	$(PY) -m pytest tests
 
