@@ -20,6 +20,7 @@ import numpy as np
 from ..runtime.config import ModelConfig
 from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.errors import InferenceError, InvalidInput
+from ..runtime.validation import validate_outputs
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -35,22 +36,42 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
+MAX_RANK = 32
+
+
 def _reject_constant(token: str) -> Any:
     raise InvalidInput(f"request body is not valid JSON: {token} is not allowed (JSON has no NaN or Infinity)")
 
 
-def parse_json(body: bytes) -> Any:
-    """Parse a JSON body strictly.
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise InvalidInput(f"request body is not valid JSON: the number {token[:40]} overflows to Infinity")
+    return value
+
+
+def parse_json(body: bytes | memoryview) -> Any:
+    """Parse a JSON body strictly (UTF-8, or UTF-16/32 as ``json.loads`` detects).
 
     Raises:
-        InvalidInput: not UTF-8, not JSON, or holds NaN/Infinity tokens.
+        InvalidInput: not JSON, NaN/Infinity tokens or numbers that overflow to Infinity,
+            integers over Python's digit limit, nesting too deep.
     """
     try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(bytes(body), parse_constant=_reject_constant, parse_float=_finite_float)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digit limit
         raise InvalidInput(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON: nested too deeply") from None
+
+
+def _text(where: str, value: str) -> str:
+    """``value`` if it encodes as UTF-8 (no lone surrogates such as "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{where} is not valid Unicode text (lone surrogate)") from None
+    return value
 
 
 def _flatten(data: Any, out: list) -> None:
@@ -64,6 +85,8 @@ def _flatten(data: Any, out: list) -> None:
 def _check_shape(where: str, shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, list):
         raise InvalidInput(f"{where}: 'shape' must be a list of positive integers, got {json.dumps(shape)[:80]}")
+    if len(shape) > MAX_RANK:
+        raise InvalidInput(f"{where}: shape has {len(shape)} axes, at most {MAX_RANK} are allowed")
     for axis, d in enumerate(shape):
         if isinstance(d, bool) or not isinstance(d, int):
             raise InvalidInput(f"{where}: shape axis {axis} is {json.dumps(d)[:40]}, must be a positive integer")
@@ -91,7 +114,13 @@ def _numeric_array(where: str, datatype: str, flat: list) -> np.ndarray:
             raise InvalidInput(f"{where}: {datatype} data must be integers in [{info.min}, {info.max}]")
     elif kind not in "iuf":
         raise InvalidInput(f"{where}: {datatype} data must be numbers (no strings, booleans, nulls or huge integers)")
-    return raw.astype(dtype, copy=False)
+    if dtype.kind != "f":
+        return raw.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):
+        array = raw.astype(dtype, copy=False)
+    if not np.isfinite(array).all():
+        raise InvalidInput(f"{where}: values overflow {datatype} (largest finite: {np.finfo(dtype).max:g})")
+    return array
 
 
 def _bytes_array(where: str, flat: list, base64_encoded: bool) -> np.ndarray:
@@ -105,7 +134,7 @@ def _bytes_array(where: str, flat: list, base64_encoded: bool) -> np.ndarray:
             except (binascii.Error, ValueError):
                 raise InvalidInput(f"{where}: element {i} is not valid base64 (content_type is base64)") from None
         else:
-            out[i] = item.encode("utf-8")
+            out[i] = _text(f"{where}: element {i}", item).encode("utf-8")
     return out
 
 
@@ -120,9 +149,9 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
-    where = f"input '{name}'"
+    where = f"input '{_text(f'inputs[{index}] name', name)}'"
     datatype = obj.get("datatype")
-    if datatype not in NUMPY_BY_DATATYPE:
+    if not isinstance(datatype, str) or datatype not in NUMPY_BY_DATATYPE:
         raise InvalidInput(f"{where}: datatype {json.dumps(datatype)[:40]} is not one of {DATATYPES}")
     shape = _check_shape(where, obj.get("shape"))
     if "data" not in obj:
@@ -160,6 +189,8 @@ def decode_infer_request(payload: Any,
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
+    if request_id is not None:
+        _text("'id'", request_id)
     inputs: dict[str, np.ndarray] = {}
     for i, raw in enumerate(raw_inputs):
         name, array = decode(raw, i)
@@ -176,8 +207,11 @@ def decode_infer_request(payload: Any,
         for i, o in enumerate(raw_outputs):
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise InvalidInput(f"outputs[{i}] must be an object with a string 'name'")
-            outputs.append(o["name"])
-            output_parameters[o["name"]] = o.get("parameters") or {}
+            params = o.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidInput(f"outputs[{i}]: 'parameters' must be an object")
+            outputs.append(_text(f"outputs[{i}] name", o["name"]))
+            output_parameters[o["name"]] = params
     parameters = payload.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")
@@ -186,12 +220,17 @@ def decode_infer_request(payload: Any,
 
 def check_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> None:
     """Raises InvalidInput when a requested output is not declared by the model."""
-    if outputs is None:
-        return
-    declared = [t.name for t in config.outputs]
-    unknown = [n for n in outputs if n not in declared]
-    if unknown:
-        raise InvalidInput(f"model '{config.name}' has no outputs {unknown}; outputs: {declared}")
+    validate_outputs(config, outputs)
+
+
+def check_finite(model_name: str, outputs: Mapping[str, np.ndarray]) -> None:
+    """Raises InferenceError when a floating-point output holds NaN or Infinity (JSON cannot
+    carry them; the request's inputs were checked finite, so this is the model's fault)."""
+    for name, array in outputs.items():
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise InferenceError(
+                f"model '{model_name}' output '{name}' holds NaN or Infinity, which JSON cannot carry; "
+                "ask for it as binary data")
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
@@ -220,12 +259,9 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     body: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
         body["id"] = request_id
+    check_finite(model_name, outputs)
     body["outputs"] = [encode_tensor(n, a) for n, a in outputs.items()]
-    try:
-        return json.dumps(body, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
-    except ValueError:
-        raise InferenceError(
-            f"model '{model_name}' produced NaN or Infinity, which JSON cannot carry") from None
+    return json.dumps(body, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
 
 
 def model_metadata(config: ModelConfig, versions: Iterable[int], platform: str) -> dict[str, Any]:

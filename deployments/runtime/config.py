@@ -44,17 +44,25 @@ class Profile(_Frozen):
 
 
 class TensorSpec(_Frozen):
-    """One input or output tensor: name, KServe datatype and dims (-1 = dynamic; batch axis first)."""
+    """One input or output tensor: name, KServe datatype and dims (-1 = dynamic; batch axis first).
+
+    ``multiple_of`` (inputs, optional): per axis, the size must be a multiple of this (1 = any),
+    e.g. ``[1, 1, 32, 32]`` for a detector whose strides need H and W divisible by 32.
+    """
 
     name: str
     datatype: Datatype
     dims: tuple[int, ...]
     profile: Optional[Profile] = None
+    multiple_of: Optional[tuple[int, ...]] = None
 
     @model_validator(mode="after")
     def _dims(self) -> "TensorSpec":
         if any(d == 0 or d < -1 for d in self.dims):
             raise ValueError(f"dims must be positive or -1 (dynamic), got {list(self.dims)}")
+        if self.multiple_of is not None and (
+                len(self.multiple_of) != len(self.dims) or any(m < 1 for m in self.multiple_of)):
+            raise ValueError(f"multiple_of needs one positive integer per axis of dims {list(self.dims)}")
         if self.profile is not None:
             if len(self.profile.max) != len(self.dims):
                 raise ValueError(f"profile rank {len(self.profile.max)} != dims rank {len(self.dims)}")

@@ -13,7 +13,7 @@ import numpy as np
 from .engine import Engine, ExecutionContext, Footprint, open_engine
 from .errors import InferenceTimeout, InvalidInput, ModelNotReady
 from .repository import ModelEntry
-from .validation import validate_inputs
+from .validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class ModelHost:
         self._free: queue.SimpleQueue[ExecutionContext] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._in_flight = 0
+        self._unloading = False
         self.load_ms: float | None = None
 
     @property
@@ -52,13 +53,27 @@ class ModelHost:
         return self._in_flight
 
     def load(self) -> "ModelHost":
-        """Load the engine and create the contexts; idempotent. Returns self."""
+        """Load the engine and create the contexts; idempotent; waits for an unload in
+        progress. On failure, whatever was created is closed again. Returns self.
+
+        Raises:
+            ConfigError, InferenceError: the backend could not load the model.
+        """
         with self._lock:
+            self._lock.wait_for(lambda: not self._unloading)
             if self.engine is not None:
                 return self
             start = time.perf_counter()
             engine = open_engine(self.config, self.entry.onnx_path(self.version).parent, self.backend_request)
-            contexts = [engine.create_context() for _ in range(self.config.instances)]
+            contexts: list[ExecutionContext] = []
+            try:
+                for _ in range(self.config.instances):
+                    contexts.append(engine.create_context())
+            except BaseException:
+                for c in contexts:
+                    c.close()
+                engine.close()
+                raise
             for c in contexts:
                 self._free.put(c)
             self._contexts, self.engine = contexts, engine
@@ -95,7 +110,7 @@ class ModelHost:
             InferenceError: the backend failed.
         """
         validate_inputs(self.config, inputs)
-        wanted = self._output_names(outputs)
+        wanted = validate_outputs(self.config, outputs)
         with self._lock:
             if self.engine is None:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
@@ -117,26 +132,23 @@ class ModelHost:
                 self._lock.notify_all()
         return {name: result[name] for name in wanted}
 
-    def _output_names(self, outputs: Iterable[str] | None) -> list[str]:
-        declared = [t.name for t in self.config.outputs]
-        if outputs is None:
-            return declared
-        wanted = list(outputs)
-        unknown = [n for n in wanted if n not in declared]
-        if unknown:
-            raise InvalidInput(f"model '{self.name}' has no outputs {unknown}; outputs: {declared}")
-        return wanted
-
     def unload(self) -> None:
-        """Wait for in-flight requests, then close contexts and the engine (in that order)."""
+        """Wait for in-flight requests, then close contexts and the engine (in that order).
+        New requests get ``ModelNotReady`` from the start; a ``load`` waits until this ends."""
         with self._lock:
             engine, self.engine = self.engine, None  # new requests now get ModelNotReady
+            if engine is None:
+                return
+            self._unloading = True
             self._lock.wait_for(lambda: self._in_flight == 0)
             contexts, self._contexts = self._contexts, []
             self._free = queue.SimpleQueue()
-        if engine is None:
-            return
-        for c in contexts:
-            c.close()
-        engine.close()
+        try:
+            for c in contexts:
+                c.close()
+            engine.close()
+        finally:
+            with self._lock:
+                self._unloading = False
+                self._lock.notify_all()
         logger.info("unloaded model %s v%d", self.name, self.version)

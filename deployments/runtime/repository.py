@@ -6,6 +6,7 @@ reaches the filesystem: ``../x`` or ``a%2Fb`` is simply an unknown name (``Model
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from .config import ModelConfig, load_model_config
 from .errors import ConfigError, ModelNotFound
 
 MODEL_FILENAME = "model.onnx"
+_VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
+
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class ModelRepository:
             else:
                 versions = tuple(sorted(
                     int(p.name) for p in folder.iterdir()
-                    if p.is_dir() and p.name.isdigit() and (p / MODEL_FILENAME).is_file()))
+                    if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
                 if not versions:
                     raise ConfigError(
                         f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
@@ -95,7 +98,7 @@ class ModelRepository:
         if entry is None:
             raise ModelNotFound(f"unknown model '{name}'; available models: {self.names()}")
         if version is not None:
-            if not version.isdigit() or int(version) not in entry.versions:
+            if not _VERSION.fullmatch(version) or int(version) not in entry.versions:
                 raise ModelNotFound(
                     f"model '{name}' has no version '{version}'; versions: {list(entry.versions)}")
             if int(version) != entry.latest:

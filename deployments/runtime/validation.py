@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -41,8 +41,11 @@ def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> No
                 f"(dims {list(spec.dims)}), got shape {list(array.shape)}")
         lo, hi = spec.bounds()
         for axis, size in enumerate(array.shape):
-            if not lo[axis] <= size <= hi[axis]:
+            step = spec.multiple_of[axis] if spec.multiple_of else 1
+            if not lo[axis] <= size <= hi[axis] or size % step:
                 allowed = f"{lo[axis]}" if lo[axis] == hi[axis] else f"[{lo[axis]}, {hi[axis]}]"
+                if step > 1:
+                    allowed += f" and a multiple of {step}"
                 raise InvalidInput(
                     f"model '{config.name}' input '{spec.name}': axis {axis} is {size}, "
                     f"allowed {allowed} (shape {list(array.shape)})")
@@ -56,3 +59,19 @@ def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> No
                     f"model '{config.name}': inputs disagree on batch size (axis 0): "
                     f"{batch} and {array.shape[0]}")
             batch = array.shape[0]
+
+
+def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list[str]:
+    """The output names to return: all declared ones when ``outputs`` is None.
+
+    Raises:
+        InvalidInput: a requested output the model does not declare, naming the declared ones.
+    """
+    declared = [t.name for t in config.outputs]
+    if outputs is None:
+        return declared
+    wanted = list(outputs)
+    unknown = [n for n in wanted if n not in declared]
+    if unknown:
+        raise InvalidInput(f"model '{config.name}' has no outputs {unknown}; outputs: {declared}")
+    return wanted

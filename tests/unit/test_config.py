@@ -50,6 +50,7 @@ def test_good_config_parses_into_frozen_typed_objects(tmp_path):
     (("mode: dedicated", "mode: hot"), "deployment.mode"),
     (("instances: 2", "instanses: 2"), "instanses"),
     (("dims: [-1, 4]", "dims: [-1, 0]"), "inputs.0"),
+    (("dims: [-1, 4]", "dims: [-1, 4]\n    multiple_of: [1]"), "multiple_of needs one positive integer per axis"),
     (("min: [1, 4], opt: [2, 4], max: [8, 4]", "min: [1, 5], opt: [2, 5], max: [8, 5]"), "fixed dim 4"),
 ])
 def test_bad_config_fails_naming_file_and_field(tmp_path, change, field):
@@ -89,7 +90,7 @@ def test_lookup_of_path_like_names_is_model_not_found(name):
 def test_lookup_of_missing_or_non_numeric_version_is_model_not_found():
     repo = ModelRepository(ROOT / "engines")
     assert repo.get("tiny_cnn", "1").latest == 1
-    for version in ("2", "x", "../1", "01a"):
+    for version in ("2", "x", "../1", "01a", "\u00b2", "9" * 5000):
         with pytest.raises(ModelNotFound, match="no version"):
             repo.get("tiny_cnn", version)
 

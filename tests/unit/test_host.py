@@ -95,3 +95,22 @@ def test_config_that_disagrees_with_the_onnx_file_fails_at_load(repo, tmp_path):
     host = ModelHost(type(entry)(config=bad, path=entry.path, versions=entry.versions), backend="onnxruntime")
     with pytest.raises(ConfigError, match="config input 'x' is not in the ONNX file"):
         host.load()
+
+
+def test_axis_that_must_be_a_multiple_is_checked_before_the_model_runs(repo):
+    det = ModelHost(repo.get("ocr_det"), backend="onnxruntime").load()
+    try:
+        with pytest.raises(InvalidInput, match=r"axis 2 is 50, allowed \[32, 2016\] and a multiple of 32"):
+            det.infer({"x": np.zeros((1, 3, 50, 64), np.float32)})
+        assert det.infer({"x": np.zeros((1, 3, 64, 96), np.float32)})["sigmoid_0.tmp_0"].shape == (1, 1, 64, 96)
+    finally:
+        det.unload()
+
+
+def test_load_after_unload_serves_again_and_unload_twice_is_harmless(repo):
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    host.unload()
+    host.unload()
+    x = np.ones((1, 3, 224, 224), np.float32)
+    assert host.load().infer({"input": x})["logits"].shape == (1, 1000)
+    host.unload()

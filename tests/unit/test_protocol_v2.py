@@ -66,6 +66,12 @@ def test_request_fields_id_outputs_and_parameters_are_kept():
      "not valid base64"),
     ({"name": "a", "shape": [1], "datatype": "FP32"}, "'data' is missing"),
     ({"shape": [1], "datatype": "FP32", "data": [1]}, "'name' must be a non-empty string"),
+    ({"name": "a", "shape": [1], "datatype": ["FP32"], "data": [1]}, "is not one of"),
+    ({"name": "a", "shape": [1] * 33, "datatype": "FP32", "data": [1]}, "33 axes, at most 32"),
+    ({"name": "a", "shape": [1], "datatype": "FP32", "data": [1e300]}, "values overflow FP32"),
+    ({"name": "a", "shape": [1], "datatype": "FP16", "data": [70000]}, "values overflow FP16"),
+    ({"name": "\ud800", "shape": [1], "datatype": "FP32", "data": [1]}, "not valid Unicode"),
+    ({"name": "a", "shape": [1], "datatype": "BYTES", "data": ["\udfff"]}, "element 0 is not valid Unicode"),
 ])
 def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
     with pytest.raises(InvalidInput) as err:
@@ -78,13 +84,17 @@ def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
     ({"id": 5, "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}]}, "'id' must be a string"),
     ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}] * 2}, "given twice"),
     ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}], "outputs": "y"}, "'outputs' must be"),
+    ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
+      "outputs": [{"name": "y", "parameters": [1]}]}, "'parameters' must be an object"),
+    ({"id": "\ud800", "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}]}, "not valid Unicode"),
 ])
 def test_bad_requests_are_invalid_input(payload, fragment):
     with pytest.raises(InvalidInput, match=fragment):
         decode_infer_request(payload)
 
 
-@pytest.mark.parametrize("body", [b"{", b"[1,]", b"\xff\xfe", b'{"a": NaN}', b'{"a": -Infinity}', b"[" * 100000])
+@pytest.mark.parametrize("body", [b"{", b"[1,]", b"\xff\xfe", b'{"a": NaN}', b'{"a": -Infinity}', b"[" * 100000,
+                                  b'{"a": 1e999}', b'{"a": ' + b"9" * 5000 + b"}"])
 def test_strict_json_parsing(body):
     with pytest.raises(InvalidInput, match="not valid JSON"):
         parse_json(body)
@@ -102,7 +112,7 @@ def test_response_encodes_outputs_flat_with_shapes_and_echoes_id():
 
 
 def test_nan_output_is_an_inference_error_not_invalid_json():
-    with pytest.raises(InferenceError, match="NaN or Infinity"):
+    with pytest.raises(InferenceError, match="output 'y' holds NaN or Infinity"):
         encode_infer_response("m", "1", None, {"y": np.array([np.nan], np.float32)})
 
 
