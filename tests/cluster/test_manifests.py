@@ -1,0 +1,194 @@
+"""cluster/ manifests and serve_config.yaml, validated offline with Ray's own schemas and code.
+
+- ``serve_config.yaml`` and the RayService's ``serveConfigV2``: ``ray.serve.schema.ServeDeploySchema``
+  (what ``serve deploy`` and KubeRay submit to), and the application args build with our
+  ``build_app`` against the real ``engines/`` (Ray's own application builder then lists the
+  deployments and their options, as ``serve run`` would).
+- ``cluster/rayservice.yaml``: KubeRay's CRD schema is not shipped by any PyPI package, so the
+  fields KubeRay requires are checked here, and the ``rayClusterConfig`` goes through the code
+  the Ray autoscaler runs on KubeRay to read a RayCluster spec (it derives each group's Ray
+  resources and validates the result against ``ray-schema.json``).
+- ``cluster/cluster.yaml``: ``ray-schema.json`` with jsonschema, then the offline steps of
+  ``ray up`` (``prepare_config`` fills the AWS defaults, ``validate_config``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import yaml
+from ray.serve.config import ProxyLocation
+from ray.serve.schema import ServeDeploySchema
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_CONFIG = ROOT / "serve_config.yaml"
+RAYSERVICE = ROOT / "cluster" / "rayservice.yaml"
+CLUSTER = ROOT / "cluster" / "cluster.yaml"
+IMAGE_REPOSITORY = "/app/engines"  # where the project image holds the model repository
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def _built_deployments(args: dict[str, Any]) -> dict[str, Any]:
+    """Deployment name -> Ray ``Deployment`` of our application, built as ``serve run`` does."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from deployments.app import build_app
+
+    built = serve_build_app(build_app(args), name="models")
+    return {d.name: d for d in built.deployments}
+
+
+def _gpu_models() -> dict[str, float]:
+    from deployments.runtime.repository import ModelRepository
+
+    return {f"model-{e.name}": e.config.deployment.num_gpus for e in ModelRepository(ROOT / "engines").entries()
+            if e.config.deployment.mode == "dedicated" and e.config.deployment.num_gpus}
+
+
+# serve_config.yaml ---------------------------------------------------------------------------
+
+def test_serve_config_parses_with_rays_schema_puts_a_proxy_on_every_node_and_builds(prepared_engines):
+    schema = ServeDeploySchema.model_validate(_load(SERVE_CONFIG))
+    assert schema.proxy_location == ProxyLocation.EveryNode
+    [app] = schema.applications
+    assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
+    args = dict(app.args, repository=str(ROOT / app.args["repository"]))
+    deployments = _built_deployments(args)
+    assert "router" in deployments and "pool" in deployments
+
+
+# cluster/rayservice.yaml ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rayservice() -> dict[str, Any]:
+    return _load(RAYSERVICE)
+
+
+def test_rayservice_has_the_fields_kuberay_requires(rayservice):
+    assert rayservice["apiVersion"] == "ray.io/v1" and rayservice["kind"] == "RayService"
+    assert DNS_LABEL.match(rayservice["metadata"]["name"]) and len(rayservice["metadata"]["name"]) <= 40
+    spec = rayservice["spec"]
+    assert isinstance(spec["serveConfigV2"], str), "serveConfigV2 is a YAML string"
+    cluster = spec["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray.__version__
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        # rayStartParams: required before KubeRay 1.4; a map of strings (the CRD's type).
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), group["rayStartParams"]
+        containers = group["template"]["spec"]["containers"]
+        assert containers and all(DNS_LABEL.match(c["name"]) and c["image"] for c in containers)
+    names = [g["groupName"] for g in cluster["workerGroupSpecs"]]
+    assert len(set(names)) == len(names) and all(DNS_LABEL.match(n) for n in names)
+    for group in cluster["workerGroupSpecs"]:
+        assert 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+    assert len(images) == 1, f"head and workers must run the same project image, got {images}"
+    head_ports = {p["name"]: p["containerPort"] for p in
+                  cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert head_ports["serve"] == 8000 and head_ports["dashboard"] == 8265 and head_ports["gcs-server"] == 6379
+
+
+def test_rayservice_gpu_workers_advertise_the_gpus_their_pods_request(rayservice):
+    gpu_groups = [g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+                  if "num-gpus" in g["rayStartParams"]]
+    assert gpu_groups, "a worker group with GPUs"
+    for group in gpu_groups:
+        resources = group["template"]["spec"]["containers"][0]["resources"]
+        gpus = resources["limits"]["nvidia.com/gpu"]
+        assert int(gpus) >= 1 and group["rayStartParams"]["num-gpus"] == str(gpus)
+        # Kubernetes requires extended resources' requests (when given) to equal their limits.
+        assert resources.get("requests", {}).get("nvidia.com/gpu", gpus) == gpus
+
+
+def test_rayservice_cluster_reads_as_ray_autoscaler_on_kuberay_reads_it(rayservice):
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    ray_cluster = {"metadata": {"name": rayservice["metadata"]["name"], "namespace": "default"},
+                   "spec": copy.deepcopy(cluster)}
+    config = _derive_autoscaling_config_from_ray_cr(ray_cluster)  # validates with ray-schema.json
+    types = config["available_node_types"]
+    head = types.pop("headgroup")
+    assert head["resources"]["CPU"] == int(cluster["headGroupSpec"]["rayStartParams"]["num-cpus"])
+    assert "GPU" not in head["resources"], "GPU models belong on the GPU workers"
+    [(name, gpu)] = types.items()
+    group = cluster["workerGroupSpecs"][0]
+    assert name == group["groupName"] and gpu["resources"]["GPU"] == 1
+    assert (gpu["min_workers"], gpu["max_workers"]) == (group["minReplicas"], group["maxReplicas"])
+    assert cluster["enableInTreeAutoscaling"] is True
+
+
+def test_rayservice_serves_the_application_of_serve_config_yaml_with_gpus_reserved(rayservice, prepared_engines):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    assert schema.proxy_location == ProxyLocation.EveryNode
+    assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 8000)
+    local = _load(SERVE_CONFIG)["applications"]
+    embedded = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    expected = copy.deepcopy(local)
+    for app in expected:
+        app["args"].update(repository=IMAGE_REPOSITORY, use_gpus=True)
+    assert embedded == expected, "cluster/rayservice.yaml's applications drifted from serve_config.yaml"
+
+    [app] = schema.applications
+    deployments = _built_deployments(dict(app.args, repository=str(ROOT / "engines")))
+    gpu_models = _gpu_models()
+    assert gpu_models, "the repository has dedicated GPU models"
+    for name, num_gpus in gpu_models.items():
+        assert deployments[name].ray_actor_options["num_gpus"] == num_gpus
+    assert "num_gpus" not in deployments["router"].ray_actor_options
+
+
+# cluster/cluster.yaml ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def launcher() -> dict[str, Any]:
+    return _load(CLUSTER)
+
+
+def test_cluster_launcher_config_passes_rays_schema_and_ray_up_offline_checks(launcher):
+    import jsonschema
+    import ray.autoscaler
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(launcher, schema)
+    prepared = prepare_config(copy.deepcopy(launcher))  # what `ray up` does before the cloud calls
+    validate_config(prepared)
+    types = prepared["available_node_types"]
+    head = types[prepared["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    gpu_types = {n: t for n, t in types.items() if t["resources"].get("GPU")}
+    assert gpu_types and all(t["min_workers"] >= 1 for t in gpu_types.values())
+    assert sum(t["max_workers"] for t in gpu_types.values()) <= prepared["max_workers"]
+
+
+def test_cluster_launcher_installs_the_project_on_every_node(launcher):
+    from ray.autoscaler._private.util import prepare_config
+
+    prepared = prepare_config(copy.deepcopy(launcher))
+    assert launcher["file_mounts"] == {"~/trt-serve": "."}, "the checkout (run `ray up` from the repo root)"
+    assert ".venv" in launcher["rsync_exclude"]
+    workers = [n for n in prepared["available_node_types"] if n != prepared["head_node_type"]]
+    # A node type's own worker_setup_commands replace the merged global lists: check what runs.
+    effective = {"head": prepared["head_setup_commands"],
+                 **{n: prepared["available_node_types"][n].get("worker_setup_commands",
+                                                               prepared["worker_setup_commands"])
+                    for n in workers}}
+    for node, commands in effective.items():
+        assert "pip install -q -e ~/trt-serve" in commands, node
+        assert any("deployments.prepare" in c for c in commands), node
+    for command in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]:
+        if "ray start" in command:
+            assert command.startswith("cd ~/trt-serve &&"), "relative `repository: engines` resolves there"
+    image = launcher["docker"]["image"]
+    assert image.startswith(f"rayproject/ray:{ray.__version__}-") and image.endswith("-gpu")
