@@ -87,7 +87,7 @@ class OcrParameters(BaseModel):
     width_height_ratio: float = 8
     max_side_len: int = Field(2000, ge=32)
     min_side_len: int = Field(30, ge=1)
-    max_image_pixels: int = Field(50_000_000, ge=1)
+    max_image_pixels: int = Field(16_777_216, ge=1)
     # Det
     limit_side_len: int = Field(736, ge=32)
     limit_type: str = Field("min", pattern="^(min|max)$")
@@ -140,7 +140,7 @@ def read_character_list(onnx_path: str | Path) -> list[str]:
     raise ConfigError(f"{onnx_path}: no '{CHARACTER_METADATA_KEY}' metadata; is this the OCR recognizer?")
 
 
-def decode_image(data: bytes, max_pixels: int = 50_000_000) -> np.ndarray:
+def decode_image(data: bytes, max_pixels: int = 16_777_216) -> np.ndarray:
     """Decode a PNG or JPEG file into a BGR image ``(H, W, 3)`` uint8.
 
     Grey is expanded to BGR, 16-bit is reduced to 8-bit, alpha is composited over white.
@@ -165,13 +165,13 @@ def decode_image(data: bytes, max_pixels: int = 50_000_000) -> np.ndarray:
     if image is None or image.size == 0:
         raise InvalidInput(not_image)
     if image.dtype == np.uint16:
-        image = (image // 256).astype(np.uint8)
+        image = (image >> 8).astype(np.uint8)
     if image.ndim == 2:
         return cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
-    if image.shape[2] == 4:
-        alpha = image[:, :, 3:].astype(np.float32) / 255.0
-        blended = image[:, :, :3].astype(np.float32) * alpha + 255.0 * (1.0 - alpha)
-        return np.round(blended).astype(np.uint8)
+    if image.shape[2] == 4:  # over white, rounded, in 16-bit integers (no float copy of the image)
+        alpha = image[:, :, 3:].astype(np.uint16)
+        blended = image[:, :, :3].astype(np.uint16) * alpha + 255 * (255 - alpha) + 127
+        return (blended // 255).astype(np.uint8)
     return image
 
 
@@ -364,6 +364,23 @@ class OcrPipeline:
             ModelNotReady, InferenceTimeout: passed on from ``infer``.
         """
         p = self.parameters
+        # CPU work runs in worker threads so the replica's event loop keeps serving.
+        image, record, (raw_h, raw_w) = await asyncio.to_thread(self._prepare, image_bytes)
+        boxes = await self._detect(image)
+        if len(boxes) == 0:
+            return self._result([], np.zeros((0, 4, 2), np.float32), [])
+        boxes = self._ocr.sorted_boxes(boxes)
+        crops = await asyncio.to_thread(self._ocr.get_crop_img_list, image, boxes)
+        crops = await self._classify(crops)
+        texts = await self._recognize(crops)
+        points = self._ocr._get_origin_points(boxes, record, raw_h, raw_w)
+        keep = [i for i, (_, score) in enumerate(texts) if score >= p.text_score]
+        return self._result([texts[i][0] for i in keep], points[keep], [texts[i][1] for i in keep])
+
+    def _prepare(self, image_bytes: bytes) -> tuple[np.ndarray, dict[str, Any], tuple[int, int]]:
+        """Decode, resize and letterbox as rapidocr does; returns the image, the record that maps
+        points back to the input, and the input's (height, width)."""
+        p = self.parameters
         image = decode_image(image_bytes, p.max_image_pixels)
         raw_h, raw_w = image.shape[:2]
         try:
@@ -374,17 +391,7 @@ class OcrPipeline:
                 f"scaled to {p.max_side_len} pixels its shorter side vanishes") from None
         record: dict[str, Any] = {"preprocess": {"ratio_h": ratio_h, "ratio_w": ratio_w}}
         image, record = self._ocr.maybe_add_letterbox(image, record)
-
-        boxes = await self._detect(image)
-        if len(boxes) == 0:
-            return self._result([], np.zeros((0, 4, 2), np.float32), [])
-        boxes = self._ocr.sorted_boxes(boxes)
-        crops = self._ocr.get_crop_img_list(image, boxes)
-        crops = await self._classify(crops)
-        texts = await self._recognize(crops)
-        points = self._ocr._get_origin_points(boxes, record, raw_h, raw_w)
-        keep = [i for i, (_, score) in enumerate(texts) if score >= p.text_score]
-        return self._result([texts[i][0] for i in keep], points[keep], [texts[i][1] for i in keep])
+        return image, record, (raw_h, raw_w)
 
     @staticmethod
     def _result(texts: Sequence[str], boxes: np.ndarray, scores: Sequence[float]) -> dict[str, np.ndarray]:
@@ -411,7 +418,7 @@ class OcrPipeline:
         resized = cv2.resize(image, (out_w, out_h))
         batch = self._det_pre.permute(self._det_pre.normalize(resized))[np.newaxis].astype(np.float32)
         prob = await self._call(self.det, self._det_in.name, self._det_out, batch)
-        boxes, _ = self._det_post(prob, (h, w))
+        boxes, _ = await asyncio.to_thread(self._det_post, prob, (h, w))
         return self._det_filter.filter_tag_det_res(boxes, (h, w))
 
     async def _classify(self, crops: list[np.ndarray]) -> list[np.ndarray]:
