@@ -16,7 +16,7 @@ from ..runtime.errors import (
     ServingError,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # a name only: lands in the replica's Serve log
 
 STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,

@@ -108,6 +108,15 @@ class Autoscaling(_Frozen):
     metrics_interval_s: Optional[float] = Field(None, gt=0)
     look_back_period_s: Optional[float] = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _ordered(self) -> "Autoscaling":
+        initial = self.min_replicas if self.initial_replicas is None else self.initial_replicas
+        if not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(
+                f"need min_replicas <= initial_replicas <= max_replicas, got "
+                f"{self.min_replicas} <= {self.initial_replicas} <= {self.max_replicas}")
+        return self
+
 
 class DynamicBatching(_Frozen):
     """Server-side batching of concurrent requests (the optional ``dynamic_batching:`` section).

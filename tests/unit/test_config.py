@@ -48,6 +48,7 @@ def test_good_config_parses_into_frozen_typed_objects(tmp_path):
     (("opt: [2, 4]", "opt: [9, 4]"), "inputs.0.profile"),
     (("max_batch_size: 8", "max_batch_size: 16"), "max_batch_size 16 exceeds input 'x'"),
     (("mode: dedicated", "mode: hot"), "deployment.mode"),
+    (("max_replicas: 4}", "max_replicas: 4, initial_replicas: 5}"), "need min_replicas <= initial_replicas"),
     (("instances: 2", "instanses: 2"), "instanses"),
     (("dims: [-1, 4]", "dims: [-1, 0]"), "inputs.0"),
     (("dims: [-1, 4]", "dims: [-1, 4]\n    multiple_of: [1]"), "multiple_of needs one positive integer per axis"),
