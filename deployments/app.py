@@ -30,7 +30,7 @@ logger = logging.getLogger("ray.serve")
 
 class PoolOptions(DeploymentOptions):
     """The multiplexed pool deployment: placement, and per replica the model count cap, the
-    load policy and the byte budget (MiB) of ``deployments.pool.PoolDeployment``."""
+    load policy and the byte budget (MB) of ``deployments.pool.PoolDeployment``."""
 
     max_num_models_per_replica: int = Field(3, ge=1)
     load_policy: Literal["eager", "lazy", "lru"] = "lru"
@@ -51,7 +51,7 @@ class AppArgs(BaseModel):
     repository: str = "engines"
     backend: Backend = "auto"
     use_gpus: Union[Literal["auto"], bool] = "auto"
-    max_body_mb: float = Field(64.0, gt=0)
+    max_body_mib: float = Field(64.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
     router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=256)
     pool: PoolOptions = PoolOptions()
@@ -115,6 +115,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", **ray_options(app_args.router, False)).bind(
         app_args.repository, dedicated, pool, pool_models,
-        max_body_bytes=int(app_args.max_body_mb * (1 << 20)),
+        max_body_bytes=int(app_args.max_body_mib * (1 << 20)),
         request_timeout_s=app_args.request_timeout_s,
         models=app_args.models, backend=app_args.backend)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import re
 from typing import Any, Awaitable, Callable, Iterable
@@ -29,7 +30,7 @@ from .model import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
 from .protocol.v2 import check_outputs, model_metadata
-from .runtime.errors import InferenceTimeout, ModelNotReady, PayloadTooLarge
+from .runtime.errors import InferenceTimeout, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.repository import ModelEntry, ModelRepository
 from .runtime.validation import validate_inputs
 
@@ -52,10 +53,16 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
         try:
             return await route(self, request)
         except Exception as e:
-            status, message = error_status(e)
-            return JSONResponse({"error": message}, status_code=status)
+            return error_response(e)
 
     return wrapper
+
+
+def error_response(exc: BaseException) -> Response:
+    """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
+    message quoting any client text always renders."""
+    status, message = error_status(exc)
+    return Response(json.dumps({"error": message}), status_code=status, media_type="application/json")
 
 
 @serve.deployment
@@ -129,27 +136,27 @@ class Router:
                     "{name}", entry.name))
 
     # --- routes ------------------------------------------------------------------------------
-    async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
         # A model name holding '/' (e.g. "../x" sent as "..%2Fx") matches no route: answer it
         # exactly as any unknown model name, without touching the filesystem.
         match = _MODEL_PATH.match(request.url.path)
         if match:
-            message = f"unknown model '{match.group('name')}'; available models: {self.repo.names()}"
-        else:
-            message = f"no route {request.method} {request.url.path}; see the KServe v2 REST API"
-        return JSONResponse({"error": message}, status_code=404)
+            return error_response(ModelNotFound(
+                f"unknown model '{match.group('name')}'; available models: {self.repo.names()}"))
+        return error_response(ModelNotFound(
+            f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
 
-    async def _not_allowed(self, request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"error": f"method {request.method} not allowed on {request.url.path}"},
-                            status_code=405)
+    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
+        return error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}"))
 
     async def live(self, request: Request) -> JSONResponse:
         return JSONResponse({"live": True})
 
+    @_answers_errors
     async def server_ready(self, request: Request) -> JSONResponse:
         loading = sorted(set(self.repo.names()) - self.ready_models)
         if loading:
-            return JSONResponse({"error": f"server not ready: models still loading: {loading}"}, status_code=503)
+            raise ModelNotReady(f"server not ready: models still loading: {loading}")
         return JSONResponse({"ready": True})
 
     async def server_metadata(self, request: Request) -> JSONResponse:
@@ -178,13 +185,19 @@ class Router:
 
     @_answers_errors
     async def memory(self, request: Request) -> JSONResponse:
-        """Resident memory: the pool replica's cache (status + load/evict timeline) and each
-        ready dedicated model's footprint."""
+        """Resident memory: the cache of one pool replica (status + load/evict timeline; the
+        ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
         engines = [n for n in sorted(self.client.dedicated)
                    if n in self.ready_models and not self.repo.get(n).config.pipeline]
-        dedicated = {n: await self.client.dedicated[n].memory.remote() for n in engines}
-        pool = await self.client.pool.memory.remote() if self.client.pool is not None else None
-        return JSONResponse({"pool": pool, "dedicated": dedicated})
+        calls = [self.client.dedicated[n].memory.remote() for n in engines]
+        if self.client.pool is not None:
+            calls.append(self.client.pool.memory.remote())
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*calls), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferenceTimeout(f"memory status did not arrive within {self.request_timeout_s:g} s") from None
+        pool = answers.pop() if self.client.pool is not None else None
+        return JSONResponse({"pool": pool, "dedicated": dict(zip(engines, answers))})
 
     async def _read_body(self, request: Request) -> bytes | memoryview:
         declared = request.headers.get("content-length")

@@ -27,7 +27,8 @@ class PoolDeployment:
         backend: ``auto``, ``onnxruntime`` or ``tensorrt``.
         max_num_models_per_replica: count cap (Ray's and the cache's).
         load_policy: ``eager``, ``lazy`` or ``lru``.
-        memory_budget_mb: byte budget in MiB (2**20 bytes) for the models' footprints; None
+        memory_budget_mb: budget in MB (10**6 bytes, as the cache's messages print) for the
+            models' footprints; None
             for no byte limit.
         wait_timeout_s: how long a load waits for held models to be released before 503.
     """
@@ -38,7 +39,7 @@ class PoolDeployment:
         names = list(names)
         self.cache = ModelCache(
             ModelRepository(repository, names), names, load_policy=load_policy,  # type: ignore[arg-type]
-            budget_bytes=None if memory_budget_mb is None else int(memory_budget_mb * (1 << 20)),
+            budget_bytes=None if memory_budget_mb is None else int(memory_budget_mb * 1e6),
             max_models=max_num_models_per_replica, backend=backend, wait_timeout_s=wait_timeout_s).start()
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it

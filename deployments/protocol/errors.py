@@ -9,6 +9,7 @@ from ..runtime.errors import (
     InferenceError,
     InferenceTimeout,
     InvalidInput,
+    MethodNotAllowed,
     ModelNotFound,
     ModelNotReady,
     OverBudget,
@@ -21,6 +22,7 @@ logger = logging.getLogger("ray.serve")  # a name only: lands in the replica's S
 STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,
     ModelNotFound: 404,
+    MethodNotAllowed: 405,
     PayloadTooLarge: 413,
     ModelNotReady: 503,
     OverBudget: 503,

@@ -27,6 +27,10 @@ class ModelNotFound(ServingError):
     """Unknown model or version (HTTP 404)."""
 
 
+class MethodNotAllowed(ServingError):
+    """The route exists but not for this HTTP method (HTTP 405)."""
+
+
 class PayloadTooLarge(ServingError):
     """The request body is over the configured limit (HTTP 413)."""
 

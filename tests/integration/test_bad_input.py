@@ -130,6 +130,31 @@ def test_bad_base64_is_400(server):
     assert_error(post(server, "/v2/models/ocr/infer", body), 400, "not valid base64")
 
 
+def test_wrong_method_is_405(server):
+    assert_error(requests.get(f"{server}/v2/models/tiny_cnn/infer"), 405, "method GET not allowed")
+
+
+def test_lone_surrogate_in_a_name_is_400_with_a_json_body(server):
+    body = '{"inputs":[{"name":"\\ud800","shape":[1],"datatype":"FP32","data":[1]}]}'
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", body), 400, "not valid Unicode")
+
+
+def test_number_overflowing_the_datatype_is_400(server):
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=[1e39] * (3 * 224 * 224))]}),
+                 400, "input 'input'", "overflow FP32")
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", '{"inputs": [1e999]}'), 400, "overflows to Infinity")
+
+
+def test_detector_sizes_must_be_multiples_of_32(server):
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 50, 64], "datatype": "FP32", "data": [0.0] * (3 * 50 * 64)}]}
+    assert_error(post(server, "/v2/models/ocr_det/infer", body), 400, "axis 2 is 50", "multiple of 32")
+
+
+def test_output_parameters_that_are_not_an_object_are_400(server):
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD], "outputs": [{"name": "logits",
+                 "parameters": [1]}]}), 400, "'parameters' must be an object")
+
+
 def test_server_keeps_serving_after_bad_input(server):
     for _ in range(3):
         post(server, "/v2/models/tiny_cnn/infer", b"{")

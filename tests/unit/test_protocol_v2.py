@@ -12,7 +12,7 @@ from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import decode_infer_request, encode_infer_response, parse_json
 from deployments.runtime.datatypes import NUMPY_BY_DATATYPE
 from deployments.runtime.errors import (
-    InferenceError, InferenceTimeout, InvalidInput, ModelNotFound, ModelNotReady, OverBudget, PayloadTooLarge)
+    ConfigError, InferenceError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, OverBudget, PayloadTooLarge)
 
 
 def decode(tensor: dict, **request) -> dict[str, np.ndarray]:
@@ -119,6 +119,7 @@ def test_nan_output_is_an_inference_error_not_invalid_json():
 @pytest.mark.parametrize("exc,status", [
     (InvalidInput("x"), 400), (ModelNotFound("x"), 404), (PayloadTooLarge("x"), 413), (ModelNotReady("x"), 503),
     (OverBudget("x"), 503), (InferenceTimeout("x"), 504), (InferenceError("x"), 500),
+    (MethodNotAllowed("x"), 405), (ConfigError("x"), 500),
 ])
 def test_error_table(exc, status):
     assert error_status(exc) == (status, "x")
