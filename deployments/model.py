@@ -79,11 +79,24 @@ class ModelDeployment:
             raise RuntimeError(f"model '{self.host.name}' is not loaded")
 
 
+# Requests whose inputs hold at least this many bytes go to the replica by reference (Ray's
+# object store: shared memory on one node) even where handles default to gRPC, which copies
+# and was 5x slower for a 4.9 MB tensor (bench/README.md).
+BY_REFERENCE_MIN_BYTES = 1 << 20
+
+
+def payload_bytes(inputs: dict[str, np.ndarray]) -> int:
+    """Bytes the arrays carry (BYTES elements counted by their length)."""
+    return sum(sum(len(x) for x in a.flat) if a.dtype == object else a.nbytes for a in inputs.values())
+
+
 class ModelClient:
     """Calls a model by name through its deployment handle: dedicated or pooled.
 
     Used by the router and by pipelines; the arrays travel to the replica as Ray objects
-    (no re-encoding between deployments).
+    (no re-encoding between deployments): over gRPC where the cluster makes that the handle
+    default (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, see the Makefile's ``serve``), by reference
+    for inputs of ``BY_REFERENCE_MIN_BYTES`` and more.
     """
 
     def __init__(self, dedicated: dict[str, Any], pool: Any | None, pool_models: Iterable[str]) -> None:
@@ -105,7 +118,10 @@ class ModelClient:
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray],
                     outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        return await self.handle(name).infer.remote(inputs, outputs)
+        handle = self.handle(name)
+        if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
+            handle = handle.options(_by_reference=True)
+        return await handle.infer.remote(inputs, outputs)
 
 
 @serve.deployment

@@ -7,6 +7,7 @@ batch; the replica's own counters (``ModelDeployment.batching``) say what it ran
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +49,23 @@ def batching_server(serve_instance, tmp_path_factory):
     serve.delete("batching")
 
 
-def counters(model: str) -> dict:
+@pytest.fixture(scope="module")
+def counters(batching_server):
+    """``counters(model)``: the replica's batch counters. The handle lives on one event loop
+    of its own (a handle's router may be bound to the loop it was made on, as with
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=1)."""
     from ray import serve
 
-    return serve.get_deployment_handle(f"model-{model}", app_name="batching").batching.remote().result()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def ask(model: str) -> dict:
+        return await serve.get_deployment_handle(f"model-{model}", app_name="batching").batching.remote()
+
+    yield lambda model: asyncio.run_coroutine_threadsafe(ask(model), loop).result(timeout=60)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
 
 
 def reference(model: str, x: np.ndarray) -> np.ndarray:
@@ -96,7 +110,7 @@ def send_together(calls: list) -> list:
         return list(pool.map(run, calls))
 
 
-def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching_server):
+def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching_server, counters):
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal((rows, 3, 48, 192), dtype=np.float32) for rows in (1, 2, 1, 3, 1, 2)]
     bad = np.zeros((1, 3, 48, 100), np.float32)  # width 100: outside ocr_cls's fixed 192
@@ -117,7 +131,7 @@ def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching
     assert after["retried_alone"] == before["retried_alone"]
 
 
-def test_ocr_rec_batches_each_width_apart(batching_server):
+def test_ocr_rec_batches_each_width_apart(batching_server, counters):
     rng = np.random.default_rng(12)
     widths = [160, 320, 160, 320, 160, 320]
     inputs = [rng.standard_normal((1, 3, 48, w), dtype=np.float32) for w in widths]
