@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= test,bench,tensorrt
 
-.PHONY: serve test unit integration models engines plan venv clean
+.PHONY: serve bench test unit integration models engines plan venv clean
 
 venv: $(STAMP)
 
@@ -22,9 +22,20 @@ $(STAMP): pyproject.toml
 models: $(STAMP)
 	$(PY) -m deployments.prepare --root engines
 
+# Ray Serve's fast paths, on unless FAST=0 (measurements: bench/README.md): the HAProxy
+# ingress, Ray's throughput-optimized mode (gRPC between deployments, user code and handle
+# routers on the replica's event loop), and gRPC messages up to 2 GiB (the 4 MiB default
+# refuses a (1, 3, 640, 640) FP32 tensor). On a running cluster set them in its environment.
+FAST ?= 1
+FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
+
 # Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST).
 serve: models
-	$(VENV)/bin/serve run serve_config.yaml
+	$(if $(filter 1,$(FAST)),$(FAST_ENV)) $(VENV)/bin/serve run serve_config.yaml
+
+# Ray Serve app vs the single-process baseline (bench/README.md); results in bench/results/.
+bench: models
+	$(PY) -m bench.throughput --quick
 
 # Build a TensorRT plan for every model (TensorRT, or TensorRT-RTX on a CPU-only machine).
 engines: models
