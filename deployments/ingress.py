@@ -19,7 +19,6 @@ import re
 from typing import Any, Awaitable, Callable, Iterable
 
 from ray import serve
-from ray.exceptions import RayActorError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,7 +38,6 @@ logger = logging.getLogger("ray.serve")
 SERVER_NAME = "trt-serve"
 EXTENSIONS = ["model_repository"]
 _READY_POLL_S = 1.0
-_REPLICA_LOST_RETRIES = 1  # sends again of a request whose model replica died holding it
 _MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
 # KServe / Triton platform names by backend.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
@@ -214,26 +212,9 @@ class Router:
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
         try:
-            return await asyncio.wait_for(self._infer_retrying(name, inputs, outputs), self.request_timeout_s)
+            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), self.request_timeout_s)
         except asyncio.TimeoutError:
             raise InferenceTimeout(f"model '{name}' did not answer within {self.request_timeout_s:g} s") from None
-
-    async def _infer_retrying(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
-        """``client.infer``, sent again when the replica died while holding the request.
-
-        A dead replica surfaces here as ``ray.exceptions.ActorDiedError`` (a ``RayActorError``;
-        ``ActorUnavailableError`` when Ray cannot tell yet). Serve has already dropped that
-        replica from routing, so the retry goes to a live one or waits for the replacement
-        (inference has no side effects). A second loss answers 503.
-        """
-        for attempt in range(_REPLICA_LOST_RETRIES + 1):
-            try:
-                return await self.client.infer(name, inputs, outputs)
-            except RayActorError:
-                if attempt == _REPLICA_LOST_RETRIES:
-                    break
-                logger.warning("model '%s': replica died during a request; sending it again", name)
-        raise ModelNotReady(f"model '{name}': its replica stopped while serving the request; retry shortly")
 
     @_answers_errors
     async def infer(self, request: Request) -> Response:

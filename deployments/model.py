@@ -12,15 +12,18 @@ from typing import Any, Iterable
 
 import numpy as np
 from ray import serve
+from ray.exceptions import RayActorError
 
 from .pipelines import create_pipeline
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
-from .runtime.errors import ModelNotFound
+from .runtime.errors import ModelNotFound, ModelNotReady
 from .runtime.host import ModelHost
 from .runtime.validation import validate_inputs
 from .runtime.repository import ModelRepository
 
 logger = logging.getLogger("ray.serve")
+
+_REPLICA_LOST_RETRIES = 1  # sends again of a request whose model replica died holding it
 
 
 @serve.deployment
@@ -118,10 +121,28 @@ class ModelClient:
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray],
                     outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run ``inputs`` on model ``name``; returns its outputs by name.
+
+        A replica that dies holding the request surfaces as ``ray.exceptions.RayActorError``
+        (``ActorDiedError``); Serve has dropped it from routing by then, so the request is sent
+        once more, to a live or replacement replica (inference has no side effects).
+
+        Raises:
+            ModelNotFound: no deployment serves ``name``.
+            ModelNotReady: the replica died again on the second try.
+            ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
+        """
         handle = self.handle(name)
         if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
             handle = handle.options(_by_reference=True)
-        return await handle.infer.remote(inputs, outputs)
+        for attempt in range(_REPLICA_LOST_RETRIES + 1):
+            try:
+                return await handle.infer.remote(inputs, outputs)
+            except RayActorError:
+                if attempt == _REPLICA_LOST_RETRIES:
+                    break
+                logger.warning("model '%s': replica died during a request; sending it again", name)
+        raise ModelNotReady(f"model '{name}': its replica stopped while serving the request; retry shortly")
 
 
 @serve.deployment
