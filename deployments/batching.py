@@ -27,17 +27,18 @@ that decides how much batching happens.
 
 from __future__ import annotations
 
+import copy
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .protocol.v2 import check_outputs
 from .runtime.config import ModelConfig
-from .runtime.errors import InferenceError, InferenceTimeout, ModelNotReady
+from .runtime.errors import InferenceTimeout, ModelNotReady
 from .runtime.host import ModelHost
-from .runtime.validation import validate_inputs
+from .runtime.validation import validate_inputs, validate_outputs
 
 # Failures that belong to no single request: retrying the group one by one cannot help.
 _GROUP_FAILURES = (InferenceTimeout, ModelNotReady)
@@ -89,7 +90,7 @@ class BatchItem:
             InvalidInput: the inputs or requested outputs do not fit ``config``.
         """
         validate_inputs(config, inputs)
-        check_outputs(config, outputs)
+        validate_outputs(config, outputs)
         names = sorted(inputs)
         signature = tuple((n, inputs[n].shape[1:], inputs[n].dtype.str) for n in names)
         rows = inputs[names[0]].shape[0]
@@ -165,11 +166,11 @@ def _run_group(host: ModelHost, group: list[BatchItem]) -> tuple[list[dict[str, 
     rows = sum(item.rows for item in group)
     try:
         result = host.infer(combined, None)
-        if any(a.ndim == 0 or a.shape[0] != rows for a in result.values()):
-            raise InferenceError(f"model '{host.name}': an output's axis 0 is not the batch's {rows} rows")
     except _GROUP_FAILURES as e:
-        return [e] * len(group), "failed"
+        return [copy.copy(e) for _ in group], "failed"  # one exception object per request
     except Exception:  # one request may be the cause: answer each on its own
+        return [_run_alone(host, item) for item in group], "retried"
+    if any(a.ndim == 0 or a.shape[0] != rows for a in result.values()):  # outputs not per row
         return [_run_alone(host, item) for item in group], "retried"
     out: list[dict[str, np.ndarray] | BaseException] = []
     start = 0

@@ -28,10 +28,10 @@ from . import __version__
 from .model import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
-from .protocol.v2 import check_outputs, model_metadata
+from .protocol.v2 import model_metadata
 from .runtime.errors import InferenceTimeout, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.repository import ModelEntry, ModelRepository
-from .runtime.validation import validate_inputs
+from .runtime.validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger("ray.serve")
 
@@ -222,7 +222,7 @@ class Router:
         body = await self._read_body(request)
         infer_request = decode_request(body, request.headers.get(HEADER_LENGTH))
         validate_inputs(entry.config, infer_request.inputs)
-        check_outputs(entry.config, infer_request.outputs)
+        validate_outputs(entry.config, infer_request.outputs)
         self._require_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
         content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)

@@ -39,6 +39,7 @@ class ModelDeployment:
         self.batch_stats = BatchStats()
         policy = BatchPolicy.of(self.host.config)
         self._batched = None
+        self._max_rows = 0 if policy is None else policy.max_rows
         if policy is not None:
             async def run(items: list[BatchItem]) -> list:
                 done = await asyncio.to_thread(run_batch, self.host, items)
@@ -51,9 +52,10 @@ class ModelDeployment:
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request; see ``ModelHost.infer`` for shapes and raised errors."""
-        if self._batched is None:
+        item = None if self._batched is None else BatchItem.of(self.host.config, inputs, outputs)
+        if item is None or item.rows > self._max_rows:  # a request over the batch size runs alone
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
-        result = await self._batched(BatchItem.of(self.host.config, inputs, outputs))
+        result = await self._batched(item)
         if isinstance(result, BaseException):
             raise result
         return result

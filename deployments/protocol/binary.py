@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from typing import Any, Iterable, Mapping
 
@@ -32,14 +33,13 @@ import numpy as np
 from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.errors import InferenceError, InvalidInput
 from .v2 import (
-    DATATYPES,
     InferRequest,
-    _check_shape,
     decode_infer_request,
     decode_tensor,
     encode_infer_response,
     encode_tensor,
     parse_json,
+    tensor_header,
 )
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -47,6 +47,7 @@ JSON_MEDIA_TYPE = "application/json"
 BINARY_MEDIA_TYPE = "application/octet-stream"
 _ALIGN = 64
 _LENGTH_PREFIX = struct.Struct("<I")
+_LENGTH = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes superscripts
 
 Body = bytes | bytearray | memoryview
 
@@ -60,7 +61,7 @@ def parse_header_length(value: str | None, body_bytes: int) -> int | None:
     if value is None:
         return None
     text = value.strip()
-    if not text.isdigit():
+    if not _LENGTH.fullmatch(text):
         raise InvalidInput(f"Inference-Header-Content-Length must be a non-negative integer, got {value[:40]!r}")
     length = int(text)
     if length > body_bytes:
@@ -111,19 +112,12 @@ class _BinarySection:
         params = obj.get("parameters") if isinstance(obj, dict) else None
         if not isinstance(params, dict) or "binary_data_size" not in params:
             return decode_tensor(obj, index)
-        name = obj.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"inputs[{index}]: 'name' must be a non-empty string")
-        where = f"input '{name}'"
+        name, where, datatype, shape, params = tensor_header(obj, index)
         size = params["binary_data_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer, got {size!r}"[:200])
         if "data" in obj:
             raise InvalidInput(f"{where}: give either 'data' or parameters.binary_data_size, not both")
-        datatype = obj.get("datatype")
-        if datatype not in NUMPY_BY_DATATYPE:
-            raise InvalidInput(f"{where}: datatype {datatype!r} is not one of {DATATYPES}"[:200])
-        shape = _check_shape(where, obj.get("shape"))
         remaining = len(self.data) - self.offset
         if size > remaining:
             if not self.has_header:
@@ -165,6 +159,10 @@ def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, 
 
 
 def _decode_bytes(where: str, raw: memoryview, count: int) -> np.ndarray:
+    if count > len(raw) // _LENGTH_PREFIX.size:  # checked before allocating ``count`` slots
+        raise InvalidInput(
+            f"{where}: {count} BYTES elements need at least {count * _LENGTH_PREFIX.size} bytes "
+            f"(a 4-byte length each), binary_data_size gives {len(raw)} bytes")
     out = np.empty(count, dtype=object)
     pos, end = 0, len(raw)
     for i in range(count):

@@ -20,7 +20,6 @@ import numpy as np
 from ..runtime.config import ModelConfig
 from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.errors import InferenceError, InvalidInput
-from ..runtime.validation import validate_outputs
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -138,11 +137,14 @@ def _bytes_array(where: str, flat: list, base64_encoded: bool) -> np.ndarray:
     return out
 
 
-def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
-    """One JSON input tensor -> (name, array shaped as declared).
+def tensor_header(obj: Any, index: int) -> tuple[str, str, str, tuple[int, ...], dict[str, Any]]:
+    """Check the fields every input tensor has, JSON or binary.
+
+    Returns:
+        ``(name, where, datatype, shape, parameters)``; ``where`` names the input for messages.
 
     Raises:
-        InvalidInput: a missing field, an unknown datatype, a bad shape, element count or value.
+        InvalidInput: not an object, a bad name, datatype, shape or parameters.
     """
     if not isinstance(obj, dict):
         raise InvalidInput(f"inputs[{index}] must be an object with name, shape, datatype and data")
@@ -154,6 +156,19 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
     if not isinstance(datatype, str) or datatype not in NUMPY_BY_DATATYPE:
         raise InvalidInput(f"{where}: datatype {json.dumps(datatype)[:40]} is not one of {DATATYPES}")
     shape = _check_shape(where, obj.get("shape"))
+    params = obj.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInput(f"{where}: 'parameters' must be an object")
+    return name, where, datatype, shape, params
+
+
+def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
+    """One JSON input tensor -> (name, array shaped as declared).
+
+    Raises:
+        InvalidInput: a missing field, an unknown datatype, a bad shape, element count or value.
+    """
+    name, where, datatype, shape, params = tensor_header(obj, index)
     if "data" not in obj:
         raise InvalidInput(f"{where}: 'data' is missing")
     flat: list = []
@@ -161,9 +176,6 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
     count = math.prod(shape)
     if len(flat) != count:
         raise InvalidInput(f"{where}: shape {list(shape)} needs {count} elements, data has {len(flat)}")
-    params = obj.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInput(f"{where}: 'parameters' must be an object")
     if datatype == "BYTES":
         array = _bytes_array(where, flat, params.get("content_type") == "base64")
     else:
@@ -216,11 +228,6 @@ def decode_infer_request(payload: Any,
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")
     return InferRequest(request_id, inputs, outputs, output_parameters, parameters)
-
-
-def check_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> None:
-    """Raises InvalidInput when a requested output is not declared by the model."""
-    validate_outputs(config, outputs)
 
 
 def check_finite(model_name: str, outputs: Mapping[str, np.ndarray]) -> None:

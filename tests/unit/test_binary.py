@@ -186,16 +186,33 @@ def test_malformed_binary_tensor_header_is_400(tensor_json, message):
         decode(body, header)
 
 
-@pytest.mark.parametrize("payload", [
-    struct.pack("<I", 10) + b"abc",  # a length past the end
-    b"\x01\x00",                     # a truncated length prefix
+@pytest.mark.parametrize("payload,message", [
+    (struct.pack("<I", 10) + b"abc", "BYTES element 0 says 10 bytes"),  # a length past the end
+    (b"\x01\x00", "1 BYTES elements need at least 4 bytes"),           # a truncated length prefix
+    (struct.pack("<I", 1) + b"a" + b"\x01\x00\x00", "BYTES element 1 of 2 starts at byte 5"),
 ])
-def test_truncated_bytes_elements_are_400(payload):
+def test_truncated_bytes_elements_are_400(payload, message):
+    shape = [message.count("element 1") + 1]
     body, header = binary_body(
-        {"inputs": [{"name": "s", "shape": [1], "datatype": "BYTES",
+        {"inputs": [{"name": "s", "shape": shape, "datatype": "BYTES",
                      "parameters": {"binary_data_size": len(payload)}}]}, payload)
-    with pytest.raises(InvalidInput, match="BYTES element 0"):
+    with pytest.raises(InvalidInput, match=message):
         decode(body, header)
+
+
+def test_bytes_element_count_beyond_the_payload_is_400_before_any_allocation():
+    body, header = binary_body(
+        {"inputs": [{"name": "s", "shape": [2**40], "datatype": "BYTES", "parameters": {"binary_data_size": 0}}]}, b"")
+    with pytest.raises(InvalidInput, match="1099511627776 BYTES elements need at least"):
+        decode(body, header)
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "9" * 5000, "-1", "1.0", " "])
+def test_header_length_that_is_not_a_plain_integer_is_400(value):
+    from deployments.protocol.binary import parse_header_length
+
+    with pytest.raises(InvalidInput, match="must be a non-negative integer"):
+        parse_header_length(value, 10)
 
 
 def test_malformed_json_header_is_400():
