@@ -1,0 +1,220 @@
+"""Closed-loop load generator for any KServe v2 endpoint (JSON or Triton binary tensors).
+
+Each of ``concurrency`` workers sends one request, waits for the answer, and sends the next:
+the offered load follows the server's speed (closed loop). Requests are built once and
+replayed, so the client spends its time on HTTP, not on encoding. A run warms up for
+``warmup_s``, then counts the requests that complete within the next ``duration_s``:
+QPS = completed / duration_s; latency percentiles are over those requests (successes only;
+errors are counted apart by status).
+
+Several workloads can run at once (``run``), e.g. two models together; ``processes > 1``
+splits every workload's workers across that many client processes (one event loop each) so
+the client is not the bottleneck on a many-core machine.
+
+    python -m bench.loadgen --url http://127.0.0.1:8000 --model tiny_cnn --shape 1,3,224,224 \\
+        --concurrency 1,2,4,8,16,32,64 --duration-s 10 [--binary] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One endpoint and the request replayed against it (body built once)."""
+
+    label: str
+    url: str
+    body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def make_workload(label: str, base_url: str, model: str, input_name: str, x: np.ndarray,
+                  binary: bool = False, datatype: str = "FP32") -> Workload:
+    """A KServe v2 infer request for one input tensor ``x``.
+
+    ``binary``: input and outputs as Triton binary tensor data (``Inference-Header-Content-Length``);
+    else JSON ``data`` in and out.
+    """
+    url = f"{base_url.rstrip('/')}/v2/models/{model}/infer"
+    tensor = {"name": input_name, "shape": list(x.shape), "datatype": datatype}
+    if not binary:
+        body = json.dumps({"inputs": [{**tensor, "data": x.ravel().tolist()}]}).encode()
+        return Workload(label, url, body, {"Content-Type": "application/json"})
+    raw = np.ascontiguousarray(x).tobytes()
+    head = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+    return Workload(label, url, head + raw,
+                    {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))})
+
+
+@dataclass
+class Result:
+    """One workload at one concurrency: throughput and latency of the measured window."""
+
+    label: str
+    concurrency: int
+    duration_s: float
+    requests: int
+    errors: int
+    qps: float
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    error_statuses: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Samples:
+    latencies_s: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples) -> None:
+    import aiohttp
+
+    while True:
+        sent = time.perf_counter()
+        if sent >= stop:
+            return
+        try:
+            async with session.post(workload.url, data=workload.body, headers=workload.headers) as response:
+                await response.read()
+                status = str(response.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            status = type(e).__name__
+        done = time.perf_counter()
+        if sent < start or done > stop:
+            continue  # warm-up, or finishing after the window: not counted
+        if status == "200":
+            samples.latencies_s.append(done - sent)
+        else:
+            samples.errors[status] = samples.errors.get(status, 0) + 1
+
+
+async def _closed_loop(plan: Sequence[tuple[Workload, int]], warmup_s: float,
+                       duration_s: float) -> list[_Samples]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=max(60.0, 3 * duration_s))
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(1, c), force_close=False),
+                                      timeout=timeout) for _, c in plan]
+    start = time.perf_counter() + warmup_s
+    stop = start + duration_s
+    samples = [_Samples() for _ in plan]
+    try:
+        await asyncio.gather(*(
+            _worker(session, workload, start, stop, s)
+            for (workload, concurrency), session, s in zip(plan, sessions, samples)
+            for _ in range(concurrency)))
+    finally:
+        for session in sessions:
+            await session.close()
+    return samples
+
+
+def _run_in_process(args: tuple[list[tuple[Workload, int]], float, float]) -> list[_Samples]:
+    plan, warmup_s, duration_s = args
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(_closed_loop(plan, warmup_s, duration_s))
+
+
+def _percentile_ms(latencies: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(latencies, q)) * 1e3, 3) if latencies.size else None
+
+
+def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s: float = 2.0,
+        processes: int = 1) -> list[Result]:
+    """Run every ``(workload, concurrency)`` at once; one ``Result`` per workload.
+
+    ``processes > 1``: each workload's workers are split across that many client processes
+    (a workload with fewer workers than processes uses fewer).
+    """
+    shares = []
+    for p in range(max(1, processes)):
+        share = [(w, c // processes + (1 if p < c % processes else 0)) for w, c in plan]
+        if any(c for _, c in share):
+            shares.append(share)
+    if len(shares) == 1:
+        parts = [_run_in_process((shares[0], warmup_s, duration_s))]
+    else:
+        with multiprocessing.get_context("spawn").Pool(len(shares)) as pool:
+            parts = pool.map(_run_in_process, [(s, warmup_s, duration_s) for s in shares])
+    results = []
+    for i, (workload, concurrency) in enumerate(plan):
+        latencies = np.array([x for part in parts for x in part[i].latencies_s])
+        errors: dict[str, int] = {}
+        for part in parts:
+            for status, n in part[i].errors.items():
+                errors[status] = errors.get(status, 0) + n
+        results.append(Result(
+            label=workload.label, concurrency=concurrency, duration_s=duration_s,
+            requests=int(latencies.size), errors=sum(errors.values()),
+            qps=round(latencies.size / duration_s, 2), p50_ms=_percentile_ms(latencies, 50),
+            p90_ms=_percentile_ms(latencies, 90), p99_ms=_percentile_ms(latencies, 99),
+            error_statuses=errors))
+    return results
+
+
+def sweep(workload: Workload, levels: Sequence[int] = SWEEP, duration_s: float = 10.0,
+          warmup_s: float = 2.0, processes: int = 1) -> list[Result]:
+    """One workload at each concurrency in ``levels``, one after another."""
+    return [run([(workload, c)], duration_s, warmup_s, processes)[0] for c in levels]
+
+
+def _input_name(base_url: str, model: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url.rstrip('/')}/v2/models/{model}", timeout=30) as r:
+        return json.load(r)["inputs"][0]["name"]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--shape", required=True, help="input shape, e.g. 1,3,224,224 (random FP32 data)")
+    parser.add_argument("--input-name", help="default: the first input of GET /v2/models/{model}")
+    parser.add_argument("--binary", action="store_true", help="Triton binary tensors in and out")
+    parser.add_argument("--concurrency", default=",".join(map(str, SWEEP)))
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--processes", type=int, default=1, help="client processes")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    shape = tuple(int(d) for d in args.shape.split(","))
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    name = args.input_name or _input_name(args.url, args.model)
+    workload = make_workload(args.model, args.url, args.model, name, x, args.binary)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = sweep(workload, levels, args.duration_s, args.warmup_s, args.processes)
+    print(f"{'concurrency':>11} {'QPS':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    for r in results:
+        print(f"{r.concurrency:>11} {r.qps:>9.1f} {r.p50_ms or 0:>8.2f} {r.p90_ms or 0:>8.2f} "
+              f"{r.p99_ms or 0:>8.2f} {r.errors:>6}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

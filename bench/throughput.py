@@ -1,0 +1,639 @@
+"""Ray Serve app vs the single-process baseline, side by side on one machine, in one run.
+
+Scenarios (each against both servers unless noted; inputs are random FP32 tensors sent as
+Triton binary tensors unless the scenario compares encodings):
+
+- ``alone``: each model alone, closed-loop concurrency sweep: QPS, p50/p90/p99.
+- ``together``: two and three models at once at ``--together-concurrency`` each;
+  retention = sum of QPS together / sum of QPS alone at that concurrency.
+- ``batching``: Ray only: a copy of each model with ``dynamic_batching`` against the
+  unbatched model, plus the replica's batch counters (requests per model call).
+- ``payload``: JSON vs binary for ocr_det's (1, 3, 640, 640) FP32 input.
+- ``hop``: p50 at concurrency 1 through the Router (HTTP -> router -> model replica) against
+  a Serve ingress that runs the model in its own replica (HTTP -> model) and the single
+  process; the router hop adds (router - direct).
+- ``configs`` (Ray only, a fresh cluster each): Ray's ingress and handle options:
+  ``proxy`` (Python proxy), ``haproxy`` (``RAY_SERVE_ENABLE_HA_PROXY=1``), ``haproxy-grpc``
+  (plus ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: handles default to ``_by_reference=False``),
+  ``fast`` (HAProxy plus ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: the ``make serve`` default).
+- ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
+  each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)).
+
+Every server runs ONNX Runtime with one intra-op thread per session (``ORT_INTRA_OP_THREADS=1``)
+so replicas and contexts, not ORT's own threads, are what scales. Results go to ``--out``
+(default ``bench/results/``): ``throughput-<time>.json``, ``.md`` and ``.png``.
+
+    python -m bench.throughput --quick            # a couple of minutes on 2 cores
+    python -m bench.throughput                    # the full sweep 1..64 and the config comparison
+    python -m bench.throughput --scenarios scaleout --replicas 1,2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import yaml
+
+from bench.loadgen import Result, Workload, make_workload, run, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "ocr_cls": (1, 3, 48, 192),
+    "tiny_cnn": (1, 3, 224, 224),
+    "mid_cnn": (1, 3, 224, 224),
+    "resnet18": (1, 3, 224, 224),
+    "ocr_det": (1, 3, 640, 640),
+}
+BATCHED_SUFFIX = "_batched"
+RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
+SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the model repository the servers share --------------------------------------------------
+
+def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched: Sequence[str],
+                       replicas: int, max_queue_delay_ms: float) -> Path:
+    """``dest`` with each model as a dedicated deployment of ``replicas`` replicas, batching
+    off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched``.
+    Version folders are symlinks to ``source``'s."""
+    for name in list(models) + [m + BATCHED_SUFFIX for m in batched]:
+        base = name.removesuffix(BATCHED_SUFFIX)
+        raw = yaml.safe_load((source / base / "config.yaml").read_text())
+        raw.pop("name", None)
+        raw.pop("dynamic_batching", None)
+        raw["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
+                             "max_ongoing_requests": 64}
+        if name != base:
+            raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms}
+        folder = dest / name
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        (folder / "1").symlink_to((source / base / "1").resolve())
+    return dest
+
+
+# --- the servers -----------------------------------------------------------------------------
+
+def ray_env(config: str, scratch: Path) -> dict[str, str]:
+    """Environment for a Ray cluster in ``config``; HAProxy's files and ports are this run's own
+    (its defaults under /tmp/haproxy-serve and ports 8404/9101 would collide with other
+    clusters on the machine)."""
+    if config not in RAY_CONFIGS:
+        raise ValueError(f"unknown Ray config {config!r}; one of {RAY_CONFIGS}")
+    env: dict[str, str] = {}
+    if config != "proxy":
+        env.update({
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(scratch / "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": str(scratch / "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(scratch),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(scratch / "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        })
+    if config == "haproxy-grpc":
+        env["RAY_SERVE_USE_GRPC_BY_DEFAULT"] = "1"
+    if config == "fast":
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    if config in ("haproxy-grpc", "fast"):
+        # gRPC between deployments caps messages at 4 MiB by default: a (1, 3, 640, 640) FP32
+        # tensor (4.9 MB) would fail. Raise it to gRPC's own 2 GiB limit.
+        env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] = str(2**31 - 1)
+    return env
+
+
+def _serve_ray(args: argparse.Namespace) -> None:
+    """Subprocess: a fresh local Ray cluster serving the app (``/``) and the direct ingress
+    (``/direct``); prints READY, answers ``stats <model>`` lines, shuts down at EOF."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    os.environ.update(ray_env(args.ray_config, scratch))
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
+        app_args = {"repository": args.repository, "router": router}
+        if args.models:
+            app_args["models"] = args.models.split(",")
+        serve.run(build_app(app_args), name="models", route_prefix="/")
+        if args.direct:
+            serve.run(_direct_ingress(serve).options(num_replicas=args.replicas).bind(
+                args.repository, args.direct.split(",")), name="direct", route_prefix="/direct")
+        base = f"http://127.0.0.1:{args.port}"
+        _wait_ready(f"{base}/v2/health/ready")
+        if args.direct:
+            _wait_ready(f"{base}/direct/v2/health/ready")
+        print("READY", flush=True)
+        asyncio.run(_answer_stats(serve))
+    except RuntimeError:
+        for app in serve.status().applications.values():
+            for name, d in app.deployments.items():
+                print(f"{name}: {d.status}: {d.message[-2000:]}", file=sys.stderr)
+        raise
+    finally:
+        # No serve.shutdown(): it waits 30 s for HAProxy to drain; the whole cluster goes anyway.
+        ray.shutdown()
+        _stop_leftovers(scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stop_leftovers(scratch: Path) -> None:
+    """SIGTERM processes whose command line names ``scratch`` (this run's HAProxy, which can
+    outlive its killed manager actor), by pid."""
+    marker = str(scratch).encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGTERM)
+
+
+async def _answer_stats(serve: Any) -> None:
+    """Answer ``stats <model>`` lines on stdin with the model's batch counters, until EOF.
+    Handles are used inside this one event loop (in Ray's throughput-optimized mode a
+    handle's router runs on the loop that made it)."""
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        words = line.split()
+        if words[:1] == ["stats"]:
+            handle = serve.get_deployment_handle(f"model-{words[1]}", app_name="models")
+            print(json.dumps(await handle.batching.remote()), flush=True)
+
+
+def _direct_ingress(serve: Any) -> Any:
+    """A Serve ingress whose replica runs the models itself (the single-process app inside a
+    replica): HTTP -> model with no handle hop."""
+
+    @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.1})
+    @serve.ingress()
+    class DirectIngress:
+        def __init__(self, repository: str, models: list[str]) -> None:
+            from bench.single_process import create_app
+
+            self.asgi = create_app(repository, models)
+
+        def __serve_build_asgi_app__(self) -> Any:
+            return self.asgi
+
+    return DirectIngress
+
+
+def _wait_ready(url: str, timeout_s: float = 300.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server for {url} exited with status {process.returncode}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready within {timeout_s:g} s")
+
+
+class Server:
+    """A server subprocess: the Ray app (``kind='ray'``) or the single process."""
+
+    def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
+                 models: Sequence[str] = (), direct: Sequence[str] = ()) -> None:
+        self.kind, self.ray_config = kind, ray_config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if kind == "ray":
+            cmd = [sys.executable, "-m", "bench.throughput", "_serve-ray", "--repository", str(repository),
+                   "--port", str(self.port), "--ray-config", ray_config, "--replicas", str(replicas)]
+            cmd += ["--models", ",".join(models)] if models else []
+            cmd += ["--direct", ",".join(direct)] if direct else []
+            self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            text=True, start_new_session=True)
+            if self._reply() != "READY":
+                self.close()
+                raise RuntimeError("the Ray server did not start; its stderr is above")
+        else:
+            cmd = [sys.executable, "-m", "bench.single_process", "--repository", str(repository),
+                   "--port", str(self.port)] + (["--models", ",".join(models)] if models else [])
+            self.process = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+            _wait_ready(f"{self.url}/v2/health/ready", process=self.process)
+
+    def _reply(self) -> str:
+        """The server's next protocol line (READY or JSON); anything else printed is passed on."""
+        for line in self.process.stdout:
+            if line.startswith(("READY", "{")):
+                return line.strip()
+            sys.stderr.write(line)
+        return ""
+
+    def batch_stats(self, model: str) -> dict[str, Any]:
+        self.process.stdin.write(f"stats {model}\n")
+        self.process.stdin.flush()
+        return json.loads(self._reply())
+
+    def close(self) -> None:
+        if self.process.poll() is not None:
+            return
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # the Ray server shuts its cluster down at EOF
+        else:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGTERM)  # its own process group (start_new_session)
+            self.process.wait(timeout=30)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, repository: Path) -> None:
+        self.args, self.repository = args, repository
+        self.results: dict[str, Any] = {}
+        self.inputs = {m: np.random.default_rng(0).random(SHAPES[m], dtype=np.float32) for m in SHAPES}
+        configs = {m: yaml.safe_load((repository / m / "config.yaml").read_text())
+                   for m in os.listdir(repository)}
+        self.input_names = {m: c["inputs"][0]["name"] for m, c in configs.items()}
+
+    def workload(self, server: Server, model: str, binary: bool = True, prefix: str = "",
+                 label: str | None = None) -> Workload:
+        base = model.removesuffix(BATCHED_SUFFIX)
+        return make_workload(label or f"{server.kind}:{model}", server.url + prefix, model,
+                             self.input_names[model], self.inputs[base], binary)
+
+    def measure(self, plan: list[tuple[Workload, int]], duration_s: float | None = None) -> list[Result]:
+        a = self.args
+        return run(plan, duration_s or a.duration_s, a.warmup_s, a.processes)
+
+    def log(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def alone(self, servers: dict[str, Server]) -> None:
+        rows = []
+        for model in self.args.models:
+            for name, server in servers.items():
+                for r in sweep(self.workload(server, model), self.args.levels, self.args.duration_s,
+                               self.args.warmup_s, self.args.processes):
+                    rows.append({"server": name, "model": model, **asdict(r)})
+                    self.log(f"alone {name:6} {model:10} c={r.concurrency:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
+        self.results["alone"] = rows
+
+    def _alone_qps(self, server: str, model: str, concurrency: int) -> float:
+        for row in self.results.get("alone", []):
+            if (row["server"], row["model"], row["concurrency"]) == (server, model, concurrency):
+                return row["qps"]
+        return float("nan")
+
+    def together(self, servers: dict[str, Server]) -> None:
+        c = self.args.together_concurrency
+        models = self.args.models
+        groups = [models[:2], models[:3]] if len(models) >= 3 else [models[:2]]
+        rows = []
+        for group in groups:
+            for name, server in servers.items():
+                results = self.measure([(self.workload(server, m), c) for m in group])
+                alone = {m: self._alone_qps(name, m, c) for m in group}
+                together = {m: r.qps for m, r in zip(group, results)}
+                retention = sum(together.values()) / sum(alone.values())
+                rows.append({"server": name, "models": group, "concurrency_each": c, "qps_alone": alone,
+                             "qps_together": together, "retention": round(retention, 3),
+                             "p50_ms": {m: r.p50_ms for m, r in zip(group, results)},
+                             "errors": sum(r.errors for r in results)})
+                self.log(f"together {name:6} {'+'.join(group)}: retention {retention:.2f}")
+        self.results["together"] = rows
+
+    def batching(self, ray_server: Server) -> None:
+        rows = []
+        for model in self.args.batched:
+            for variant in (model, model + BATCHED_SUFFIX):
+                for level in self.args.batch_levels:
+                    before = ray_server.batch_stats(variant)
+                    (r,) = self.measure([(self.workload(ray_server, variant), level)])
+                    after = ray_server.batch_stats(variant)
+                    calls = sum(after["calls_by_requests"].values()) - sum(before["calls_by_requests"].values())
+                    requests = after["requests"] - before["requests"]
+                    rows.append({"model": model, "batched": variant != model, **asdict(r),
+                                 "requests_per_model_call": round(requests / calls, 2) if calls else None})
+                    self.log(f"batching {variant:18} c={level:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
+        self.results["batching"] = rows
+
+    def payload(self, servers: dict[str, Server]) -> None:
+        rows = []
+        for name, server in servers.items():
+            for binary in (False, True):
+                workload = self.workload(server, "ocr_det", binary)
+                (r,) = self.measure([(workload, self.args.payload_concurrency)], self.args.payload_duration_s)
+                rows.append({"server": name, "encoding": "binary" if binary else "json",
+                             "request_bytes": len(workload.body), **asdict(r)})
+                self.log(f"payload {name:6} {'binary' if binary else 'json':6} {r.qps:8.2f} QPS  p50 {r.p50_ms} ms")
+        self.results["payload"] = rows
+
+    def hop(self, ray_server: Server, single: Server | None, models: Sequence[str]) -> list[dict[str, Any]]:
+        rows = []
+        for model in models:
+            paths = [("router", ray_server, ""), ("direct", ray_server, "/direct")]
+            if single is not None:
+                paths.append(("single", single, ""))
+            p50 = {}
+            for path, server, prefix in paths:
+                (r,) = self.measure([(self.workload(server, model, prefix=prefix), 1)])
+                p50[path] = r.p50_ms
+            rows.append({"model": model, "ray_config": ray_server.ray_config, "p50_ms": p50,
+                         "router_hop_ms": round(p50["router"] - p50["direct"], 3)})
+            self.log(f"hop {model:10} {p50}")
+        return rows
+
+    def configs(self) -> None:
+        rows = []
+        model = self.args.hop_models[0]
+        for config in self.args.ray_configs:
+            with Server("ray", self.repository, config, models=[model], direct=[model]) as server:
+                (hop,) = self.hop(server, None, [model])
+                (r,) = self.measure([(self.workload(server, model), self.args.together_concurrency)])
+                rows.append({"ray_config": config, "model": model, "p50_c1_ms": hop["p50_ms"],
+                             "router_hop_ms": hop["router_hop_ms"], "concurrency": r.concurrency,
+                             "qps": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
+                self.log(f"configs {config:13} {r.qps:8.1f} QPS hop {hop['router_hop_ms']} ms")
+        self.results["configs"] = rows
+
+    def scaleout(self, single: Server | None) -> None:
+        rows = []
+        c = self.args.scaleout_concurrency
+        models = self.args.models
+        if single is not None:
+            rows += self._scaleout_row(single, "single", 1, models, c)
+        for k in self.args.replicas:
+            repo = prepare_repository(self.repository.parent / f"engines-k{k}", Path(self.args.repository),
+                                      models, (), k, 0)
+            with Server("ray", repo, self.args.ray_config, replicas=k) as server:
+                rows += self._scaleout_row(server, "ray", k, models, c)
+        ones = {(r["server"], r["models"]): r["qps_total"] for r in rows if r["replicas"] == 1}
+        for row in rows:
+            base = ones.get((row["server"], row["models"]))
+            row["efficiency"] = round(row["qps_total"] / (row["replicas"] * base), 3) if base else None
+        self.results["scaleout"] = rows
+
+    def _scaleout_row(self, server: Server, name: str, k: int, models: Sequence[str], c: int) -> list[dict]:
+        rows, alone_total = [], {}
+        for model in models:
+            (r,) = self.measure([(self.workload(server, model), c)])
+            alone_total[model] = r.qps
+            rows.append({"server": name, "replicas": k, "models": model, "concurrency_each": c,
+                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
+            self.log(f"scaleout {name} k={k} {model}: {r.qps:.1f} QPS")
+        results = self.measure([(self.workload(server, m), c) for m in models])
+        total = sum(r.qps for r in results)
+        rows.append({"server": name, "replicas": k, "models": "+".join(models), "concurrency_each": c,
+                     "qps_total": round(total, 2), "qps": {m: r.qps for m, r in zip(models, results)},
+                     "retention": round(total / sum(alone_total.values()), 3),
+                     "errors": sum(r.errors for r in results)})
+        self.log(f"scaleout {name} k={k} together: {total:.1f} QPS")
+        return rows
+
+
+# --- report ----------------------------------------------------------------------------------
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    out = [f"# Throughput: Ray Serve app vs single process\n",
+           f"`{meta['command']}` on {meta['machine']} ({meta['cpus']} CPUs), Ray {meta['ray']}, "
+           f"ONNX Runtime {meta['onnxruntime']}, Ray config `{meta['ray_config']}`, "
+           f"{meta['duration_s']} s per point after {meta['warmup_s']} s warm-up, "
+           f"{meta['processes']} client process(es), binary tensors unless noted.\n"]
+    if "alone" in results:
+        out.append("## Each model alone (closed loop)\n")
+        out.append(_table(["model", "server", "concurrency", "QPS", "p50 ms", "p90 ms", "p99 ms", "errors"],
+                          [[r["model"], r["server"], r["concurrency"], r["qps"], r["p50_ms"], r["p90_ms"],
+                            r["p99_ms"], r["errors"]] for r in results["alone"]]))
+    if "together" in results:
+        out.append("\n## Models together (retention = QPS together / sum of QPS alone)\n")
+        out.append(_table(["models", "server", "concurrency each", "QPS alone", "QPS together", "retention"],
+                          [["+".join(r["models"]), r["server"], r["concurrency_each"],
+                            " / ".join(f"{v:.0f}" for v in r["qps_alone"].values()),
+                            " / ".join(f"{v:.0f}" for v in r["qps_together"].values()), r["retention"]]
+                           for r in results["together"]]))
+    if "batching" in results:
+        out.append("\n## Dynamic batching (Ray), unbatched vs batched\n")
+        out.append(_table(["model", "batched", "concurrency", "QPS", "p50 ms", "p99 ms", "requests / model call"],
+                          [[r["model"], r["batched"], r["concurrency"], r["qps"], r["p50_ms"], r["p99_ms"],
+                            r["requests_per_model_call"]] for r in results["batching"]]))
+    if "payload" in results:
+        out.append("\n## JSON vs binary, ocr_det (1, 3, 640, 640) FP32\n")
+        out.append(_table(["server", "encoding", "request bytes", "concurrency", "QPS", "p50 ms", "p99 ms"],
+                          [[r["server"], r["encoding"], r["request_bytes"], r["concurrency"], r["qps"],
+                            r["p50_ms"], r["p99_ms"]] for r in results["payload"]]))
+    if "hop" in results:
+        out.append("\n## Router hop: p50 at concurrency 1\n")
+        out.append(_table(["model", "router (HTTP->router->model) ms", "direct (HTTP->model replica) ms",
+                           "single process ms", "added by the router hop ms"],
+                          [[r["model"], r["p50_ms"]["router"], r["p50_ms"]["direct"], r["p50_ms"].get("single"),
+                            r["router_hop_ms"]] for r in results["hop"]]))
+    if "configs" in results:
+        out.append("\n## Ray ingress / handle configurations\n")
+        out.append(_table(["config", "model", "router hop ms (c=1)", "router p50 ms (c=1)", "concurrency",
+                           "QPS", "p50 ms", "p99 ms", "errors"],
+                          [[r["ray_config"], r["model"], r["router_hop_ms"], r["p50_c1_ms"]["router"],
+                            r["concurrency"], r["qps"], r["p50_ms"], r["p99_ms"], r["errors"]]
+                           for r in results["configs"]]))
+    if "scaleout" in results:
+        out.append("\n## Scale-out (efficiency = QPS(k) / (k x QPS(1)); retention = together / sum alone)\n")
+        out.append(_table(["server", "replicas k", "models", "concurrency each", "QPS", "p50 ms", "p99 ms",
+                           "efficiency", "retention"],
+                          [[r["server"], r["replicas"], r["models"], r["concurrency_each"], r["qps_total"],
+                            r.get("p50_ms"), r.get("p99_ms"), r["efficiency"], r.get("retention")]
+                           for r in results["scaleout"]]))
+    return "\n".join(out) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    if "alone" in results:
+        models = sorted({r["model"] for r in results["alone"]})
+        panels += [("alone", m) for m in models]
+    if "scaleout" in results:
+        panels.append(("scaleout", None))
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (kind, model) in zip(axes[0], panels):
+        if kind == "alone":
+            for server in sorted({r["server"] for r in results["alone"]}):
+                rows = [r for r in results["alone"] if r["model"] == model and r["server"] == server]
+                ax.plot([r["concurrency"] for r in rows], [r["qps"] for r in rows], marker="o", label=server)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(f"{model} alone")
+        else:
+            ray_rows = [r for r in results["scaleout"] if r["server"] == "ray"]
+            for models in sorted({r["models"] for r in ray_rows}):
+                rows = [r for r in ray_rows if r["models"] == models]
+                ax.plot([r["replicas"] for r in rows], [r["qps_total"] for r in rows], marker="o", label=models)
+            ax.set_xlabel("replicas per model")
+            ax.set_title("scale-out (Ray)")
+        ax.set_ylabel("QPS")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer points, shorter windows (a couple of minutes)")
+    p.add_argument("--scenarios", help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--repository", default=str(ROOT / "engines"), help="source model repository")
+    p.add_argument("--models", default="ocr_cls,tiny_cnn,resnet18")
+    p.add_argument("--batched", default="ocr_cls,resnet18", help="models also served with dynamic batching")
+    p.add_argument("--max-queue-delay-ms", type=float, default=2.0)
+    p.add_argument("--ray-config", default="fast", choices=RAY_CONFIGS, help="Ray config of the main run")
+    p.add_argument("--ray-configs", default=",".join(RAY_CONFIGS), help="configs compared by 'configs'")
+    p.add_argument("--replicas", default="1,2,4", help="replica counts for 'scaleout'")
+    p.add_argument("--levels", help="concurrency sweep for 'alone' (default 1..64; quick 1,16)")
+    p.add_argument("--together-concurrency", type=int, default=16)
+    p.add_argument("--scaleout-concurrency", type=int, default=64)
+    p.add_argument("--duration-s", type=float)
+    p.add_argument("--warmup-s", type=float)
+    p.add_argument("--processes", type=int, default=1, help="load generator processes")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = p.parse_args(argv)
+    a.command = "python -m bench.throughput " + " ".join(argv)
+    a.models = a.models.split(",")
+    a.batched = [m for m in a.batched.split(",") if m]
+    a.ray_configs = a.ray_configs.split(",")
+    a.replicas = _ints(a.replicas)
+    default_scenarios = [s for s in SCENARIOS if s not in ("scaleout",) + (("configs",) if a.quick else ())]
+    a.scenarios = a.scenarios.split(",") if a.scenarios else default_scenarios
+    a.levels = _ints(a.levels) if a.levels else ([1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 64])
+    if a.together_concurrency not in a.levels and "together" in a.scenarios:
+        a.levels = sorted(set(a.levels) | {a.together_concurrency})
+    a.duration_s = a.duration_s or (2.0 if a.quick else 10.0)
+    a.warmup_s = a.warmup_s if a.warmup_s is not None else (1.0 if a.quick else 2.0)
+    a.batch_levels = [1, a.together_concurrency]
+    a.payload_concurrency = 2
+    a.payload_duration_s = max(a.duration_s, 4.0)
+    a.hop_models = [m for m in ("ocr_cls", "tiny_cnn") if m in a.models][: 1 if a.quick else 2] or a.models[:1]
+    return a
+
+
+def _meta(a: argparse.Namespace) -> dict[str, Any]:
+    import onnxruntime
+    import ray
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
+            "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
+            "ray_config": a.ray_config, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
+            "processes": a.processes, "scenarios": a.scenarios, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def main(argv: Sequence[str]) -> None:
+    if argv[:1] == ["_serve-ray"]:
+        p = argparse.ArgumentParser()
+        for flag in ("--repository", "--ray-config", "--direct", "--models"):
+            p.add_argument(flag)
+        p.add_argument("--port", type=int)
+        p.add_argument("--replicas", type=int, default=1)
+        _serve_ray(p.parse_args(argv[1:]))
+        return
+    a = parse_args(argv)
+    os.environ["ORT_INTRA_OP_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-repo-"))
+    needs_main = set(a.scenarios) & {"alone", "together", "batching", "payload", "hop"}
+    models = list(dict.fromkeys(a.models + a.batched + (["ocr_det"] if "payload" in a.scenarios else [])
+                                + a.hop_models))
+    repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, 1,
+                                    a.max_queue_delay_ms)
+    bench = Bench(a, repository)
+    results: dict[str, Any] = {"meta": _meta(a)}
+    try:
+        with contextlib.ExitStack() as stack:
+            single = stack.enter_context(Server("single", repository, models=a.models + (
+                ["ocr_det"] if "payload" in a.scenarios else []))) if (needs_main or "scaleout" in a.scenarios) else None
+            if needs_main:
+                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, direct=a.hop_models))
+                servers = {"ray": ray_server, "single": single}
+                for scenario in ("alone", "together", "payload"):
+                    if scenario in a.scenarios:
+                        getattr(bench, scenario)(servers)
+                if "batching" in a.scenarios:
+                    bench.batching(ray_server)
+                if "hop" in a.scenarios:
+                    bench.results["hop"] = bench.hop(ray_server, single, a.hop_models)
+                ray_server.close()
+            if "scaleout" in a.scenarios:
+                bench.scaleout(single)
+        if "configs" in a.scenarios:
+            bench.configs()
+    finally:
+        results.update(bench.results)
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+        report = markdown(results)
+        stem.with_suffix(".md").write_text(report)
+        with contextlib.suppress(Exception):
+            plot(results, stem.with_suffix(".png"))
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(report)
+        print(f"wrote {stem}.json, .md, .png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
