@@ -25,11 +25,11 @@ from starlette.routing import Route
 from deployments.ingress import PLATFORMS
 from deployments.protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from deployments.protocol.errors import error_status
-from deployments.protocol.v2 import check_outputs, model_metadata
+from deployments.protocol.v2 import model_metadata
 from deployments.runtime.errors import ModelNotFound
 from deployments.runtime.host import ModelHost
 from deployments.runtime.repository import ModelRepository
-from deployments.runtime.validation import validate_inputs
+from deployments.runtime.validation import validate_inputs, validate_outputs
 
 # Threads that run ``ModelHost.infer``: enough that a model waiting for a free context never
 # holds up another model's requests.
@@ -55,7 +55,7 @@ def create_app(repository: str, models: Sequence[str] | None = None, backend: st
             header = request.headers.get(HEADER_LENGTH)
             infer_request = decode_request(join_body(chunks, header), header)
             validate_inputs(host.config, infer_request.inputs)
-            check_outputs(host.config, infer_request.outputs)
+            validate_outputs(host.config, infer_request.outputs)
             outputs = await asyncio.get_running_loop().run_in_executor(
                 executor, host.infer, infer_request.inputs, infer_request.outputs)
             content, headers = encode_response(host.name, str(host.version), infer_request, outputs)
