@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from ray import serve
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -29,14 +29,14 @@ from .model import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
 from .protocol.v2 import model_metadata
-from .runtime.errors import InferenceTimeout, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
+from .runtime.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.repository import ModelEntry, ModelRepository
 from .runtime.validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository"]
+EXTENSIONS = ["model_repository", "binary_tensor_data"]
 _READY_POLL_S = 1.0
 _MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
 # KServe / Triton platform names by backend.
@@ -56,11 +56,12 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
     return wrapper
 
 
-def error_response(exc: BaseException) -> Response:
+def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> Response:
     """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
     message quoting any client text always renders."""
     status, message = error_status(exc)
-    return Response(json.dumps({"error": message}), status_code=status, media_type="application/json")
+    return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 @serve.deployment
@@ -94,7 +95,7 @@ class Router:
         self._poller = asyncio.get_running_loop().create_task(self._poll_ready())
 
     def __serve_build_asgi_app__(self) -> Starlette:
-        return Starlette(routes=[
+        app = Starlette(routes=[
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.server_ready, methods=["GET"]),
             Route("/v2", self.server_metadata, methods=["GET"]),
@@ -107,6 +108,8 @@ class Router:
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
             Route("/v2/memory", self.memory, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+        app.router.redirect_slashes = False  # a trailing slash is an unknown route (404), not a redirect
+        return app
 
     # --- readiness -------------------------------------------------------------------------
     async def _poll_ready(self) -> None:
@@ -145,7 +148,9 @@ class Router:
             f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        return error_response(MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}"))
+        allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        return error_response(MethodNotAllowed(
+            f"method {request.method} not allowed on {request.url.path}; allowed: {allow}"), {"Allow": allow})
 
     async def live(self, request: Request) -> JSONResponse:
         return JSONResponse({"live": True})
@@ -199,15 +204,18 @@ class Router:
 
     async def _read_body(self, request: Request) -> bytes | memoryview:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body is {int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # a client mistake, not a server fault: no 5xx, no error log
+            raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
         return join_body(chunks, request.headers.get(HEADER_LENGTH))
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:

@@ -18,6 +18,7 @@ from .pipelines import create_pipeline
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.errors import ModelNotFound, ModelNotReady
 from .runtime.host import ModelHost
+from .runtime.memory import predict
 from .runtime.validation import validate_inputs
 from .runtime.repository import ModelRepository
 
@@ -73,11 +74,20 @@ class ModelDeployment:
         return self.host.backend
 
     def memory(self) -> dict[str, Any]:
-        """The loaded model's footprint in bytes (engine, per context, total for its instances)."""
+        """The loaded model's footprint in bytes (engine, per context, total for its instances).
+
+        TensorRT reports context memory exactly; ONNX Runtime's is only known by measuring runs
+        at the max profile, which a dedicated replica skips at start, so the graph prediction
+        (``runtime.memory.predict``) stands in and ``context_source`` says so.
+        """
         footprint = self.host.footprint()
+        context, source = footprint.context_bytes, "measured"
+        if not context:
+            context, source = predict(self.host.entry).context_bytes, "predicted"
+        instances = self.host.config.instances
         return {"backend": self.host.backend, "engine_bytes": footprint.engine_bytes,
-                "context_bytes": footprint.context_bytes, "instances": self.host.config.instances,
-                "total_bytes": footprint.total(self.host.config.instances), "measured": footprint.measured}
+                "context_bytes": context, "context_source": source, "instances": instances,
+                "total_bytes": footprint.engine_bytes + instances * context}
 
     def check_health(self) -> None:
         if not self.host.ready:

@@ -148,13 +148,18 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216) -> np.ndarray:
     Raises:
         InvalidInput: empty bytes, another format, undecodable data or more than ``max_pixels``.
     """
-    not_image = f"input 'image' is not a decodable PNG or JPEG image ({len(data)} bytes)"
+    not_image = (f"input 'image' is not a decodable PNG or JPEG image ({len(data)} bytes); send the "
+                 "file's bytes base64-encoded with parameters {\"content_type\": \"base64\"} in JSON, "
+                 "or as binary tensor data")
+    too_big = f"input 'image' declares too many pixels; at most {max_pixels:,} pixels are accepted"
     if not data:
         raise InvalidInput("input 'image' is not a decodable PNG or JPEG image (it is empty)")
     try:  # header only: the format and the size, before any pixel is decoded
         with Image.open(io.BytesIO(data)) as header:
             fmt, (width, height) = header.format, header.size
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:
+        raise InvalidInput(too_big) from None
+    except (UnidentifiedImageError, OSError, ValueError):
         raise InvalidInput(not_image) from None
     if fmt not in IMAGE_FORMATS:
         raise InvalidInput(f"input 'image' is not a decodable PNG or JPEG image (it is {fmt})")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..runtime.config import ModelConfig
 from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
-from ..runtime.errors import InferenceError, InvalidInput
+from ..runtime.errors import InvalidInput
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -73,12 +73,33 @@ def _text(where: str, value: str) -> str:
     return value
 
 
-def _flatten(data: Any, out: list) -> None:
-    if isinstance(data, list):
-        for item in data:
-            _flatten(item, out)
-    else:
-        out.append(data)
+def _flatten(where: str, data: Any, shape: tuple[int, ...]) -> list:
+    """``data`` as a flat list: either flat already, or nested exactly as ``shape``.
+
+    Raises:
+        InvalidInput: ``data`` is not a list, or its nesting disagrees with ``shape``.
+    """
+    if not isinstance(data, list):
+        raise InvalidInput(f"{where}: 'data' must be a list (flat, or nested as the shape)")
+    if not any(isinstance(item, list) for item in data):
+        return data
+    out: list = []
+
+    def walk(level: Any, axis: int, path: str) -> None:
+        if axis == len(shape):
+            if isinstance(level, list):
+                raise InvalidInput(f"{where}: data{path} is nested deeper than shape {list(shape)}")
+            out.append(level)
+            return
+        if not isinstance(level, list) or len(level) != shape[axis]:
+            got = f"{len(level)} items" if isinstance(level, list) else "a scalar"
+            raise InvalidInput(
+                f"{where}: data{path} has {got}, shape {list(shape)} needs {shape[axis]} on axis {axis}")
+        for i, item in enumerate(level):
+            walk(item, axis + 1, f"{path}[{i}]")
+
+    walk(data, 0, "")
+    return out
 
 
 def _check_shape(where: str, shape: Any) -> tuple[int, ...]:
@@ -105,6 +126,8 @@ def _numeric_array(where: str, datatype: str, flat: list) -> np.ndarray:
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data must be true/false values")
         return raw
+    if any(type(x) is bool for x in flat):  # numpy would read true/false as 1/0 among numbers
+        raise InvalidInput(f"{where}: {datatype} data must be numbers, not true/false")
     if dtype.kind in "iu":
         if kind not in "iu":
             raise InvalidInput(f"{where}: {datatype} data must be integers (no fractions, strings, booleans or nulls)")
@@ -171,13 +194,16 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
     name, where, datatype, shape, params = tensor_header(obj, index)
     if "data" not in obj:
         raise InvalidInput(f"{where}: 'data' is missing")
-    flat: list = []
-    _flatten(obj["data"], flat)
+    flat = _flatten(where, obj["data"], shape)
     count = math.prod(shape)
     if len(flat) != count:
         raise InvalidInput(f"{where}: shape {list(shape)} needs {count} elements, data has {len(flat)}")
     if datatype == "BYTES":
-        array = _bytes_array(where, flat, params.get("content_type") == "base64")
+        content_type = params.get("content_type", "str")
+        if content_type not in ("str", "base64"):
+            raise InvalidInput(f"{where}: content_type {json.dumps(content_type)[:40]} is not one of "
+                               "['base64', 'str'] (BYTES elements travel as UTF-8 text or base64)")
+        array = _bytes_array(where, flat, content_type == "base64")
     else:
         array = _numeric_array(where, datatype, flat)
     return name, array.reshape(shape)
@@ -231,13 +257,14 @@ def decode_infer_request(payload: Any,
 
 
 def check_finite(model_name: str, outputs: Mapping[str, np.ndarray]) -> None:
-    """Raises InferenceError when a floating-point output holds NaN or Infinity (JSON cannot
-    carry them; the request's inputs were checked finite, so this is the model's fault)."""
+    """Raises InvalidInput when a floating-point output holds NaN or Infinity: JSON cannot carry
+    them, and the request can fix it (inputs that overflow the model, or binary outputs)."""
     for name, array in outputs.items():
         if array.dtype.kind == "f" and not np.isfinite(array).all():
-            raise InferenceError(
-                f"model '{model_name}' output '{name}' holds NaN or Infinity, which JSON cannot carry; "
-                "ask for it as binary data")
+            raise InvalidInput(
+                f"model '{model_name}' output '{name}' holds NaN or Infinity (the inputs overflow the "
+                "model's arithmetic), which JSON cannot carry; send smaller values or ask for the "
+                "output as binary data (parameters.binary_data)")
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
@@ -261,7 +288,7 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     """Outputs -> the JSON infer response body (UTF-8).
 
     Raises:
-        InferenceError: an output holds NaN or Infinity, which JSON cannot carry.
+        InvalidInput: an output holds NaN or Infinity, which JSON cannot carry.
     """
     body: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:

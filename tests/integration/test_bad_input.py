@@ -130,8 +130,44 @@ def test_bad_base64_is_400(server):
     assert_error(post(server, "/v2/models/ocr/infer", body), 400, "not valid base64")
 
 
-def test_wrong_method_is_405(server):
-    assert_error(requests.get(f"{server}/v2/models/tiny_cnn/infer"), 405, "method GET not allowed")
+def test_wrong_method_is_405_naming_the_allowed_one(server):
+    r = requests.get(f"{server}/v2/models/tiny_cnn/infer")
+    assert_error(r, 405, "method GET not allowed", "allowed: POST")
+    assert r.headers["Allow"] == "POST"
+
+
+def test_trailing_slash_is_404_not_a_redirect(server):
+    r = requests.post(f"{server}/v2/models/tiny_cnn/infer/", json={"inputs": [GOOD]}, allow_redirects=False)
+    assert_error(r, 404, "unknown model")
+
+
+def test_booleans_among_numbers_are_400(server):
+    data = [True] + [0.5] * (3 * 224 * 224 - 1)
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=data)]}), 400, "not true/false")
+
+
+@pytest.mark.parametrize("data,fragment", [
+    ([[0.5] * 150527, [0.5]], "data has 2 items, shape [1, 3, 224, 224] needs 1 on axis 0"),
+    ([[[[0.5] * 448] * 112] * 3], "data[0][0] has 112 items, shape [1, 3, 224, 224] needs 224 on axis 2"),
+])
+def test_nested_data_must_follow_the_shape(server, data, fragment):
+    assert_error(post(server, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=data)]}), 400, fragment)
+
+
+def test_output_overflowing_to_infinity_is_400_suggesting_binary(server):
+    r = post(server, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=[3.4e38] * (3 * 224 * 224))]})
+    assert_error(r, 400, "output 'logits' holds NaN or Infinity", "binary")
+
+
+def test_unknown_bytes_content_type_is_400(server):
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["abc"],
+                        "parameters": {"content_type": "hex"}}]}
+    assert_error(post(server, "/v2/models/ocr/infer", body), 400, "content_type \"hex\" is not one of")
+
+
+def test_image_sent_without_base64_says_how_to_send_it(server):
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["not an image"]}]}
+    assert_error(post(server, "/v2/models/ocr/infer", body), 400, "not a decodable PNG or JPEG", "base64")
 
 
 def test_lone_surrogate_in_a_name_is_400_with_a_json_body(server):

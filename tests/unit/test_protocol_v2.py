@@ -72,6 +72,12 @@ def test_request_fields_id_outputs_and_parameters_are_kept():
     ({"name": "a", "shape": [1], "datatype": "FP16", "data": [70000]}, "values overflow FP16"),
     ({"name": "\ud800", "shape": [1], "datatype": "FP32", "data": [1]}, "not valid Unicode"),
     ({"name": "a", "shape": [1], "datatype": "BYTES", "data": ["\udfff"]}, "element 0 is not valid Unicode"),
+    ({"name": "a", "shape": [2], "datatype": "FP32", "data": [True, 0.5]}, "must be numbers, not true/false"),
+    ({"name": "a", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3]]}, "data[1] has 1 items"),
+    ({"name": "a", "shape": [2, 1], "datatype": "FP32", "data": [[1], [[2]]]}, "data[1][0] is nested deeper"),
+    ({"name": "a", "shape": [1], "datatype": "FP32", "data": 1.5}, "'data' must be a list"),
+    ({"name": "a", "shape": [1], "datatype": "BYTES", "data": ["x"], "parameters": {"content_type": "np"}},
+     "content_type \"np\" is not one of"),
 ])
 def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
     with pytest.raises(InvalidInput) as err:
@@ -111,8 +117,8 @@ def test_response_encodes_outputs_flat_with_shapes_and_echoes_id():
     assert raw["parameters"] == {"content_type": "base64"} and base64.b64decode(raw["data"][0]) == b"\xff\x00"
 
 
-def test_nan_output_is_an_inference_error_not_invalid_json():
-    with pytest.raises(InferenceError, match="output 'y' holds NaN or Infinity"):
+def test_nan_output_is_a_400_suggesting_binary_not_invalid_json():
+    with pytest.raises(InvalidInput, match="output 'y' holds NaN or Infinity.*binary_data"):
         encode_infer_response("m", "1", None, {"y": np.array([np.nan], np.float32)})
 
 
