@@ -46,7 +46,7 @@ import time
 import urllib.request
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import yaml
@@ -438,7 +438,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
-    out = [f"# Throughput: Ray Serve app vs single process\n",
+    out = ["# Throughput: Ray Serve app vs single process\n",
            f"`{meta['command']}` on {meta['machine']} ({meta['cpus']} CPUs), Ray {meta['ray']}, "
            f"ONNX Runtime {meta['onnxruntime']}, Ray config `{meta['ray_config']}`, "
            f"{meta['duration_s']} s per point after {meta['warmup_s']} s warm-up, "

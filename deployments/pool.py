@@ -47,7 +47,6 @@ class PoolDeployment:
                 raise ModelNotFound(f"model '{name}' is not in the multiplexed pool; pool: {self.cache.names}")
             return name  # residency is the cache's business, not Ray's
 
-        self._register = register
         self._get_model = serve.multiplexed(max_num_models_per_replica=max_num_models_per_replica)(register)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from .engine import Engine, ExecutionContext, Footprint, open_engine
-from .errors import InferenceTimeout, InvalidInput, ModelNotReady
+from .errors import InferenceTimeout, ModelNotReady
 from .repository import ModelEntry
 from .validation import validate_inputs, validate_outputs
 
