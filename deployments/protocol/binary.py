@@ -31,9 +31,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
-from ..runtime.errors import InferenceError, InvalidInput
+from ..runtime.errors import InvalidInput
 from .v2 import (
     InferRequest,
+    check_finite,
     decode_infer_request,
     decode_tensor,
     encode_infer_response,
@@ -244,13 +245,14 @@ def encode_response(model_name: str, model_version: str, request: InferRequest,
     """Outputs -> (response body, response headers), binary where the request asks.
 
     Raises:
-        InvalidInput: a binary flag is not a boolean.
-        InferenceError: a JSON output holds NaN or Infinity (binary outputs may).
+        InvalidInput: a binary flag is not a boolean, or a JSON output holds NaN or Infinity
+            (binary outputs may; ``v2.check_finite``).
     """
     binary = binary_outputs(request, outputs)
     if not binary:
         return encode_infer_response(model_name, model_version, request.id, outputs), {
             "content-type": JSON_MEDIA_TYPE}
+    check_finite(model_name, {n: a for n, a in outputs.items() if n not in binary})
     header: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         header["id"] = request.id
@@ -264,10 +266,5 @@ def encode_response(model_name: str, model_version: str, request: InferRequest,
         else:
             tensors.append(encode_tensor(name, array))
     header["outputs"] = tensors
-    try:
-        head = json.dumps(header, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
-    except ValueError:
-        raise InferenceError(
-            f"model '{model_name}' produced NaN or Infinity in a JSON output, which JSON cannot "
-            "carry; ask for binary outputs") from None
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
     return b"".join([head, *buffers]), {"content-type": BINARY_MEDIA_TYPE, HEADER_LENGTH: str(len(head))}

@@ -260,6 +260,15 @@ def test_binary_outputs_may_hold_nan_but_json_outputs_may_not():
         encode_response("m", "1", request_with(), {"y": nan})
 
 
+def test_a_json_output_beside_binary_ones_may_not_hold_nan_either():
+    from deployments.runtime.errors import InvalidInput
+
+    request = request_with(None, {"y": {"binary_data": True}})
+    nan = np.array([np.nan], dtype=np.float32)
+    with pytest.raises(InvalidInput, match="output 'z' holds NaN or Infinity"):
+        encode_response("m", "1", request, {"y": nan, "z": nan})
+
+
 def test_json_response_when_no_output_is_binary():
     body, headers = encode_response("m", "1", request_with(), {"y": np.array([1.5], np.float32)})
     assert headers == {"content-type": "application/json"}
