@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 # Fetch the OCR models from the rapidocr-onnxruntime wheel and generate the CNNs into engines/.
 models: $(STAMP)
-	$(PY) -m deployments.prepare --root engines
+	$(PY) -m deployments.runtime.tools.prepare --root engines
 
 # Ray Serve's fast paths, on unless FAST=0 (measurements: bench/README.md): the HAProxy
 # ingress, Ray's throughput-optimized mode (gRPC between deployments, user code and handle
@@ -39,11 +39,11 @@ bench: models
 
 # Build a TensorRT plan for every model (TensorRT, or TensorRT-RTX on a CPU-only machine).
 engines: models
-	$(PY) -m deployments.runtime.build --root engines
+	$(PY) -m deployments.runtime.tools.build --root engines
 
 # Per model: parameters, engine and context bytes (predicted and measured), fit on a GPU.
 plan: models
-	$(PY) -m deployments.runtime.memory plan --root engines --measure
+	$(PY) -m deployments.runtime.tools.plan plan --root engines --measure
 
 test: models
 	$(PY) -m pytest tests

@@ -10,7 +10,7 @@ over time, one panel per policy).
 
 Method:
 1. Each model's footprint is measured once, each in its own process
-   (``python -m deployments.runtime.memory measure``), and handed to every policy's cache as a
+   (``python -m deployments.runtime.tools.plan measure``), and handed to every policy's cache as a
    known footprint, so no policy pays the measuring runs inside its latencies (their cost is
    reported separately, ``measure_s``).
 2. Each policy runs in a fresh process (clean resident set): build the cache (``eager``
@@ -48,7 +48,7 @@ MB = 1e6
 def _measure_footprints(root: str) -> dict[str, dict[str, Any]]:
     footprints = {}
     for name in MODELS:
-        done = subprocess.run([sys.executable, "-m", "deployments.runtime.memory", "measure", name,
+        done = subprocess.run([sys.executable, "-m", "deployments.runtime.tools.plan", "measure", name,
                                "--root", root, "--json"], capture_output=True, text=True, check=True)
         footprints[name] = json.loads(done.stdout)
         print(f"measured {name}: {footprints[name]['total_bytes'] / MB:,.1f} MB "
@@ -70,7 +70,7 @@ def _inputs(repo: Any, name: str, rng: np.random.Generator) -> dict[str, np.ndar
 class _RssSampler(threading.Thread):
     def __init__(self, period_s: float = 0.02) -> None:
         super().__init__(daemon=True)
-        from deployments.runtime.memory import process_rss_bytes
+        from deployments.runtime.backends.process import process_rss_bytes
 
         self._read = process_rss_bytes
         self.period_s = period_s
@@ -97,10 +97,10 @@ def _timed(cache: Any, name: str, inputs: dict[str, np.ndarray]) -> float:
 def run_policy(root: str, policy: str, footprints: dict[str, dict[str, Any]], budget_bytes: int | None,
                requests: int, seed: int) -> dict[str, Any]:
     """One policy's run in this process (called in a fresh child process by ``main``)."""
-    from deployments.runtime.cache import LoadPolicy, ModelCache
-    from deployments.runtime.engine import Footprint
-    from deployments.runtime.memory import measured_rss_bytes
-    from deployments.runtime.repository import ModelRepository
+    from deployments.runtime.residency.cache import LoadPolicy, ModelCache
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.backends.process import measured_rss_bytes
+    from deployments.runtime.contract.repository import ModelRepository
 
     repo = ModelRepository(root)
     rng = np.random.default_rng(seed)

@@ -26,10 +26,10 @@ from deployments.ingress import PLATFORMS
 from deployments.protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import model_metadata
-from deployments.runtime.errors import ModelNotFound
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
-from deployments.runtime.validation import validate_inputs, validate_outputs
+from deployments.runtime.contract.errors import ModelNotFound
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
+from deployments.runtime.contract.validation import validate_inputs, validate_outputs
 
 # Threads that run ``ModelHost.infer``: enough that a model waiting for a free context never
 # holds up another model's requests.

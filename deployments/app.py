@@ -21,9 +21,9 @@ from ray.serve import Application
 from .ingress import Router
 from .model import ModelDeployment, PipelineDeployment
 from .pool import PoolDeployment
-from .runtime.config import Backend, DeploymentOptions
-from .runtime.errors import ConfigError
-from .runtime.repository import ModelRepository
+from .runtime.contract.config import Backend, DeploymentOptions
+from .runtime.contract.errors import ConfigError
+from .runtime.contract.repository import ModelRepository
 
 logger = logging.getLogger("ray.serve")
 

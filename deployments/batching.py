@@ -35,10 +35,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .runtime.config import ModelConfig
-from .runtime.errors import InferenceTimeout, ModelNotReady
-from .runtime.host import ModelHost
-from .runtime.validation import validate_inputs, validate_outputs
+from .runtime.contract.config import ModelConfig
+from .runtime.contract.errors import InferenceTimeout, ModelNotReady
+from .runtime.residency.host import ModelHost
+from .runtime.contract.validation import validate_inputs, validate_outputs
 
 # Failures that belong to no single request: retrying the group one by one cannot help.
 _GROUP_FAILURES = (InferenceTimeout, ModelNotReady)

@@ -29,9 +29,9 @@ from .model import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
 from .protocol.v2 import model_metadata
-from .runtime.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
-from .runtime.repository import ModelEntry, ModelRepository
-from .runtime.validation import validate_inputs, validate_outputs
+from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
+from .runtime.contract.repository import ModelEntry, ModelRepository
+from .runtime.contract.validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger("ray.serve")
 

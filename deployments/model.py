@@ -16,11 +16,11 @@ from ray.exceptions import RayActorError
 
 from .pipelines import create_pipeline
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
-from .runtime.errors import ModelNotFound, ModelNotReady
-from .runtime.host import ModelHost
-from .runtime.memory import predict
-from .runtime.validation import validate_inputs
-from .runtime.repository import ModelRepository
+from .runtime.contract.errors import ModelNotFound, ModelNotReady
+from .runtime.residency.host import ModelHost
+from .runtime.residency.predict import predict
+from .runtime.contract.validation import validate_inputs
+from .runtime.contract.repository import ModelRepository
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,7 +78,7 @@ class ModelDeployment:
 
         TensorRT reports context memory exactly; ONNX Runtime's is only known by measuring runs
         at the max profile, which a dedicated replica skips at start, so the graph prediction
-        (``runtime.memory.predict``) stands in and ``context_source`` says so.
+        (``runtime.residency.predict.predict``) stands in and ``context_source`` says so.
         """
         footprint = self.host.footprint()
         context, source = footprint.context_bytes, "measured"

@@ -7,9 +7,9 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
-from .runtime.cache import ModelCache
-from .runtime.errors import ModelNotFound
-from .runtime.repository import ModelRepository
+from .runtime.residency.cache import ModelCache
+from .runtime.contract.errors import ModelNotFound
+from .runtime.contract.repository import ModelRepository
 
 
 @serve.deployment

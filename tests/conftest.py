@@ -1,6 +1,6 @@
 """Shared fixtures: the real model repository, prepared once per session.
 
-``prepared_engines`` runs ``deployments.prepare`` on ``engines/`` (idempotent: about 0.3 s when
+``prepared_engines`` runs ``deployments.runtime.tools.prepare`` on ``engines/`` (idempotent: about 0.3 s when
 the files are already there; the first time it downloads the rapidocr wheel from PyPI).
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments.prepare import prepare
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.tools.prepare import prepare
+from deployments.runtime.contract.repository import ModelRepository
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENGINES = REPO_ROOT / "engines"

@@ -13,8 +13,8 @@ from typing import Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
-from ..runtime.errors import ConfigError
-from ..runtime.repository import ModelRepository
+from ..runtime.contract.errors import ConfigError
+from ..runtime.contract.repository import ModelRepository
 
 InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
 

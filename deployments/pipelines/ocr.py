@@ -62,9 +62,9 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import RapidOCR
 from rapidocr_onnxruntime.utils.process_img import ResizeImgError
 
-from ..runtime.config import ModelConfig, TensorSpec
-from ..runtime.errors import ConfigError, InferenceError, InvalidInput
-from ..runtime.repository import ModelRepository
+from ..runtime.contract.config import ModelConfig, TensorSpec
+from ..runtime.contract.errors import ConfigError, InferenceError, InvalidInput
+from ..runtime.contract.repository import ModelRepository
 
 InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
 """``await infer(model_name, {input_name: array}) -> {output_name: array}``."""

@@ -30,8 +30,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
-from ..runtime.errors import InvalidInput
+from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.contract.errors import InvalidInput
 from .v2 import (
     InferRequest,
     check_finite,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..runtime.errors import (
+from ..runtime.contract.errors import (
     ConfigError,
     InferenceError,
     InferenceTimeout,

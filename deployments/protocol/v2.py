@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..runtime.config import ModelConfig
-from ..runtime.datatypes import NUMPY_BY_DATATYPE, datatype_of
-from ..runtime.errors import InvalidInput
+from ..runtime.contract.config import ModelConfig
+from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.contract.errors import InvalidInput
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 

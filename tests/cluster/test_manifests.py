@@ -49,7 +49,7 @@ def _built_deployments(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpu_models() -> dict[str, float]:
-    from deployments.runtime.repository import ModelRepository
+    from deployments.runtime.contract.repository import ModelRepository
 
     return {f"model-{e.name}": e.config.deployment.num_gpus for e in ModelRepository(ROOT / "engines").entries()
             if e.config.deployment.mode == "dedicated" and e.config.deployment.num_gpus}
@@ -186,7 +186,7 @@ def test_cluster_launcher_installs_the_project_on_every_node(launcher):
                     for n in workers}}
     for node, commands in effective.items():
         assert "pip install -q -e ~/trt-serve" in commands, node
-        assert any("deployments.prepare" in c for c in commands), node
+        assert any("deployments.runtime.tools.prepare" in c for c in commands), node
     for command in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]:
         if "ray start" in command:
             assert command.startswith("cd ~/trt-serve &&"), "relative `repository: engines` resolves there"

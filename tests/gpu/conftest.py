@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.runtime import cuda, trt_module
+from deployments.runtime.backends import cuda, trt_module
 
 
 def _cuda_reason() -> str | None:

@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployments.runtime import cuda, host as host_module
-from deployments.runtime.config import ModelConfig
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelEntry
-from deployments.runtime.tensorrt_engine import TensorRTEngine
+from deployments.runtime.backends import cuda
+from deployments.runtime.residency import host as host_module
+from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelEntry
+from deployments.runtime.backends.tensorrt import TensorRTEngine
 from tests.gpu.conftest import CUDA_REASON
 
 if CUDA_REASON:

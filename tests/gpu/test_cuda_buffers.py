@@ -1,4 +1,4 @@
-"""``deployments.runtime.cuda`` on a real GPU: checked calls, owned streams and grow-only buffers.
+"""``deployments.runtime.backends.cuda`` on a real GPU: checked calls, owned streams and grow-only buffers.
 
 Needs only cuda-python and a CUDA device (no TensorRT); the pointer/stream test also uses
 PyTorch, where installed, to run a real kernel on this module's memory and stream.
@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from deployments.runtime import cuda
+from deployments.runtime.backends import cuda
 from tests.gpu.conftest import requires_cuda
 
 pytestmark = requires_cuda

@@ -19,12 +19,13 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 import onnx
 
-from deployments.runtime import build, cuda
-from deployments.runtime.config import load_model_config
-from deployments.runtime.host import ModelHost
-from deployments.runtime.plans import PlanMismatch
-from deployments.runtime.repository import ModelRepository
-from deployments.runtime.tensorrt_engine import TensorRTEngine
+from deployments.runtime.backends import cuda
+from deployments.runtime.tools import build
+from deployments.runtime.contract.config import load_model_config
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.backends.plans import PlanMismatch
+from deployments.runtime.contract.repository import ModelRepository
+from deployments.runtime.backends.tensorrt import TensorRTEngine
 from tests.gpu.conftest import requires_tensorrt
 
 pytestmark = requires_tensorrt

@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 
 from deployments.batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
-from deployments.runtime.config import ModelConfig
-from deployments.runtime.errors import InferenceError, InferenceTimeout, InvalidInput
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.contract.errors import InferenceError, InferenceTimeout, InvalidInput
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
 
 
 def config(**overrides) -> ModelConfig:

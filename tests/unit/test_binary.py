@@ -19,7 +19,7 @@ from deployments.protocol.binary import (
 )
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import InferRequest
-from deployments.runtime.errors import InvalidInput
+from deployments.runtime.contract.errors import InvalidInput
 
 
 def triton_body(inputs: list[httpclient.InferInput], outputs=None, request_id: str = "") -> tuple[bytes, str | None]:
@@ -261,7 +261,7 @@ def test_binary_outputs_may_hold_nan_but_json_outputs_may_not():
 
 
 def test_a_json_output_beside_binary_ones_may_not_hold_nan_either():
-    from deployments.runtime.errors import InvalidInput
+    from deployments.runtime.contract.errors import InvalidInput
 
     request = request_with(None, {"y": {"binary_data": True}})
     nan = np.array([np.nan], dtype=np.float32)

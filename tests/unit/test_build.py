@@ -22,10 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install -e '.[tensorrt]')")
 
-from deployments.runtime import build, trt_module  # noqa: E402
-from deployments.runtime.config import load_model_config  # noqa: E402
-from deployments.runtime.errors import ConfigError  # noqa: E402
-from deployments.runtime.plans import PlanManifest, PlanMismatch, file_sha256, find_plan, stale_reasons  # noqa: E402
+from deployments.runtime.backends import trt_module
+from deployments.runtime.tools import build  # noqa: E402
+from deployments.runtime.contract.config import load_model_config  # noqa: E402
+from deployments.runtime.contract.errors import ConfigError  # noqa: E402
+from deployments.runtime.backends.plans import PlanManifest, PlanMismatch, file_sha256, find_plan, stale_reasons  # noqa: E402
 
 REPO_ENGINES = Path(__file__).resolve().parents[2] / "engines"
 SIX_MODELS = ("tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec")

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from deployments.runtime.cache import ModelCache
-from deployments.runtime.config import ModelConfig
-from deployments.runtime.errors import OverBudget
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.residency.cache import ModelCache
+from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.contract.errors import OverBudget
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
 
 MODELS = ["tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec"]
 

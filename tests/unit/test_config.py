@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deployments.runtime.config import load_model_config
-from deployments.runtime.errors import ConfigError, ModelNotFound
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.contract.config import load_model_config
+from deployments.runtime.contract.errors import ConfigError, ModelNotFound
+from deployments.runtime.contract.repository import ModelRepository
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = """

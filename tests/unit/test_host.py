@@ -11,9 +11,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from deployments.runtime.errors import ConfigError, InvalidInput, ModelNotReady
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotReady
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,16 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from deployments.runtime import memory
-from deployments.runtime.engine import Footprint
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.backends.base import Footprint
+from deployments.runtime.contract import shapes
+from deployments.runtime.residency import footprints
+from deployments.runtime.residency.predict import predict
+from deployments.runtime.tools import plan as plan_cli
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
 
 CNNS = ["tiny_cnn", "mid_cnn", "resnet18"]
 
+# TensorRT context memory at batch 32 @224 in the reference measurement (DESIGN.md).
+REFERENCE_CONTEXT_BYTES = {"tiny_cnn": 296_000_000, "resnet18": 79_000_000}
+
 
 def test_tiny_cnn_peak_activation_is_its_first_conv_output(model_repository: ModelRepository) -> None:
-    prediction = memory.predict(model_repository.get("tiny_cnn"))
+    prediction = predict(model_repository.get("tiny_cnn"))
     assert prediction.graph.parameters == 90_539
     assert prediction.graph.input_shapes == {"input": (32, 3, 224, 224)}
     assert prediction.graph.peak_activation_bytes == 128 * 112 * 112 * 4  # FP32, per sample
@@ -27,14 +33,14 @@ def test_tiny_cnn_peak_activation_is_its_first_conv_output(model_repository: Mod
 
 
 def test_resnet18_parameters_and_peak_activation(model_repository: ModelRepository) -> None:
-    prediction = memory.predict(model_repository.get("resnet18"))
+    prediction = predict(model_repository.get("resnet18"))
     assert prediction.graph.parameters == 11_684_712
     assert prediction.engine_bytes == 11_684_712 * 4
     assert prediction.graph.peak_activation_bytes == 64 * 112 * 112 * 4  # the stem conv's output
 
 
 def test_ocr_weights_in_constant_nodes_count_as_parameters(model_repository: ModelRepository) -> None:
-    prediction = memory.predict(model_repository.get("ocr_det"))
+    prediction = predict(model_repository.get("ocr_det"))
     assert prediction.graph.parameters > 1_000_000
     assert prediction.graph.input_shapes == {"x": (1, 3, 2016, 2016)}
 
@@ -47,19 +53,19 @@ def test_fp16_prediction_is_an_upper_estimate_within_2x_of_the_reference(
     depthwise conv reading it alone take 2 x 205 MB. Stated tolerance: the 3 x rule, with
     activations at FP16, predicts between 0.9x and 2.0x the reference (tiny_cnn +4 %,
     ResNet-18 +95 %: its largest tensor, the stem's, is live only briefly)."""
-    predicted = memory.predict(model_repository.get(name), precision="fp16").context_bytes
-    ratio = predicted / memory.REFERENCE_CONTEXT_BYTES[name]
+    predicted = predict(model_repository.get(name), precision="fp16").context_bytes
+    ratio = predicted / REFERENCE_CONTEXT_BYTES[name]
     assert 0.9 <= ratio <= 2.0, f"{name}: predicted {predicted / 1e6:.0f} MB, ratio {ratio:.2f}"
 
 
 def _measure_in_this_process(root: str) -> dict[str, Footprint]:
     repository = ModelRepository(root)
-    footprints = {}
+    measured = {}
     for name in CNNS:
         host = ModelHost(repository.get(name), "onnxruntime")
-        footprints[name] = memory.load_and_measure(host)
+        measured[name] = footprints.load_and_measure(host)
         host.unload()
-    return footprints
+    return measured
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +81,7 @@ def test_prediction_is_an_upper_estimate_of_onnxruntime_context_memory_for_cnns(
     """Stated tolerance: for the CNNs the FP32 prediction is 1.0x-1.6x the measured ORT context
     (measured on this machine: tiny_cnn 1.19, mid_cnn 1.42, ResNet-18 1.43)."""
     for name, footprint in measured_cnns.items():
-        predicted = memory.predict(model_repository.get(name)).context_bytes
+        predicted = predict(model_repository.get(name)).context_bytes
         ratio = predicted / footprint.context_bytes
         assert 1.0 <= ratio <= 1.6, f"{name}: predicted / measured = {ratio:.2f}"
 
@@ -83,7 +89,7 @@ def test_prediction_is_an_upper_estimate_of_onnxruntime_context_memory_for_cnns(
 def test_measured_engine_bytes_are_the_weights_within_a_few_mb(
         model_repository: ModelRepository, measured_cnns: dict[str, Footprint]) -> None:
     for name, footprint in measured_cnns.items():
-        weights = memory.predict(model_repository.get(name)).engine_bytes
+        weights = predict(model_repository.get(name)).engine_bytes
         assert abs(footprint.engine_bytes - weights) < 8_000_000, name
 
 
@@ -91,15 +97,15 @@ def test_measurement_at_a_small_batch_scales_to_the_full_batch(
         model_repository: ModelRepository, measured_cnns: dict[str, Footprint]) -> None:
     """tiny_cnn measured at batch 8 and scaled x4 agrees with a real batch-32 measurement."""
     entry = model_repository.get("tiny_cnn")
-    assert memory.measure_batch_of(entry.config) == 8
+    assert footprints.measure_batch_of(entry.config) == 8
     host = ModelHost(entry, "onnxruntime").load()
-    full = memory.measure_context_bytes(host, measure_elements=None)
+    full = footprints.measure_context_bytes(host, measure_elements=None)
     host.unload()
     assert abs(measured_cnns["tiny_cnn"].context_bytes - full) <= 0.1 * full
 
 
 def test_measure_batch_is_set_by_input_volume(model_repository: ModelRepository) -> None:
-    batches = {n: memory.measure_batch_of(model_repository.get(n).config)
+    batches = {n: footprints.measure_batch_of(model_repository.get(n).config)
                for n in ["tiny_cnn", "ocr_cls", "ocr_det", "ocr_rec"]}
     assert batches == {"tiny_cnn": 8, "ocr_cls": 32, "ocr_det": 1, "ocr_rec": 2}
 
@@ -107,16 +113,16 @@ def test_measure_batch_is_set_by_input_volume(model_repository: ModelRepository)
 def test_max_profile_uses_max_batch_size_and_shrinking_halves_batch_or_dynamic_axes(
         model_repository: ModelRepository) -> None:
     rec = model_repository.get("ocr_rec").config
-    assert memory.max_profile_shapes(rec) == {"x": (32, 3, 48, 3200)}
-    assert memory.shrunk_shapes(rec) == ({"x": (16, 3, 48, 3200)}, "batch 32->16")
+    assert shapes.max_profile_shapes(rec) == {"x": (32, 3, 48, 3200)}
+    assert shapes.shrunk_shapes(rec) == ({"x": (16, 3, 48, 3200)}, "batch 32->16")
     det = model_repository.get("ocr_det").config  # batch 1: its spatial axes halve, not below opt
-    assert memory.shrunk_shapes(det) == ({"x": (1, 3, 1008, 1008)}, "axis 2 2016->1008, axis 3 2016->1008")
+    assert shapes.shrunk_shapes(det) == ({"x": (1, 3, 1008, 1008)}, "axis 2 2016->1008, axis 3 2016->1008")
 
 
 def test_plan_json_reports_totals_fit_and_shrink_savings(
         model_repository: ModelRepository, capsys: pytest.CaptureFixture[str]) -> None:
     root = str(model_repository.root)
-    assert memory.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "80", "--headroom", "0.15"]) == 0
+    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "80", "--headroom", "0.15"]) == 0
     plan = json.loads(capsys.readouterr().out)
     models = {m["model"]: m for m in plan["models"]}
     assert set(models) == {"tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec"}
@@ -126,7 +132,7 @@ def test_plan_json_reports_totals_fit_and_shrink_savings(
     assert tiny["total_bytes"] == tiny["engine_bytes"] + 2 * tiny["predicted_context_bytes"]
     assert tiny["shrink_saves_bytes"] == pytest.approx(tiny["predicted_context_bytes"], rel=1e-6)  # 2 x half
 
-    assert memory.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "2"]) == 0
+    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] is False
 
 
@@ -137,11 +143,11 @@ def test_recorded_footprint_is_read_back_and_ignored_when_stale(
     shutil.copy(source.path / "config.yaml", tmp_path / "ocr_cls" / "config.yaml")
     shutil.copy(source.onnx_path(), tmp_path / "ocr_cls" / "1" / "model.onnx")
     entry = ModelRepository(tmp_path).get("ocr_cls")
-    assert memory.read_record(entry, "onnxruntime") is None
+    assert footprints.read_record(entry, "onnxruntime") is None
     footprint = Footprint(engine_bytes=1_000_000, context_bytes=2_000_000)
-    memory.write_record(entry, "onnxruntime", footprint, memory.MEASURE_INPUT_ELEMENTS)
-    assert memory.read_record(entry, "onnxruntime") == footprint
-    assert memory.read_record(entry, "tensorrt") is None
+    footprints.write_record(entry, "onnxruntime", footprint, footprints.MEASURE_INPUT_ELEMENTS)
+    assert footprints.read_record(entry, "onnxruntime") == footprint
+    assert footprints.read_record(entry, "tensorrt") is None
     with open(entry.onnx_path(), "ab") as f:  # another model file: the record is stale
         f.write(b"\0")
-    assert memory.read_record(entry, "onnxruntime") is None
+    assert footprints.read_record(entry, "onnxruntime") is None

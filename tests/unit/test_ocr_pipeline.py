@@ -19,8 +19,8 @@ from deployments.pipelines.ocr import (
     det_input_size,
     read_character_list,
 )
-from deployments.runtime.errors import ConfigError, InferenceError, InvalidInput
-from deployments.runtime.host import ModelHost
+from deployments.runtime.contract.errors import ConfigError, InferenceError, InvalidInput
+from deployments.runtime.residency.host import ModelHost
 
 HELLO = "Hello World 2026"
 FOX = "The quick brown fox"

@@ -1,4 +1,4 @@
-"""deployments.prepare: OCR models extracted from the rapidocr wheel, synthetic CNNs generated."""
+"""deployments.runtime.tools.prepare: OCR models extracted from the rapidocr wheel, synthetic CNNs generated."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from deployments import prepare as prep
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelRepository
+from deployments.runtime.tools import prepare as prep
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelRepository
 
 GENERATED = ["tiny_cnn", "mid_cnn", "resnet18"]
 

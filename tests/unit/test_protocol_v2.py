@@ -10,8 +10,8 @@ import pytest
 
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import decode_infer_request, encode_infer_response, parse_json
-from deployments.runtime.datatypes import NUMPY_BY_DATATYPE
-from deployments.runtime.errors import (
+from deployments.runtime.contract.datatypes import NUMPY_BY_DATATYPE
+from deployments.runtime.contract.errors import (
     ConfigError, InferenceError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, OverBudget, PayloadTooLarge)
 
 

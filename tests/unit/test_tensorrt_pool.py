@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployments.runtime import cuda, host as host_module
-from deployments.runtime.config import ModelConfig
-from deployments.runtime.errors import ConfigError, InferenceError
-from deployments.runtime.host import ModelHost
-from deployments.runtime.repository import ModelEntry
-from deployments.runtime.tensorrt_engine import TensorRTContext, TensorRTEngine
+from deployments.runtime.backends import cuda
+from deployments.runtime.residency import host as host_module
+from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.contract.errors import ConfigError, InferenceError
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.contract.repository import ModelEntry
+from deployments.runtime.backends.tensorrt import TensorRTContext, TensorRTEngine
 
 WEIGHTS = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) / 10  # output = input @ WEIGHTS
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ADAPTER = [f"deployments/runtime/{name}.py" for name in ("tensorrt_engine", "build", "cuda", "trt_module", "plans")]
+ADAPTER = [f"deployments/runtime/{name}.py" for name in (
+    "backends/tensorrt", "tools/build", "backends/cuda", "backends/trt_module", "backends/plans")]
 
 # A deliberate misuse: if mypy does not flag these, it is not reading the stubs at all.
 MISUSE = '''

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..contract.errors import ConfigError
 
 Flavour = Literal["tensorrt", "tensorrt_rtx"]
 FlavourRequest = Literal["auto", "tensorrt", "tensorrt_rtx"]

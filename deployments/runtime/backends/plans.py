@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig, Profile
-from .errors import ConfigError
+from ..contract.config import ModelConfig, Profile
+from ..contract.errors import ConfigError
 
 MANIFEST_FORMAT = 1
 PLAN_PREFIX = "model"

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from . import cuda, trt_module
-from .config import ModelConfig
-from .datatypes import NUMPY_BY_DATATYPE
-from .engine import Footprint
-from .errors import ConfigError, InferenceError, InvalidInput
+from ..contract.config import ModelConfig
+from ..contract.datatypes import NUMPY_BY_DATATYPE
+from .base import Footprint
+from ..contract.errors import ConfigError, InferenceError, InvalidInput
 from .plans import PlanManifest, PlanMismatch, find_plan
-from .repository import MODEL_FILENAME
+from ..contract.repository import MODEL_FILENAME
 
 if TYPE_CHECKING:  # type-checked against tensorrt-stubs (Makefile: typecheck)
     import tensorrt as trt

@@ -9,21 +9,12 @@ from typing import Mapping
 import numpy as np
 import onnxruntime as ort
 
-from .config import ModelConfig
-from .datatypes import ONNX_TYPE_BY_DATATYPE
-from .engine import Footprint
-from .errors import ConfigError, InferenceError
-from .repository import MODEL_FILENAME
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process, from /proc (Linux), after returning freed heap memory
-    to the OS (else the freed model protobuf hides in the reading: ResNet-18 read 161 MB, not 47)."""
-    from .memory import release_free_heap  # lazy: memory imports the host, which imports engines
-
-    release_free_heap()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from ..contract.config import ModelConfig
+from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
+from .base import Footprint
+from .process import measured_rss_bytes
+from ..contract.errors import ConfigError, InferenceError
+from ..contract.repository import MODEL_FILENAME
 
 
 class OnnxRuntimeContext:
@@ -70,10 +61,10 @@ class OnnxRuntimeEngine:
         threads = intra_op_threads or int(os.environ.get("ORT_INTRA_OP_THREADS", "0"))
         options.intra_op_num_threads = threads
         options.enable_mem_pattern = False  # see the class docstring
-        before = _rss_bytes()
+        before = measured_rss_bytes()
         self.session = ort.InferenceSession(
             str(Path(model_dir) / MODEL_FILENAME), sess_options=options, providers=["CPUExecutionProvider"])
-        self._engine_bytes = max(0, _rss_bytes() - before)
+        self._engine_bytes = max(0, measured_rss_bytes() - before)
         self._check_signature()
         self.output_names = [t.name for t in config.outputs]
 

@@ -1,62 +1,15 @@
-"""The engine contract both backends fill, and backend selection.
-
-An ``Engine`` is the loaded, read-only model (TensorRT: ``ICudaEngine``; ONNX Runtime: an
-``InferenceSession``). An ``ExecutionContext`` is the unit of concurrency: one request at a
-time each; ``ModelHost`` pools them.
-"""
+"""Backend selection: which backend serves a model on this machine, and opening its engine."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Protocol
 
-import numpy as np
-
-from .config import ModelConfig
-from .errors import ConfigError
+from ..contract.config import ModelConfig
+from ..contract.errors import ConfigError
+from .base import Engine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """Memory a loaded model holds, in bytes.
-
-    ``engine_bytes``: weights/plan; ``context_bytes``: per execution context (activations,
-    I/O buffers); ``measured``: True when taken from the backend or a memory delta, False when
-    predicted.
-    """
-
-    engine_bytes: int
-    context_bytes: int
-    measured: bool = True
-
-    def total(self, instances: int) -> int:
-        return self.engine_bytes + instances * self.context_bytes
-
-
-class ExecutionContext(Protocol):
-    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one request. Inputs are validated already; returns every output by name.
-
-        Raises:
-            InferenceError: the backend reported a failure.
-        """
-
-    def close(self) -> None: ...
-
-
-class Engine(Protocol):
-    backend: str
-
-    def create_context(self) -> ExecutionContext: ...
-
-    def footprint(self) -> Footprint: ...
-
-    def close(self) -> None:
-        """Release the engine; every context must be closed first."""
 
 
 def tensorrt_available() -> bool:
@@ -93,7 +46,7 @@ def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> 
     chosen = resolve_backend(requested)
     if chosen == "tensorrt":
         from .plans import PlanMismatch
-        from .tensorrt_engine import TensorRTEngine  # GPU only; imported lazily
+        from .tensorrt import TensorRTEngine  # GPU only; imported lazily
 
         try:
             return TensorRTEngine(config, model_dir)
@@ -101,6 +54,6 @@ def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> 
             if requested != "auto":
                 raise
             logger.warning("%s; serving model '%s' with ONNX Runtime instead", e.message, config.name)
-    from .onnxruntime_engine import OnnxRuntimeEngine
+    from .onnxruntime import OnnxRuntimeEngine
 
     return OnnxRuntimeEngine(config, model_dir)

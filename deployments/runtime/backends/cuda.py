@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import InferenceError
+from ..contract.errors import InferenceError
 
 # Allocations are rounded up to this many bytes (cudaMalloc itself aligns to 256).
 ALIGN_BYTES = 256

@@ -22,9 +22,9 @@ Promises, all policies:
 
 Footprint of a model = ``engine_bytes + instances x context_bytes`` (``engine.Footprint``). Before
 a model's first load the cache reserves the best figure it has: one measured earlier in this
-process (``memory.measured_footprint``), one passed in ``footprints``, one recorded beside the
-model (``memory.read_record``), else the graph prediction (``memory.predict``), capped at the
-budget. The load then measures the real one (``memory.load_and_measure``: exact on TensorRT,
+process (``footprints.measured_footprint``), one passed in ``footprints``, one recorded beside the
+model (``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
+budget. The load then measures the real one (``footprints.load_and_measure``: exact on TensorRT,
 RSS growth on ONNX Runtime); when it is larger than the reservation, more models are evicted
 before the load counts as done, and if that is impossible within the wait the model is
 unloaded again and the request gets ``OverBudget``. Reloads use the measured figure.
@@ -51,11 +51,14 @@ from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 
-from . import memory
-from .engine import Footprint, resolve_backend
-from .errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
+from ..backends.base import Footprint
+from ..backends.process import process_rss_bytes
+from ..backends.select import resolve_backend
+from . import footprints
+from .predict import predict
+from ..contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
 from .host import ModelHost
-from .repository import ModelRepository
+from ..contract.repository import ModelRepository
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ _LOAD_LOCK = threading.Lock()
 
 
 def _mb(n: float) -> str:
-    return f"{n / memory.MB:,.1f} MB"
+    return f"{n / 1e6:,.1f} MB"
 
 
 @dataclass
@@ -112,7 +115,7 @@ class ModelCache:
         backend: ``auto``, ``onnxruntime`` or ``tensorrt`` (``engine.resolve_backend``).
         wait_timeout_s: how long a load waits for held models to be released (``lru``).
         measure_elements: input elements of the measuring runs at a model's first load on ONNX
-            Runtime (``memory.measure_batch_of``); None measures at the full max batch.
+            Runtime (``footprints.measure_batch_of``); None measures at the full max batch.
         footprints: known footprints by model name (e.g. from ``memory measure --write`` or a
             TensorRT build), used before the first load instead of the prediction.
         checkout_timeout_s: ``ModelHost``'s wait for a free execution context.
@@ -127,7 +130,7 @@ class ModelCache:
     def __init__(self, repository: ModelRepository, names: Iterable[str] | None = None, *,
                  load_policy: LoadPolicy = "lazy", budget_bytes: int | None = None,
                  max_models: int | None = None, backend: str = "auto", wait_timeout_s: float = 30.0,
-                 measure_elements: int | None = memory.MEASURE_INPUT_ELEMENTS,
+                 measure_elements: int | None = footprints.MEASURE_INPUT_ELEMENTS,
                  footprints: Mapping[str, Footprint] | None = None, checkout_timeout_s: float = 30.0,
                  timeline_size: int = 1000, loader_threads: int = 8) -> None:
         if load_policy not in LOAD_POLICIES:
@@ -366,15 +369,15 @@ class ModelCache:
             requested = entry.config.backend if self._backend_request == "auto" else self._backend_request
             slot.backend = resolve_backend(requested)
         backend = slot.backend
-        known = memory.measured_footprint(entry, backend)
+        known = footprints.measured_footprint(entry, backend)
         if known is not None:
             return known, "measured"
         if slot.name in self._given:
             return self._given[slot.name], "given"
-        recorded = memory.read_record(entry, backend)
+        recorded = footprints.read_record(entry, backend)
         if recorded is not None:
             return recorded, "recorded"
-        return memory.predict(entry).footprint(), "predicted"
+        return predict(entry).footprint(), "predicted"
 
     def _load(self, slot: _Slot, flight: _Flight, deadline: float) -> None:
         """Make room, load and measure ``slot``'s model, then publish it (state ready, the
@@ -396,7 +399,7 @@ class ModelCache:
                     footprint = (slot.host.footprint() if slot.host.engine is not None
                                  and slot.host.engine.backend == "tensorrt" else estimate)
                 else:
-                    footprint = memory.load_and_measure(slot.host, self.measure_elements)
+                    footprint = footprints.load_and_measure(slot.host, self.measure_elements)
                     source = "measured"
                 load_ms = (time.perf_counter() - start) * 1e3
             loaded = True
@@ -531,7 +534,7 @@ class ModelCache:
             "model_bytes": model_bytes,
             "footprint_source": slot.footprint_source, "resident_bytes": self._resident_bytes,
             "resident_models": resident, "budget_bytes": self.budget_bytes, "max_models": self.max_models,
-            "process_rss_bytes": memory.process_rss_bytes(), "detail": detail,
+            "process_rss_bytes": process_rss_bytes(), "detail": detail,
         }
         self._events.append(record)
         budget = _mb(self.budget_bytes) if self.budget_bytes is not None else "no budget"

@@ -10,10 +10,11 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .engine import Engine, ExecutionContext, Footprint, open_engine
-from .errors import InferenceTimeout, ModelNotReady
-from .repository import ModelEntry
-from .validation import validate_inputs, validate_outputs
+from ..backends.base import Engine, ExecutionContext, Footprint
+from ..backends.select import open_engine
+from ..contract.errors import InferenceTimeout, ModelNotReady
+from ..contract.repository import ModelEntry
+from ..contract.validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger(__name__)
 

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 
 from tqdm import tqdm
 
-from . import cuda, trt_module
-from .config import ModelConfig, load_model_config
-from .errors import ConfigError
-from .plans import (
+from ..backends import cuda, trt_module
+from ..contract.config import ModelConfig, load_model_config
+from ..contract.errors import ConfigError
+from ..backends.plans import (
     PlanManifest,
     PlanTarget,
     ProfileShapes,
@@ -50,8 +50,8 @@ from .plans import (
     requested_profiles,
     stale_reasons,
 )
-from .repository import MODEL_FILENAME
-from .trt_module import TensorRTModule
+from ..contract.repository import MODEL_FILENAME
+from ..backends.trt_module import TensorRTModule
 
 if TYPE_CHECKING:  # the adapter is type-checked against tensorrt-stubs (see Makefile: typecheck)
     import tensorrt as trt

@@ -1,0 +1,1 @@
+"""Engines: the ``Engine`` protocol, backend selection, ONNX Runtime, TensorRT, CUDA memory, plans."""

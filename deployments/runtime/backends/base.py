@@ -1,0 +1,53 @@
+"""The engine contract every backend fills.
+
+An ``Engine`` is the loaded, read-only model (TensorRT: ``ICudaEngine``; ONNX Runtime: an
+``InferenceSession``). An ``ExecutionContext`` is the unit of concurrency: one request at a
+time each; ``ModelHost`` pools them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import numpy as np
+
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Memory a loaded model holds, in bytes.
+
+    ``engine_bytes``: weights/plan; ``context_bytes``: per execution context (activations,
+    I/O buffers); ``measured``: True when taken from the backend or a memory delta, False when
+    predicted.
+    """
+
+    engine_bytes: int
+    context_bytes: int
+    measured: bool = True
+
+    def total(self, instances: int) -> int:
+        return self.engine_bytes + instances * self.context_bytes
+
+
+class ExecutionContext(Protocol):
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one request. Inputs are validated already; returns every output by name.
+
+        Raises:
+            InferenceError: the backend reported a failure.
+        """
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    backend: str
+
+    def create_context(self) -> ExecutionContext: ...
+
+    def footprint(self) -> Footprint: ...
+
+    def close(self) -> None:
+        """Release the engine; every context must be closed first."""

@@ -1,0 +1,1 @@
+"""What a model is and what a request must be: config, datatypes, errors, repository, validation, shapes."""

@@ -1,0 +1,1 @@
+"""What is loaded where: ModelHost (engine + context pool), ModelCache (byte budget), footprints."""

@@ -1,0 +1,200 @@
+"""Measure a loaded model's footprint on ONNX Runtime, remember it, record it next to the model.
+
+* **ONNX Runtime** (``load_and_measure``): the process resident set size (RSS) before and after
+  creating the session is the engine bytes; the RSS growth across two runs at the max profile
+  (batch scaled, see below) is the context bytes: ORT's CPU arena keeps what a run allocated, so
+  that growth *is* the memory the session keeps once it has served max-profile requests (the
+  second run captures the arena's fragmentation). The heap is trimmed (``malloc_trim``) before
+  every RSS reading so freed memory that glibc kept does not hide a growth. To bound the cost,
+  the runs use the largest batch whose inputs hold at most ``measure_elements`` elements
+  (default ``MEASURE_INPUT_ELEMENTS``, 8 images of 3x224x224), and the growth is scaled by
+  ``max_batch / batch``: activation memory is linear in batch (ORT 1.32, memory pattern off,
+  fresh process, RSS growth per sample at batch 4/8/16/32: tiny_cnn 16.2/16.1/16.1/16.1 MB,
+  ResNet-18 5.2/6.7/6.7/6.7 MB, mid_cnn 3.4/3.4/3.4/3.4 MB; ocr_rec at width 3200, batch
+  1/2/4/8: 57.8/57.3/57.1/57.0 MB). Below 8 images ResNet-18's growth is noisy (the arena's
+  chunking), hence the default.
+* **TensorRT**: exact, from the engine (``device_memory_size_v2``); no measurement.
+
+RSS is process-wide: requests running on other models while a model is measured add noise.
+``ModelCache`` serializes loads to keep that noise small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..backends.base import Footprint
+from ..backends.select import resolve_backend
+from ..contract.config import ModelConfig
+from ..contract.datatypes import NUMPY_BY_DATATYPE
+from ..contract.repository import ModelEntry
+from ..contract.shapes import batch_of, max_profile_shapes
+from .host import ModelHost
+from .predict import _file_key
+from ..backends.process import measured_rss_bytes
+
+MEASURE_INPUT_ELEMENTS = 8 * 3 * 224 * 224
+"""Input elements of a measuring run (sets its batch); the growth is scaled to the max batch."""
+
+RECORD_FILENAME = "footprint.json"
+"""A recorded footprint next to the model file: ``<model>/<version>/footprint.json``."""
+
+
+_MEASURED: dict[tuple, Footprint] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
+def _measure_key(entry: ModelEntry, backend: str) -> tuple:
+    return (_file_key(entry.onnx_path()), backend)
+
+
+def measured_footprint(entry: ModelEntry, backend: str) -> Footprint | None:
+    """The footprint ``load_and_measure`` took of this model file in this process, if any."""
+    with _MEASURED_LOCK:
+        return _MEASURED.get(_measure_key(entry, backend))
+
+
+def _record_measurement(entry: ModelEntry, backend: str, footprint: Footprint) -> None:
+    with _MEASURED_LOCK:
+        _MEASURED[_measure_key(entry, backend)] = footprint
+
+
+def measure_batch_of(config: ModelConfig, measure_elements: int | None = MEASURE_INPUT_ELEMENTS) -> int:
+    """Batch of the measuring runs: the largest (at least 1, at most the max batch) whose inputs at
+    the max profile hold at most ``measure_elements`` elements; the max batch when None."""
+    full = batch_of(config)
+    if measure_elements is None or not config.max_batch_size:
+        return full
+    per_sample = sum(int(np.prod(s[1:])) for s in max_profile_shapes(config, 1).values())
+    return max(1, min(full, measure_elements // max(1, per_sample)))
+
+
+def measure_context_bytes(host: ModelHost, measure_elements: int | None = MEASURE_INPUT_ELEMENTS,
+                          runs: int = 2) -> int:
+    """RSS growth of ``runs`` requests at the max profile, scaled to the max batch (bytes).
+
+    Args:
+        host: a loaded ``ModelHost`` with an ONNX Runtime engine; nobody else should use it yet
+            (its arena must still be empty).
+        measure_elements: sets the runs' batch (``measure_batch_of``); the growth is multiplied
+            by ``max_batch / batch``. None runs the full max batch.
+        runs: requests to run; the second captures the arena's fragmentation (module docstring).
+
+    The inputs are zeros of the declared dtypes; they exist before the first reading and the
+    outputs are dropped before the last, so neither is counted.
+
+    Raises:
+        InferenceError, InvalidInput: from ``host.infer``.
+    """
+    config = host.config
+    full = batch_of(config)
+    batch = measure_batch_of(config, measure_elements)
+    feeds = {name: np.zeros(shape, dtype=NUMPY_BY_DATATYPE[config.input(name).datatype])
+             for name, shape in max_profile_shapes(config, batch if config.max_batch_size else None).items()}
+    before = measured_rss_bytes()
+    for _ in range(runs):
+        outputs = host.infer(feeds)
+        del outputs
+    growth = max(0, measured_rss_bytes() - before)
+    return int(growth * full / batch)
+
+
+_PRIMED = threading.Event()
+
+
+def _prime_onnxruntime() -> None:
+    """Create (once per process) a throwaway session on a one-node graph, so ONNX Runtime's
+    one-time start-up memory (its environment, about 30 MB) is not counted as the first model's."""
+    if _PRIMED.is_set():
+        return
+    import onnxruntime
+
+    value = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "prime", [value],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session.run(None, {"x": np.zeros(1, np.float32)})
+    _PRIMED.set()
+
+
+def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INPUT_ELEMENTS) -> Footprint:
+    """Load ``host`` and return its footprint: exact on TensorRT, measured on ONNX Runtime.
+
+    ONNX Runtime: engine bytes = RSS growth across ``host.load()``; context bytes =
+    ``measure_context_bytes(host, measure_elements)`` (module docstring gives the method). The result
+    is remembered for this model file (``measured_footprint``), so a reload need not measure.
+    The host stays loaded, with its arena grown by the measuring runs.
+
+    Raises:
+        ConfigError, InferenceError: from loading or the measuring runs (the host is unloaded).
+    """
+    requested = host.config.backend if host.backend_request == "auto" else host.backend_request
+    if resolve_backend(requested) == "onnxruntime":
+        _prime_onnxruntime()
+    before = measured_rss_bytes()
+    host.load()
+    try:
+        engine = host.engine
+        assert engine is not None
+        if engine.backend != "onnxruntime":
+            footprint = engine.footprint()
+        else:
+            engine_bytes = max(0, measured_rss_bytes() - before)
+            footprint = Footprint(engine_bytes=engine_bytes,
+                                  context_bytes=measure_context_bytes(host, measure_elements), measured=True)
+    except BaseException:
+        host.unload()
+        raise
+    _record_measurement(host.entry, engine.backend, footprint)
+    return footprint
+
+
+def _runtime_version(backend: str) -> str:
+    if backend == "onnxruntime":
+        import onnxruntime
+
+        return onnxruntime.__version__
+    return ""
+
+
+def write_record(entry: ModelEntry, backend: str, footprint: Footprint, measure_elements: int | None) -> Path:
+    """Write ``footprint`` to ``<model>/<version>/footprint.json`` (keys: ``engine_bytes``,
+    ``context_bytes``, ``backend``, ``runtime_version``, ``model_bytes``, ``measure_batch``,
+    ``source``). A TensorRT build can write the same keys next to its plan."""
+    path = entry.onnx_path().parent / RECORD_FILENAME
+    record = {"engine_bytes": footprint.engine_bytes, "context_bytes": footprint.context_bytes,
+              "backend": backend, "runtime_version": _runtime_version(backend),
+              "model_bytes": entry.onnx_path().stat().st_size,
+              "measure_batch": measure_batch_of(entry.config, measure_elements),
+              "source": "python -m deployments.runtime.tools.plan measure"}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_record(entry: ModelEntry, backend: str) -> Footprint | None:
+    """The recorded footprint of this model for ``backend``, or None when absent or stale
+    (another backend, runtime version or model file size)."""
+    path = entry.onnx_path().parent / RECORD_FILENAME
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if (record.get("backend") != backend or record.get("runtime_version") != _runtime_version(backend)
+            or record.get("model_bytes") != entry.onnx_path().stat().st_size):
+        return None
+    try:
+        return Footprint(engine_bytes=int(record["engine_bytes"]), context_bytes=int(record["context_bytes"]),
+                         measured=True)
+    except (KeyError, TypeError, ValueError):
+        return None
