@@ -23,13 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deployments.ingress import PLATFORMS
-from deployments.protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
+from deployments.protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import model_metadata
 from deployments.runtime.contract.errors import ModelNotFound
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelRepository
-from deployments.runtime.contract.validation import validate_inputs, validate_outputs
 
 # Threads that run ``ModelHost.infer``: enough that a model waiting for a free context never
 # holds up another model's requests.
@@ -52,10 +51,7 @@ def create_app(repository: str, models: Sequence[str] | None = None, backend: st
         try:
             host = host_of(request)
             chunks = [chunk async for chunk in request.stream()]
-            header = request.headers.get(HEADER_LENGTH)
-            infer_request = decode_request(join_body(chunks, header), header)
-            validate_inputs(host.config, infer_request.inputs)
-            validate_outputs(host.config, infer_request.outputs)
+            infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
             outputs = await asyncio.get_running_loop().run_in_executor(
                 executor, host.infer, infer_request.inputs, infer_request.outputs)
             content, headers = encode_response(host.name, str(host.version), infer_request, outputs)

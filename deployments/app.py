@@ -18,8 +18,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 
-from .ingress import Router
-from .model import ModelDeployment, PipelineDeployment
+from .ingress import Router, RouterOptions
+from .model import ModelDeployment
+from .pipeline import PipelineDeployment
 from .pool import PoolDeployment
 from .runtime.contract.config import Backend, DeploymentOptions
 from .runtime.contract.errors import ConfigError
@@ -115,6 +116,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", **ray_options(app_args.router, False)).bind(
         app_args.repository, dedicated, pool, pool_models,
-        max_body_bytes=int(app_args.max_body_mib * (1 << 20)),
-        request_timeout_s=app_args.request_timeout_s,
-        models=app_args.models, backend=app_args.backend)
+        RouterOptions(max_body_bytes=int(app_args.max_body_mib * (1 << 20)),
+                      request_timeout_s=app_args.request_timeout_s, backend=app_args.backend),
+        models=app_args.models)

@@ -14,7 +14,8 @@ next batch. ``run_batch`` then:
   or error; a cause no request owns (``InferenceTimeout``, ``ModelNotReady``) fails the group.
 
 Requests are validated before they are queued (``BatchItem.of``), so a malformed request is
-answered alone and never joins a batch. The result list holds, per request, its outputs or
+answered alone and never joins a batch; the joined batch and the requests run alone are not
+validated again (``ModelHost.run``). The result list holds, per request, its outputs or
 the exception to raise for it.
 
 Ray facts this relies on (``ray/serve/batching.py``, 2.60): the queue splits a batch by
@@ -38,7 +39,7 @@ import numpy as np
 from .runtime.contract.config import ModelConfig
 from .runtime.contract.errors import InferenceTimeout, ModelNotReady
 from .runtime.residency.host import ModelHost
-from .runtime.contract.validation import validate_inputs, validate_outputs
+from .runtime.contract.validation import validate_request
 
 # Failures that belong to no single request: retrying the group one by one cannot help.
 _GROUP_FAILURES = (InferenceTimeout, ModelNotReady)
@@ -89,8 +90,7 @@ class BatchItem:
         Raises:
             InvalidInput: the inputs or requested outputs do not fit ``config``.
         """
-        validate_inputs(config, inputs)
-        validate_outputs(config, outputs)
+        validate_request(config, inputs, outputs)
         names = sorted(inputs)
         signature = tuple((n, inputs[n].shape[1:], inputs[n].dtype.str) for n in names)
         rows = inputs[names[0]].shape[0]
@@ -152,7 +152,7 @@ class BatchStats:
 
 def _run_alone(host: ModelHost, item: BatchItem) -> dict[str, np.ndarray] | BaseException:
     try:
-        return host.infer(item.inputs, item.outputs)
+        return host.run(item.inputs, item.outputs)
     except Exception as e:  # each request gets its own error back
         return e
 
@@ -165,7 +165,7 @@ def _run_group(host: ModelHost, group: list[BatchItem]) -> tuple[list[dict[str, 
     combined = {name: np.concatenate([item.inputs[name] for item in group]) for name in group[0].inputs}
     rows = sum(item.rows for item in group)
     try:
-        result = host.infer(combined, None)
+        result = host.run(combined)  # its requests were validated one by one
     except _GROUP_FAILURES as e:
         return [copy.copy(e) for _ in group], "failed"  # one exception object per request
     except Exception:  # one request may be the cause: answer each on its own

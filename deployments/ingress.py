@@ -7,6 +7,12 @@ Routes (Open Inference Protocol, plus Triton's repository index):
     POST /v2/repository/index
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
+
+``RouterApp`` holds the routes and builds the Starlette app from a repository and a
+``ModelClient`` (tests run it under ``starlette.testclient.TestClient`` with a fake client);
+``Router``, at the bottom, is the Ray Serve deployment around it. The router checks only what
+routing needs (model, version, body size, readiness); the replica that runs a request
+validates its tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import functools
 import json
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
 
 from ray import serve
@@ -25,13 +32,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .model import ModelClient
-from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
+from .client import ModelClient
+from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.errors import error_status
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.contract.repository import ModelEntry, ModelRepository
-from .runtime.contract.validation import validate_inputs, validate_outputs
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,37 +70,40 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None) ->
                     headers=headers)
 
 
-@serve.deployment
-@serve.ingress()
-class Router:
-    """Ingress: speaks KServe v2 over HTTP and calls model deployments through handles.
+@dataclass(frozen=True)
+class RouterOptions:
+    """The router's options (their defaults live in ``deployments.app.AppArgs``).
 
-    Args:
-        repository: model repository root (each replica reads the configs, never the models).
-        dedicated: model name -> handle of its dedicated deployment (pipelines included).
-        pool: handle of the multiplexed pool deployment, or None.
-        pool_models: names served by the pool.
-        max_body_bytes: request bodies above this get 413.
-        request_timeout_s: a model call taking longer gets 504.
-        models: the served subset of the repository (None: all).
-        backend: the configured backend, reported as the platform of pool models.
+    ``max_body_bytes``: request bodies above this get 413. ``request_timeout_s``: a model call
+    taking longer gets 504. ``backend``: the configured backend, reported as the platform of
+    pool models.
     """
 
-    def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
-                 pool_models: Iterable[str], max_body_bytes: int = 64 << 20,
-                 request_timeout_s: float = 60.0, models: list[str] | None = None,
-                 backend: str = "auto") -> None:
-        self.repo = ModelRepository(repository, models)
-        self.client = ModelClient(dedicated, pool, pool_models)
-        self.max_body_bytes = max_body_bytes
-        self.request_timeout_s = request_timeout_s
+    max_body_bytes: int
+    request_timeout_s: float
+    backend: str
+
+
+class RouterApp:
+    """The KServe v2 HTTP routes over a model repository and a ``ModelClient``; no Ray.
+
+    Args:
+        repo: the served models (each router reads the configs, never the models).
+        client: calls the models (``ModelClient``, or a fake with its interface in tests).
+        options: ``RouterOptions``.
+    """
+
+    def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions) -> None:
+        self.repo = repo
+        self.client = client
+        self.max_body_bytes = options.max_body_bytes
+        self.request_timeout_s = options.request_timeout_s
         # Platform per model for metadata; dedicated replicas report theirs when ready.
-        self.platforms = {name: PLATFORMS.get(backend, backend) for name in self.client.pool_models}
+        self.platforms = {name: PLATFORMS.get(options.backend, options.backend) for name in self.client.pool_models}
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
-        self._poller = asyncio.get_running_loop().create_task(self._poll_ready())
 
-    def __serve_build_asgi_app__(self) -> Starlette:
+    def build_app(self) -> Starlette:
         app = Starlette(routes=[
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.server_ready, methods=["GET"]),
@@ -112,18 +121,20 @@ class Router:
         return app
 
     # --- readiness -------------------------------------------------------------------------
-    async def _poll_ready(self) -> None:
+    async def poll_ready(self) -> None:
+        """Ask each dedicated model for its backend until all answered (loaded); returns then."""
         pending = set(self.client.dedicated)
         while pending:
             for name in sorted(pending):
                 try:
-                    backend = await asyncio.wait_for(self.client.dedicated[name].ready.remote(), _READY_POLL_S)
+                    backend = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
                     self.platforms[name] = PLATFORMS.get(backend, backend)
                     self.ready_models.add(name)
                     pending.discard(name)
                 except Exception:  # no replica yet, or still loading: poll again
                     pass
-            await asyncio.sleep(_READY_POLL_S)
+            if pending:
+                await asyncio.sleep(_READY_POLL_S)
 
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
@@ -192,9 +203,9 @@ class Router:
         ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
         engines = [n for n in sorted(self.client.dedicated)
                    if n in self.ready_models and not self.repo.get(n).config.pipeline]
-        calls = [self.client.dedicated[n].memory.remote() for n in engines]
+        calls = [self.client.memory(n) for n in engines]
         if self.client.pool is not None:
-            calls.append(self.client.pool.memory.remote())
+            calls.append(self.client.pool_memory())
         try:
             answers = await asyncio.wait_for(asyncio.gather(*calls), self.request_timeout_s)
         except asyncio.TimeoutError:
@@ -202,7 +213,7 @@ class Router:
         pool = answers.pop() if self.client.pool is not None else None
         return JSONResponse({"pool": pool, "dedicated": dict(zip(engines, answers))})
 
-    async def _read_body(self, request: Request) -> bytes | memoryview:
+    async def _read_body(self, request: Request) -> list[bytes]:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise PayloadTooLarge(
@@ -216,7 +227,7 @@ class Router:
                 chunks.append(chunk)
         except ClientDisconnect:  # a client mistake, not a server fault: no 5xx, no error log
             raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
-        return join_body(chunks, request.headers.get(HEADER_LENGTH))
+        return chunks
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
         try:
@@ -227,11 +238,32 @@ class Router:
     @_answers_errors
     async def infer(self, request: Request) -> Response:
         entry = self._entry(request)
-        body = await self._read_body(request)
-        infer_request = decode_request(body, request.headers.get(HEADER_LENGTH))
-        validate_inputs(entry.config, infer_request.inputs)
-        validate_outputs(entry.config, infer_request.outputs)
+        chunks = await self._read_body(request)
+        infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
         self._require_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
         content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
         return Response(content, headers=headers)
+
+
+@serve.deployment
+@serve.ingress()
+class Router(RouterApp):
+    """The ``RouterApp`` as a Ray Serve ingress deployment, calling models through handles.
+
+    Args:
+        repository: model repository root.
+        dedicated: model name -> handle of its dedicated deployment (pipelines included).
+        pool: handle of the multiplexed pool deployment, or None.
+        pool_models: names served by the pool.
+        options: ``RouterOptions``.
+        models: the served subset of the repository (None: all).
+    """
+
+    def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
+                 pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None) -> None:
+        super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
+        self._poller = asyncio.get_running_loop().create_task(self.poll_ready())
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        return self.build_app()

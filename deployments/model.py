@@ -1,30 +1,22 @@
-"""Model deployments: a dedicated deployment per hot model, pipelines, and the model client.
+"""The dedicated deployment of one hot model: every replica loads it at start.
 
-Thin Ray layer: each replica owns engine-layer objects (``ModelHost``) and runs their blocking
-``infer`` in a worker thread so one replica serves ``instances`` requests at once.
+Thin Ray layer: each replica owns a ``ModelHost`` and runs its blocking calls in worker threads,
+so one replica serves ``instances`` requests at once. A request is validated here, once, by
+the replica that runs it (the router only routes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from ray import serve
-from ray.exceptions import RayActorError
 
-from .pipelines import create_pipeline
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
-from .runtime.contract.errors import ModelNotFound, ModelNotReady
+from .runtime.contract.repository import ModelRepository
 from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
-from .runtime.contract.validation import validate_inputs
-from .runtime.contract.repository import ModelRepository
-
-logger = logging.getLogger("ray.serve")
-
-_REPLICA_LOST_RETRIES = 1  # sends again of a request whose model replica died holding it
 
 
 @serve.deployment
@@ -52,10 +44,16 @@ class ModelDeployment:
                 max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Run one request; see ``ModelHost.infer`` for shapes and raised errors."""
-        item = None if self._batched is None else BatchItem.of(self.host.config, inputs, outputs)
-        if item is None or item.rows > self._max_rows:  # a request over the batch size runs alone
+        """Validate and run one request; see ``ModelHost.infer`` for shapes and raised errors.
+
+        Validated once: by ``ModelHost.infer`` without batching, by ``BatchItem.of`` before a
+        request joins the batch queue (the joined batch is not checked again).
+        """
+        if self._batched is None:
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
+        item = BatchItem.of(self.host.config, inputs, outputs)
+        if item.rows > self._max_rows:  # a request over the batch size runs alone
+            return await asyncio.to_thread(self.host.run, item.inputs, item.outputs)
         result = await self._batched(item)
         if isinstance(result, BaseException):
             raise result
@@ -65,11 +63,11 @@ class ModelDeployment:
         """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""
         return {"enabled": self._batched is not None, **self.batch_stats.as_dict()}
 
-    def ready(self) -> str:
-        """The backend in use (``onnxruntime`` or ``tensorrt``) once loaded.
+    def backend(self) -> str:
+        """The backend serving the model: ``onnxruntime`` or ``tensorrt``.
 
-        Raises:
-            ModelNotReady: not loaded.
+        The model loads in ``__init__``, so a replica that answers at all has it loaded: the
+        router polls this to learn both that the model is ready and its platform.
         """
         return self.host.backend
 
@@ -92,85 +90,3 @@ class ModelDeployment:
     def check_health(self) -> None:
         if not self.host.ready:
             raise RuntimeError(f"model '{self.host.name}' is not loaded")
-
-
-# Requests whose inputs hold at least this many bytes go to the replica by reference (Ray's
-# object store: shared memory on one node) even where handles default to gRPC, which copies
-# and was 5x slower for a 4.9 MB tensor (bench/README.md).
-BY_REFERENCE_MIN_BYTES = 1 << 20
-
-
-def payload_bytes(inputs: dict[str, np.ndarray]) -> int:
-    """Bytes the arrays carry (BYTES elements counted by their length)."""
-    return sum(sum(len(x) for x in a.flat) if a.dtype == object else a.nbytes for a in inputs.values())
-
-
-class ModelClient:
-    """Calls a model by name through its deployment handle: dedicated or pooled.
-
-    Used by the router and by pipelines; the arrays travel to the replica as Ray objects
-    (no re-encoding between deployments): over gRPC where the cluster makes that the handle
-    default (``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, see the Makefile's ``serve``), by reference
-    for inputs of ``BY_REFERENCE_MIN_BYTES`` and more.
-    """
-
-    def __init__(self, dedicated: dict[str, Any], pool: Any | None, pool_models: Iterable[str]) -> None:
-        self.dedicated = dedicated
-        self.pool = pool
-        self.pool_models = frozenset(pool_models)
-
-    def handle(self, name: str) -> Any:
-        """The deployment handle serving ``name``.
-
-        Raises:
-            ModelNotFound: no deployment serves this model.
-        """
-        if name in self.dedicated:
-            return self.dedicated[name]
-        if name in self.pool_models and self.pool is not None:
-            return self.pool.options(multiplexed_model_id=name)
-        raise ModelNotFound(f"unknown model '{name}'")
-
-    async def infer(self, name: str, inputs: dict[str, np.ndarray],
-                    outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Run ``inputs`` on model ``name``; returns its outputs by name.
-
-        A replica that dies holding the request surfaces as ``ray.exceptions.RayActorError``
-        (``ActorDiedError``); Serve has dropped it from routing by then, so the request is sent
-        once more, to a live or replacement replica (inference has no side effects).
-
-        Raises:
-            ModelNotFound: no deployment serves ``name``.
-            ModelNotReady: the replica died again on the second try.
-            ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
-        """
-        handle = self.handle(name)
-        if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
-            handle = handle.options(_by_reference=True)
-        for attempt in range(_REPLICA_LOST_RETRIES + 1):
-            try:
-                return await handle.infer.remote(inputs, outputs)
-            except RayActorError:
-                if attempt == _REPLICA_LOST_RETRIES:
-                    break
-                logger.warning("model '%s': replica died during a request; sending it again", name)
-        raise ModelNotReady(f"model '{name}': its replica stopped while serving the request; retry shortly")
-
-
-@serve.deployment
-class PipelineDeployment:
-    """A composed model (like a Triton ensemble) whose steps call other model deployments."""
-
-    def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
-                 pool_models: Iterable[str]) -> None:
-        repo = ModelRepository(repository)
-        self.config = repo.get(name).config
-        self.pipeline = create_pipeline(repo, name, ModelClient(dedicated, pool, pool_models).infer)
-
-    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        validate_inputs(self.config, inputs)
-        result = await self.pipeline.infer(inputs)
-        return result if outputs is None else {n: result[n] for n in outputs}
-
-    def ready(self) -> str:
-        return "pipeline"

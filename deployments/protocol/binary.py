@@ -15,7 +15,7 @@ the request's ``parameters.binary_data_output`` is true and the output does not 
 and no ``data``; its bytes follow the header in output order, and the response carries
 ``Inference-Header-Content-Length``. With no binary output the response is plain JSON.
 
-Zero copy: ``join_body`` places the body in one buffer whose binary section starts on a
+Zero copy: ``decode_body`` parses the header length once and ``join_body`` places the body in one buffer whose binary section starts on a
 64-byte boundary, and numeric inputs are ``np.frombuffer`` views of it (copied only when an
 input's offset is not a multiple of its element size).
 """
@@ -71,27 +71,35 @@ def parse_header_length(value: str | None, body_bytes: int) -> int | None:
     return length
 
 
-def join_body(chunks: list[bytes], header_value: str | None) -> Body:
+def join_body(chunks: list[bytes], header_length: int | None) -> Body:
     """Join the body's chunks into one buffer (one copy, as ``b"".join``).
 
-    For a binary request the buffer is placed so that the binary section (after the JSON
-    header) starts 64-byte aligned, so numeric inputs decode as aligned views without a copy.
-    A missing or malformed header length joins plainly (``decode_request`` reports it).
+    For a binary request (``header_length`` from ``parse_header_length``, not None) the buffer
+    is placed so that the binary section (after the JSON header) starts 64-byte aligned, so
+    numeric inputs decode as aligned views without a copy.
     """
     size = sum(len(c) for c in chunks)
-    try:
-        header = parse_header_length(header_value, size)
-    except InvalidInput:
-        header = None
-    if header is None or header == size:
+    if header_length is None or header_length == size:
         return b"".join(chunks)
     raw = np.empty(size + _ALIGN, dtype=np.uint8)
-    start = -(raw.ctypes.data + header) % _ALIGN
+    start = -(raw.ctypes.data + header_length) % _ALIGN
     pos = start
     for chunk in chunks:
         raw[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
     return memoryview(raw[start:pos]).cast("B")
+
+
+def decode_body(chunks: list[bytes], header_value: str | None) -> InferRequest:
+    """A request body as it arrived (its chunks) -> ``InferRequest``: the
+    ``Inference-Header-Content-Length`` header is parsed once, then the chunks are joined
+    (``join_body``) and decoded (``decode_request``).
+
+    Raises:
+        InvalidInput: a malformed header length, or a body that does not follow the protocol.
+    """
+    length = parse_header_length(header_value, sum(len(c) for c in chunks))
+    return decode_request(join_body(chunks, length), length)
 
 
 class _BinarySection:
@@ -185,22 +193,22 @@ def _decode_bytes(where: str, raw: memoryview, count: int) -> np.ndarray:
     return out
 
 
-def decode_request(body: Body, header_value: str | None) -> InferRequest:
+def decode_request(body: Body, header_length: int | None) -> InferRequest:
     """An infer request body, JSON or binary, -> ``InferRequest``.
 
     Args:
         body: the whole request body (``join_body``'s result or plain bytes).
-        header_value: the ``Inference-Header-Content-Length`` header, or None for plain JSON.
+        header_length: the JSON header's length in bytes (``parse_header_length`` of the
+            ``Inference-Header-Content-Length`` header), or None for plain JSON.
 
     Raises:
         InvalidInput: the JSON or the binary section does not follow the protocol.
     """
     view = memoryview(body).cast("B")
-    length = parse_header_length(header_value, len(view))
-    if length is None:
+    if header_length is None:
         header, section = view, _BinarySection(view[:0], has_header=False)
     else:
-        header, section = view[:length], _BinarySection(view[length:], has_header=True)
+        header, section = view[:header_length], _BinarySection(view[header_length:], has_header=True)
     request = decode_infer_request(parse_json(bytes(header)), decode=section.decode)
     section.finish()
     return request

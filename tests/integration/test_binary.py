@@ -85,13 +85,6 @@ def test_byte_count_that_disagrees_with_shape_is_400_giving_both(server):
     assert "needs 4915200 bytes" in r.json()["error"] and "gives 4915196 bytes" in r.json()["error"]
 
 
-def test_header_length_beyond_the_body_is_400(server):
-    header = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
-                          "parameters": {"binary_data_size": 602112}}]}
-    r = post_binary(server, "tiny_cnn", header, bytes(16), header_length=10_000)
-    assert r.status_code == 400 and "Inference-Header-Content-Length is 10000 bytes" in r.json()["error"]
-
-
 def test_binary_data_size_past_the_body_is_400_and_the_server_keeps_serving(server, client):
     header = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
                           "parameters": {"binary_data_size": 602112}}]}

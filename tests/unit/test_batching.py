@@ -34,7 +34,7 @@ class DoublingHost:
         self.fail_with = fail_with
         self.drop_a_row = drop_a_row
 
-    def infer(self, inputs, outputs=None):
+    def run(self, inputs, outputs=None):
         x = inputs["x"]
         self.calls.append(x.shape[0])
         if self.fail_with is not None:

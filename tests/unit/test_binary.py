@@ -13,9 +13,11 @@ from tritonclient.http._utils import _get_inference_request
 from deployments.protocol.binary import (
     HEADER_LENGTH,
     binary_outputs,
+    decode_body,
     decode_request,
     encode_response,
     join_body,
+    parse_header_length,
 )
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import InferRequest
@@ -40,7 +42,7 @@ def tensor(name: str, array: np.ndarray, datatype: str, binary: bool = True) -> 
 
 
 def decode(body, header):
-    return decode_request(join_body([body], header), header)
+    return decode_body([body], header)
 
 
 def test_tritonclient_binary_request_decodes_to_the_same_arrays():
@@ -89,8 +91,9 @@ def test_numeric_inputs_are_aligned_views_of_the_body_without_a_copy():
     x = np.random.default_rng(1).standard_normal((1, 3, 64, 64), dtype=np.float32)
     y = np.ones((1, 3, 64, 64), dtype=np.float32)
     body, header = triton_body([tensor("x", x, "FP32"), tensor("y", y, "FP32")])
-    buffer = join_body([body[:1000], body[1000:]], header)  # two chunks, as a stream delivers them
-    request = decode_request(buffer, header)
+    length = parse_header_length(header, len(body))
+    buffer = join_body([body[:1000], body[1000:]], length)  # two chunks, as a stream delivers them
+    request = decode_request(buffer, length)
     for name in ("x", "y"):
         array = request.inputs[name]
         assert array.flags.aligned and array.base is not None and not array.flags.owndata
@@ -103,8 +106,9 @@ def test_misaligned_input_is_copied_and_still_correct():
     a = np.array([7], dtype=np.uint8)
     x = np.arange(5, dtype=np.float64)
     body, header = triton_body([tensor("a", a, "UINT8"), tensor("x", x, "FP64")])
-    buffer = join_body([body], header)
-    request = decode_request(buffer, header)  # x starts 1 byte after a 64-byte boundary
+    length = parse_header_length(header, len(body))
+    buffer = join_body([body], length)
+    request = decode_request(buffer, length)  # x starts 1 byte after a 64-byte boundary
     assert request.inputs["x"].flags.aligned
     assert not np.shares_memory(request.inputs["x"], np.frombuffer(buffer, dtype=np.uint8))
     np.testing.assert_array_equal(request.inputs["x"], x)
@@ -209,8 +213,6 @@ def test_bytes_element_count_beyond_the_payload_is_400_before_any_allocation():
 
 @pytest.mark.parametrize("value", ["\u00b2", "9" * 5000, "-1", "1.0", " "])
 def test_header_length_that_is_not_a_plain_integer_is_400(value):
-    from deployments.protocol.binary import parse_header_length
-
     with pytest.raises(InvalidInput, match="must be a non-negative integer"):
         parse_header_length(value, 10)
 

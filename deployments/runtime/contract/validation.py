@@ -75,3 +75,15 @@ def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list
     if unknown:
         raise InvalidInput(f"model '{config.name}' has no outputs {unknown}; outputs: {declared}")
     return wanted
+
+
+def validate_request(config: ModelConfig, inputs: Mapping[str, np.ndarray],
+                     outputs: Iterable[str] | None) -> list[str]:
+    """``validate_inputs`` then ``validate_outputs``: the one check of a request, made by the
+    replica that runs it. Returns the output names to return.
+
+    Raises:
+        InvalidInput: as ``validate_inputs`` and ``validate_outputs``.
+    """
+    validate_inputs(config, inputs)
+    return validate_outputs(config, outputs)

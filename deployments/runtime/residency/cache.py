@@ -58,6 +58,7 @@ from . import footprints
 from .predict import predict
 from ..contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
 from .host import ModelHost
+from ..contract.validation import validate_request
 from ..contract.repository import ModelRepository
 
 logger = logging.getLogger(__name__)
@@ -207,26 +208,31 @@ class ModelCache:
 
     def infer(self, name: str, inputs: Mapping[str, np.ndarray],
               outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        """Acquire ``name``, run ``ModelHost.infer`` (blocking) and release.
+        """Validate the request, acquire ``name``, run it (blocking) and release.
 
-        Raises: as ``acquire`` and ``ModelHost.infer``.
+        The request is validated once, before any load: a malformed one never loads or
+        evicts a model.
+
+        Raises: ``InvalidInput`` (``validate_request``), as ``acquire`` and ``ModelHost.run``.
         """
+        wanted = validate_request(self._slot(name).host.config, inputs, outputs)
         with self.acquire(name) as host:
-            return host.infer(inputs, outputs)
+            return host.run(inputs, wanted)
 
     async def infer_async(self, name: str, inputs: Mapping[str, np.ndarray],
                           outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Async ``infer``: the load wait and the run happen in threads. If the calling task is
         cancelled, the run still finishes in its thread and releases the model then.
 
-        Raises: as ``acquire`` and ``ModelHost.infer``.
+        Raises: as ``infer``.
         """
+        wanted = validate_request(self._slot(name).host.config, inputs, outputs)
         host = await self._checkout_async(name)
         loop = asyncio.get_running_loop()
 
         def run() -> dict[str, np.ndarray]:
             try:
-                return host.infer(inputs, outputs)
+                return host.run(inputs, wanted)
             finally:
                 self._release(name)
 

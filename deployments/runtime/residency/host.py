@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ..backends.base import Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
 from ..contract.errors import InferenceTimeout, ModelNotReady
 from ..contract.repository import ModelEntry
-from ..contract.validation import validate_inputs, validate_outputs
+from ..contract.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ModelHost:
         return self._loaded().footprint()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        """Validate, run on a free execution context and return the requested outputs.
+        """Validate (``validate_request``), then ``run``.
 
         Args:
             inputs: input name -> array, shapes with batch axis when ``max_batch_size > 0``.
@@ -106,12 +106,23 @@ class ModelHost:
 
         Raises:
             InvalidInput: inputs or requested outputs do not fit the config.
+            ModelNotReady, InferenceTimeout, InferenceError: as ``run``.
+        """
+        return self.run(inputs, validate_request(self.config, inputs, outputs))
+
+    def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run inputs that were already validated against the config on a free execution
+        context; returns the outputs named in ``outputs`` (all outputs when None).
+
+        Callers that validated a request once (``ModelHost.infer``, ``ModelCache``, a batch of
+        validated requests) use this; anything else calls ``infer``.
+
+        Raises:
             ModelNotReady: the model is not loaded.
             InferenceTimeout: no context became free within ``checkout_timeout_s``.
             InferenceError: the backend failed.
         """
-        validate_inputs(self.config, inputs)
-        wanted = validate_outputs(self.config, outputs)
+        wanted = outputs if outputs is not None else [t.name for t in self.config.outputs]
         with self._lock:
             if self.engine is None:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")

@@ -1,0 +1,334 @@
+"""The router's HTTP routes under Starlette's TestClient, without Ray.
+
+``RouterApp`` runs over the real model repository with a fake of our own ``ModelClient``
+interface (never of ONNX Runtime): it records what the router passed and answers with arrays
+derived from the inputs, or raises what a model replica would. Real inference through real
+Ray Serve stays in ``tests/integration``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.testclient import TestClient
+
+from deployments.ingress import RouterApp, RouterOptions
+from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
+from deployments.runtime.contract.repository import ModelRepository
+
+GOOD = {"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": [0.0] * (3 * 224 * 224)}
+LIMIT_BYTES = 8 << 20
+
+
+def tensor(**changes: Any) -> dict[str, Any]:
+    t = dict(GOOD)
+    t.update(changes)
+    return t
+
+
+class FakeModelClient:
+    """``ModelClient``'s interface: ``dedicated``, ``pool``, ``pool_models``, ``infer``,
+    ``backend``, ``memory``, ``pool_memory``. ``infer`` answers ``logits`` = the first 1000
+    input values per row, x 2 (so a test can check what arrived), or raises ``raises``."""
+
+    def __init__(self, repo: ModelRepository, not_ready: set[str] = frozenset()) -> None:
+        entries = repo.entries()
+        self.pool_models = frozenset(e.name for e in entries
+                                     if e.config.deployment.mode == "pool" and not e.config.pipeline)
+        self.dedicated = {e.name: None for e in entries if e.name not in self.pool_models}
+        self.pool = object()
+        self.not_ready = set(not_ready)
+        self.calls: list[tuple[str, dict[str, np.ndarray], list[str] | None]] = []
+        self.raises: BaseException | None = None
+        self.delay_s = 0.0
+
+    async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None):
+        self.calls.append((name, inputs, outputs))
+        await asyncio.sleep(self.delay_s)
+        if self.raises is not None:
+            raise self.raises
+        (x,) = inputs.values()
+        return {"logits": 2 * x.reshape(x.shape[0], -1)[:, :1000]}
+
+    async def backend(self, name: str) -> str:
+        if name in self.not_ready:
+            raise ModelNotReady(f"model '{name}' has no replica")
+        return "pipeline" if name == "ocr" else "onnxruntime"
+
+    async def memory(self, name: str) -> dict[str, Any]:
+        return {"backend": "onnxruntime", "total_bytes": 1000 + len(name)}
+
+    async def pool_memory(self) -> dict[str, Any]:
+        return {"replica": "r1", "load_policy": "lru"}
+
+
+def make_router(repo: ModelRepository, not_ready: set[str] = frozenset(),
+                timeout_s: float = 60.0) -> tuple[TestClient, FakeModelClient]:
+    client = FakeModelClient(repo, not_ready)
+    router = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=timeout_s,
+                                                   backend="auto"))
+    try:  # one pass marks every model that answers ready; the rest stay loading
+        asyncio.run(asyncio.wait_for(router.poll_ready(), 0.2 if not_ready else 5.0))
+    except asyncio.TimeoutError:
+        assert not_ready
+    return TestClient(router.build_app(), raise_server_exceptions=False), client
+
+
+@pytest.fixture(scope="module")
+def repo(model_repository: ModelRepository) -> ModelRepository:
+    return model_repository
+
+
+@pytest.fixture
+def router(repo: ModelRepository) -> TestClient:
+    return make_router(repo)[0]
+
+
+def assert_error(r, status: int, *fragments: str) -> None:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    assert r.content.isascii()
+    body = r.json()
+    assert list(body) == ["error"]
+    for f in fragments:
+        assert f in body["error"], body["error"]
+    assert "Traceback" not in body["error"]
+
+
+def post(router: TestClient, path: str, body: Any, **kwargs: Any):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return router.post(path, content=data, headers={"Content-Type": "application/json"}, **kwargs)
+
+
+# --- health, metadata, index ------------------------------------------------------------------
+
+def test_live_ready_and_server_metadata(router):
+    assert router.get("/v2/health/live").json() == {"live": True}
+    assert router.get("/v2/health/ready").json() == {"ready": True}
+    meta = router.get("/v2").json()
+    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data"]
+
+
+def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):
+    meta = router.get("/v2/models/ocr_det").json()
+    assert meta["versions"] == ["1"] and meta["platform"] == "onnxruntime_onnx"
+    assert router.get("/v2/models/ocr_det/versions/1").json() == meta
+    assert router.get("/v2/models/ocr").json()["platform"] == "ensemble"
+
+
+def test_repository_index_says_which_models_load_on_first_request(router, repo):
+    index = {i["name"]: i for i in router.post("/v2/repository/index").json()}
+    assert sorted(index) == repo.names()
+    assert all(i["state"] == "READY" for i in index.values())
+    assert index["tiny_cnn"]["reason"] == "multiplexed pool: loads on first request"
+    assert "reason" not in index["ocr_det"]
+
+
+def test_memory_gathers_dedicated_engines_and_the_pool(router):
+    memory = router.get("/v2/memory").json()
+    assert memory["pool"] == {"replica": "r1", "load_policy": "lru"}
+    assert sorted(memory["dedicated"]) == ["ocr_cls", "ocr_det", "ocr_rec"]  # the pipeline has no engine
+    assert memory["dedicated"]["ocr_det"]["total_bytes"] == 1007
+
+
+def test_model_without_a_replica_is_503_until_it_answers(repo):
+    router, client = make_router(repo, not_ready={"ocr_det"})
+    assert_error(router.get("/v2/health/ready"), 503, "models still loading", "ocr_det")
+    assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    assert_error(post(router, "/v2/models/ocr_det/infer", body), 503, "model 'ocr_det' is not ready")
+    assert client.calls == []
+    assert router.get("/v2/models/tiny_cnn/ready").json() == {"name": "tiny_cnn", "ready": True}
+
+
+# --- infer: what reaches the model client --------------------------------------------------------
+
+def test_infer_passes_the_decoded_arrays_and_outputs_and_echoes_the_id(router, repo):
+    test_client, client = make_router(repo)
+    x = np.arange(2 * 3 * 224 * 224, dtype=np.float32).reshape(2, 3, 224, 224) / 1e5
+    body = {"id": "req-7", "inputs": [tensor(shape=[2, 3, 224, 224], data=x.tolist())],
+            "outputs": [{"name": "logits"}]}
+    r = post(test_client, "/v2/models/tiny_cnn/versions/1/infer", body)
+    assert r.status_code == 200, r.text
+    (name, inputs, outputs), = client.calls
+    assert name == "tiny_cnn" and outputs == ["logits"]
+    np.testing.assert_array_equal(inputs["input"], x)
+    out = r.json()
+    assert out["id"] == "req-7" and out["model_name"] == "tiny_cnn" and out["model_version"] == "1"
+    assert out["outputs"][0]["shape"] == [2, 1000]
+    np.testing.assert_array_equal(np.array(out["outputs"][0]["data"], np.float32), 2 * x.reshape(2, -1)[:, :1000].ravel())
+
+
+def test_chunked_body_decodes_as_the_whole_body(repo):
+    router, client = make_router(repo)
+    data = json.dumps({"inputs": [tensor(data=[0.25] * (3 * 224 * 224))]}).encode()
+
+    def chunks():
+        for start in range(0, len(data), 65536):
+            yield data[start:start + 65536]
+
+    r = router.post("/v2/models/tiny_cnn/infer", content=chunks())
+    assert r.status_code == 200, r.text
+    assert (client.calls[0][1]["input"] == 0.25).all() and client.calls[0][1]["input"].shape == (1, 3, 224, 224)
+
+
+def test_binary_body_in_chunks_decodes_to_the_same_array(repo):
+    router, client = make_router(repo)
+    x = np.random.default_rng(2).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    data = head + x.tobytes()
+    r = router.post("/v2/models/tiny_cnn/infer", content=iter([data[:1000], data[1000:]]),
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(client.calls[0][1]["input"], x)
+
+
+def test_errors_the_replica_raises_answer_with_their_status_and_text(repo):
+    router, client = make_router(repo)
+    client.raises = InvalidInput("model 'tiny_cnn' input 'input': axis 2 is 225, allowed 224")
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]}), 400, "axis 2 is 225, allowed 224")
+    client.raises = RuntimeError("secret internal detail")
+    r = post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]})
+    assert_error(r, 500, "internal server error")
+    assert "secret" not in r.text
+
+
+def test_model_slower_than_the_request_timeout_is_504(repo):
+    router, client = make_router(repo, timeout_s=0.05)
+    client.delay_s = 1.0
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]}), 504,
+                 "model 'tiny_cnn' did not answer within 0.05 s")
+
+
+# --- moved from tests/integration/test_bad_input.py (HTTP-level cases) -------------------------
+
+def test_unknown_model_and_version_are_404(router):
+    assert_error(post(router, "/v2/models/nope/infer", {"inputs": [GOOD]}), 404, "unknown model 'nope'")
+    assert_error(router.get("/v2/models/nope"), 404, "unknown model 'nope'")
+    assert_error(post(router, "/v2/models/tiny_cnn/versions/7/infer", {"inputs": [GOOD]}), 404,
+                 "no version '7'", "versions: [1]")
+    assert_error(router.get("/v2/models/tiny_cnn/versions/x"), 404, "no version 'x'")
+
+
+@pytest.mark.parametrize("path", [  # the client sends these undecoded; the app sees '/' in the name
+    "/v2/models/..%2Fx", "/v2/models/%2e%2e%2fx/ready", "/v2/models/a/b", "/v2/models/a%2Fb/versions/1",
+    "/v2/models/..%2F..%2Fetc%2Fpasswd",
+])
+def test_path_like_model_names_are_404_like_any_unknown_name(router, path):
+    r = router.get(path)
+    assert r.status_code == 404
+    assert r.json()["error"].startswith("unknown model '"), r.json()
+
+
+def test_unknown_route_is_404_naming_it(router):
+    assert_error(router.get("/v3/anything"), 404, "no route GET /v3/anything")
+
+
+def test_wrong_method_is_405_naming_the_allowed_one(router):
+    r = router.get("/v2/models/tiny_cnn/infer")
+    assert_error(r, 405, "method GET not allowed", "allowed: POST")
+    assert r.headers["Allow"] == "POST"
+
+
+def test_trailing_slash_is_404_not_a_redirect(router):
+    r = post(router, "/v2/models/tiny_cnn/infer/", {"inputs": [GOOD]}, follow_redirects=False)
+    assert_error(r, 404, "unknown model")
+
+
+def test_body_over_limit_is_413_by_its_declared_length(router):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", b" " * (LIMIT_BYTES + 1)), 413,
+                 f"request body is {LIMIT_BYTES + 1} bytes; the limit is {LIMIT_BYTES} bytes")
+
+
+def test_chunked_body_over_limit_is_413_while_reading(router):
+    chunks = iter([b" " * (1 << 20)] * (LIMIT_BYTES // (1 << 20) + 1))  # no Content-Length: chunked
+    assert_error(router.post("/v2/models/tiny_cnn/infer", content=chunks), 413,
+                 f"request body exceeds the limit of {LIMIT_BYTES} bytes")
+
+
+def test_malformed_json_is_400(router):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", b"{not json"), 400, "not valid JSON")
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_tokens_are_400(router, token):
+    body = '{"inputs":[{"name":"input","shape":[1],"datatype":"FP32","data":[%s]}]}' % token
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", body), 400, token, "not allowed")
+
+
+def test_element_count_mismatch_is_400(router):
+    r = post(router, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=[0.0] * 10)]})
+    assert_error(r, 400, "input 'input'", "needs 150528 elements", "has 10")
+
+
+@pytest.mark.parametrize("shape,fragment", [
+    ([1, 3, -224, 224], "axis 2 is -224"),
+    ([0, 3, 224, 224], "axis 0 is 0"),
+    ([1, 3, 224.5, 224], "axis 2 is 224.5"),
+    ([1, 3, "224", 224], "axis 2 is \"224\""),
+])
+def test_negative_zero_and_non_integer_dims_are_400(router, shape, fragment):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(shape=shape)]}), 400, fragment)
+
+
+def test_empty_inputs_and_a_body_that_is_not_an_object_are_400(router):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": []}), 400, "non-empty 'inputs'")
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", [1, 2]), 400, "JSON object")
+
+
+def test_booleans_among_numbers_are_400(router):
+    data = [True] + [0.5] * (3 * 224 * 224 - 1)
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=data)]}), 400, "not true/false")
+
+
+@pytest.mark.parametrize("data,fragment", [
+    ([[0.5] * 150527, [0.5]], "data has 2 items, shape [1, 3, 224, 224] needs 1 on axis 0"),
+    ([[[[0.5] * 448] * 112] * 3], "data[0][0] has 112 items, shape [1, 3, 224, 224] needs 224 on axis 2"),
+])
+def test_nested_data_must_follow_the_shape(router, data, fragment):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=data)]}), 400, fragment)
+
+
+def test_lone_surrogate_in_a_name_is_400_with_a_json_body(router):
+    body = '{"inputs":[{"name":"\\ud800","shape":[1],"datatype":"FP32","data":[1]}]}'
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", body), 400, "not valid Unicode")
+
+
+def test_number_overflowing_the_datatype_is_400(router):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [tensor(data=[1e39] * (3 * 224 * 224))]}),
+                 400, "input 'input'", "overflow FP32")
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", '{"inputs": [1e999]}'), 400, "overflows to Infinity")
+
+
+def test_output_parameters_that_are_not_an_object_are_400(router):
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD], "outputs": [{"name": "logits",
+                 "parameters": [1]}]}), 400, "'parameters' must be an object")
+
+
+# --- moved from tests/integration/test_binary.py (decoded by the router) -----------------------
+
+def post_binary(router: TestClient, model: str, header: dict, payload: bytes, header_length: int | None = None):
+    head = json.dumps(header).encode()
+    length = len(head) if header_length is None else header_length
+    return router.post(f"/v2/models/{model}/infer", content=head + payload,
+                       headers={"Inference-Header-Content-Length": str(length),
+                                "Content-Type": "application/octet-stream"})
+
+
+def test_byte_count_that_disagrees_with_shape_is_400_giving_both(router):
+    header = {"inputs": [{"name": "x", "shape": [1, 3, 640, 640], "datatype": "FP32",
+                          "parameters": {"binary_data_size": 4915196}}]}
+    r = post_binary(router, "ocr_det", header, bytes(4915196))
+    assert_error(r, 400, "needs 4915200 bytes", "gives 4915196 bytes")
+
+
+def test_header_length_beyond_the_body_is_400(router):
+    header = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                          "parameters": {"binary_data_size": 602112}}]}
+    r = post_binary(router, "tiny_cnn", header, bytes(16), header_length=10_000)
+    assert_error(r, 400, "Inference-Header-Content-Length is 10000 bytes")
