@@ -62,7 +62,7 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import RapidOCR
 from rapidocr_onnxruntime.utils.process_img import ResizeImgError
 
-from ..runtime.contract.config import ModelConfig, TensorSpec
+from ..runtime.contract.config import ModelConfig, TensorSpec, describe_validation_error
 from ..runtime.contract.errors import ConfigError, InferenceError, InvalidInput
 from ..runtime.contract.repository import ModelRepository
 
@@ -116,9 +116,7 @@ class OcrParameters(BaseModel):
         try:
             return cls.model_validate(dict(raw))
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(part) for part in first["loc"])
-            raise ConfigError(f"{where}: parameters.{field}: {first['msg']}") from None
+            raise ConfigError(f"{where}: {describe_validation_error(e, prefix='parameters')}") from None
 
 
 def read_character_list(onnx_path: str | Path) -> list[str]:

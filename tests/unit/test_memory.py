@@ -122,17 +122,17 @@ def test_max_profile_uses_max_batch_size_and_shrinking_halves_batch_or_dynamic_a
 def test_plan_json_reports_totals_fit_and_shrink_savings(
         model_repository: ModelRepository, capsys: pytest.CaptureFixture[str]) -> None:
     root = str(model_repository.root)
-    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "80", "--headroom", "0.15"]) == 0
+    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gib", "80", "--headroom", "0.15"]) == 0
     plan = json.loads(capsys.readouterr().out)
     models = {m["model"]: m for m in plan["models"]}
     assert set(models) == {"tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec"}
     assert plan["total_bytes"] == sum(m["total_bytes"] for m in plan["models"])
-    assert plan["usable_bytes"] == int(80e9 * 0.85) and plan["fits"] is True
+    assert plan["usable_bytes"] == int(80 * 2**30 * 0.85) and plan["fits"] is True
     tiny = models["tiny_cnn"]
     assert tiny["total_bytes"] == tiny["engine_bytes"] + 2 * tiny["predicted_context_bytes"]
     assert tiny["shrink_saves_bytes"] == pytest.approx(tiny["predicted_context_bytes"], rel=1e-6)  # 2 x half
 
-    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gb", "2"]) == 0
+    assert plan_cli.main(["plan", "--root", root, "--json", "--gpu-memory-gib", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["fits"] is False
 
 

@@ -17,16 +17,14 @@ files say now; ``python -m deployments.runtime.build`` rebuilds on any reason, a
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..contract.config import ModelConfig, Profile
 from ..contract.errors import ConfigError
+from ..contract.files import file_sha256, write_atomic
 
 MANIFEST_FORMAT = 1
 PLAN_PREFIX = "model"
@@ -99,33 +97,6 @@ def requested_profiles(config: ModelConfig) -> list[ProfileShapes]:
     return profiles
 
 
-_hash_lock = threading.Lock()
-_hash_cache: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file, cached per (path, size, mtime_ns) for this process.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _hash_lock:
-        cached = _hash_cache.get(key)
-    if cached is not None:
-        return cached
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    with _hash_lock:
-        _hash_cache[key] = value
-    return value
-
-
 @dataclass(frozen=True)
 class PlanManifest:
     """What a plan was built from and for (``<stem>.json`` beside ``<stem>.plan``).
@@ -164,10 +135,8 @@ class PlanManifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     def write(self, path: Path) -> None:
-        """Write atomically (temporary file, then rename)."""
-        tmp = Path(path).with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
+        """Write atomically (``write_atomic``)."""
+        write_atomic(path, self.to_json())
 
     @classmethod
     def read(cls, path: Path) -> "PlanManifest":

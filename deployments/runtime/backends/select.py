@@ -33,6 +33,12 @@ def resolve_backend(requested: str) -> str:
     return requested
 
 
+def requested_backend(config: ModelConfig, backend: str) -> str:
+    """The backend asked for a model: the replica's ``backend``, or under ``auto`` the model
+    config's own ``backend`` (itself ``auto`` by default; ``resolve_backend`` decides that)."""
+    return config.backend if backend == "auto" else backend
+
+
 def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> Engine:
     """Load the model in ``model_dir`` (a version folder) with the chosen backend.
 
@@ -42,7 +48,7 @@ def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> 
     Raises:
         ConfigError: the backend cannot load this model (no plan, stale plan, signature mismatch).
     """
-    requested = config.backend if backend == "auto" else backend
+    requested = requested_backend(config, backend)
     chosen = resolve_backend(requested)
     if chosen == "tensorrt":
         from .plans import PlanMismatch

@@ -18,8 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .datatypes import Datatype
 from .errors import ConfigError
+from .units import mib_to_bytes
 
 Backend = Literal["auto", "onnxruntime", "tensorrt"]
+LoadPolicy = Literal["eager", "lazy", "lru"]
 
 
 class _Frozen(BaseModel):
@@ -145,6 +147,28 @@ class DeploymentOptions(_Frozen):
     max_ongoing_requests: int = Field(16, ge=1)
 
 
+class CacheOptions(_Frozen):
+    """What one replica keeps resident (``residency.cache.ModelCache``); the pool's options in
+    ``serve_config.yaml`` (``deployments.app.PoolOptions``) carry these fields.
+
+    ``load_policy``: ``eager``, ``lazy`` or ``lru`` (README, "Memory"). ``memory_budget_mib``:
+    the most MiB of model footprints (engine + contexts) resident at once; None for no byte
+    limit. ``max_num_models_per_replica``: the most models resident at once (Ray's multiplexed
+    count cap as well); None for no count limit. ``wait_timeout_s``: how long a load waits for
+    held models to be released (``lru``) before ``OverBudget``.
+    """
+
+    load_policy: LoadPolicy = "lru"
+    memory_budget_mib: Optional[float] = Field(None, gt=0)
+    max_num_models_per_replica: Optional[int] = Field(3, ge=1)
+    wait_timeout_s: float = Field(30.0, gt=0)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``memory_budget_mib`` in bytes (None: no byte limit)."""
+        return None if self.memory_budget_mib is None else mib_to_bytes(self.memory_budget_mib)
+
+
 class ModelConfig(_Frozen):
     """A model's contract, parsed from its ``config.yaml``.
 
@@ -221,10 +245,12 @@ def _check_extra_profile(inputs: tuple[TensorSpec, ...], index: int, profile: di
                     f"{shapes.max[axis]}] is outside profile 0's [{lo[axis]}, {hi[axis]}]")
 
 
-def _describe(err: ValidationError) -> str:
+def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """Every error of a pydantic validation as ``field.path: message``, joined by ``; ``;
+    ``prefix`` (e.g. ``parameters``) is put before each field path."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "(top level)"
         parts.append(f"{loc}: {e['msg']}")
     return "; ".join(parts)
 
@@ -245,7 +271,7 @@ def load_model_config(path: Path) -> ModelConfig:
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_describe(e)}") from None
+        raise ConfigError(f"{path}: {describe_validation_error(e)}") from None
     if config.name != path.parent.name:
         raise ConfigError(f"{path}: name: '{config.name}' must equal its folder name '{path.parent.name}'")
     return config

@@ -46,6 +46,8 @@ class ModelRepository:
     Only the latest version of a model is served (Triton's ``latest: 1`` policy).
 
     ``names`` restricts the index to those models (the rest of the folder is not read).
+    ``require_versions=False`` indexes a model with no ``<version>/model.onnx`` too, with
+    empty ``versions`` (the build command reports it per model).
 
     Raises:
         ConfigError: at construction, for a missing root, a bad config, a model with no
@@ -53,7 +55,7 @@ class ModelRepository:
             ``names`` that has no folder.
     """
 
-    def __init__(self, root: str | Path, names: list[str] | None = None) -> None:
+    def __init__(self, root: str | Path, names: list[str] | None = None, *, require_versions: bool = True) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise ConfigError(f"model repository {self.root} does not exist")
@@ -73,10 +75,10 @@ class ModelRepository:
                 versions = tuple(sorted(
                     int(p.name) for p in folder.iterdir()
                     if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
-                if not versions:
+                if not versions and require_versions:
                     raise ConfigError(
                         f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
-                        "(python -m deployments.prepare) to fetch and generate the models")
+                        "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
             entries[config.name] = ModelEntry(config=config, path=folder, versions=versions)
         if not entries:
             raise ConfigError(f"model repository {self.root} holds no */config.yaml")

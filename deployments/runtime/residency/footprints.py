@@ -22,7 +22,6 @@ RSS is process-wide: requests running on other models while a model is measured 
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -31,7 +30,8 @@ import onnx
 from onnx import helper
 
 from ..backends.base import Footprint
-from ..backends.select import resolve_backend
+from ..backends.select import requested_backend, resolve_backend
+from ..contract.files import write_atomic
 from ..contract.config import ModelConfig
 from ..contract.datatypes import NUMPY_BY_DATATYPE
 from ..contract.repository import ModelEntry
@@ -137,8 +137,7 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
     Raises:
         ConfigError, InferenceError: from loading or the measuring runs (the host is unloaded).
     """
-    requested = host.config.backend if host.backend_request == "auto" else host.backend_request
-    if resolve_backend(requested) == "onnxruntime":
+    if resolve_backend(requested_backend(host.config, host.backend_request)) == "onnxruntime":
         _prime_onnxruntime()
     before = measured_rss_bytes()
     host.load()
@@ -176,9 +175,7 @@ def write_record(entry: ModelEntry, backend: str, footprint: Footprint, measure_
               "model_bytes": entry.onnx_path().stat().st_size,
               "measure_batch": measure_batch_of(entry.config, measure_elements),
               "source": "python -m deployments.runtime.tools.plan measure"}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
     return path
 
 

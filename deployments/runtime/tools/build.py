@@ -1,4 +1,4 @@
-"""Build TensorRT plans for the model repository: ``python -m deployments.runtime.build``.
+"""Build TensorRT plans for the model repository: ``python -m deployments.runtime.tools.build``.
 
 For every non-pipeline model in the repository (or those named with ``--models``), the
 latest version's ``model.onnx`` is parsed with TensorRT's ONNX parser and built with:
@@ -27,8 +27,8 @@ model, the input where there is one, and TensorRT's reason), 2 no TensorRT modul
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
-import os
 import re
 import sys
 import time
@@ -40,20 +40,21 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
 from tqdm import tqdm
 
 from ..backends import cuda, trt_module
-from ..contract.config import ModelConfig, load_model_config
+from ..contract.config import ModelConfig
 from ..contract.errors import ConfigError
 from ..backends.plans import (
     PlanManifest,
     PlanTarget,
     ProfileShapes,
-    file_sha256,
     requested_profiles,
     stale_reasons,
 )
-from ..contract.repository import MODEL_FILENAME
+from ..contract.files import file_sha256, write_atomic
+from ..contract.repository import MODEL_FILENAME, ModelRepository
+from ..contract.units import MIB
 from ..backends.trt_module import TensorRTModule
 
-if TYPE_CHECKING:  # the adapter is type-checked against tensorrt-stubs (see Makefile: typecheck)
+if TYPE_CHECKING:  # type-checked against tensorrt-stubs (tests/unit/test_tensorrt_typecheck.py)
     import tensorrt as trt
 
 logger = logging.getLogger(__name__)
@@ -253,10 +254,185 @@ def _timing_cache_path(root: Path, target: PlanTarget) -> Path:
     return root / ".cache" / f"timing.{target.flavour}-{target.version}.{ccs}.cache"
 
 
+@dataclass
+class ParsedNetwork:
+    """A network parsed from ONNX, with the builder that made it and the parser that owns its
+    weights (TensorRT: the parser must outlive the build)."""
+
+    builder: Any
+    network: Any
+    parser: Any
+    log: Any  # trt_module.capturing_logger(...)
+    notes: list[str]
+
+
+def parse_network(source: ModelSource, trt_mod: TensorRTModule,
+                  profiles: list[ProfileShapes]) -> ParsedNetwork:
+    """Step 1 (Polygraphy's ``NetworkFromOnnxPath``): parse ``source``'s ONNX file (strongly
+    typed where the flavour only builds that way) and check its inputs and outputs against the
+    config. Symbolic dims whose axes differ in size are split first (``unify_dynamic_dims``).
+
+    Raises:
+        BuildError: the parser refused the file, or the network and ``config.yaml`` disagree.
+    """
+    trt_ = trt_mod.module
+    config = source.config
+    log = trt_module.capturing_logger(trt_mod)
+    builder: trt.Builder = trt_.Builder(log)
+    flags = 0
+    if trt_mod.strongly_typed_only and hasattr(trt_.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt_.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network: trt.INetworkDefinition = builder.create_network(flags)
+    parser: trt.OnnxParser = trt_.OnnxParser(network, log)
+    model_bytes = source.onnx_path.read_bytes()
+    prepared, notes = unify_dynamic_dims(model_bytes, config, profiles)
+    mark = log.mark()
+    if not parser.parse(prepared if prepared is not None else model_bytes, str(source.onnx_path)):
+        errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
+        raise BuildError(config.name, "TensorRT's ONNX parser refused "
+                         f"{source.onnx_path}: {'; '.join(errors or log.errors_since(mark)) or 'no reason given'}")
+    check_network_io(network, config)
+    return ParsedNetwork(builder, network, parser, log, notes)
+
+
+def check_network_io(network: trt.INetworkDefinition, config: ModelConfig) -> None:
+    """The network's inputs are exactly the config's, and it has every configured output.
+
+    Raises:
+        BuildError: naming the input or outputs that disagree.
+    """
+    name = config.name
+    net_inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+    net_outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    for spec in config.inputs:
+        if spec.name not in net_inputs:
+            raise BuildError(name, f"not an input of the ONNX network; its inputs are {sorted(net_inputs)}",
+                             input=spec.name)
+    undeclared = sorted(net_inputs - {t.name for t in config.inputs})
+    if undeclared:
+        raise BuildError(name, f"network inputs {undeclared} are not declared in config.yaml")
+    missing_outputs = sorted({t.name for t in config.outputs} - net_outputs)
+    if missing_outputs:
+        raise BuildError(name, f"config outputs {missing_outputs} are not network outputs "
+                         f"{sorted(net_outputs)}")
+
+
+def add_profiles(parsed: ParsedNetwork, builder_config: trt.IBuilderConfig, trt_mod: TensorRTModule,
+                 config: ModelConfig, profiles: list[ProfileShapes]) -> None:
+    """Step 2 (Polygraphy's ``Profile``): one optimization profile per entry of ``profiles``
+    (``requested_profiles``), checking every boolean and index TensorRT returns.
+
+    Raises:
+        ProfileRejected: naming the input and TensorRT's reason.
+    """
+    trt_, log, name = trt_mod.module, parsed.log, config.name
+    input_names = [t.name for t in config.inputs]
+    for index, shapes in enumerate(profiles):
+        profile: trt.IOptimizationProfile = parsed.builder.create_optimization_profile()
+        for input_name, s in shapes.items():
+            mark = log.mark()
+            profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
+            if not profile:  # IOptimizationProfile.__bool__ is isValid()
+                raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
+                                      + "; ".join(log.errors_since(mark) or ["profile is invalid"]),
+                                      input=input_name)
+        mark = log.mark()
+        if builder_config.add_optimization_profile(profile) < 0:
+            errors = log.errors_since(mark)
+            raise ProfileRejected(name, f"TensorRT rejected profile {index}: {'; '.join(errors)}",
+                                  input=_input_named_in(errors, input_names))
+
+
+def configure_builder(parsed: ParsedNetwork, builder_config: trt.IBuilderConfig, trt_mod: TensorRTModule,
+                      config: ModelConfig, target: PlanTarget) -> str:
+    """Step 3 (Polygraphy's ``CreateConfig``): precision, workspace limit and, on TensorRT-RTX,
+    the compute-capability targets. Returns the precision built (``onnx`` for strongly typed
+    flavours, which keep the ONNX file's types; ``parsed.notes`` says so).
+
+    Raises:
+        BuildError: the flavour has no flag for the precision, or refused a target.
+    """
+    trt_, log, name = trt_mod.module, parsed.log, config.name
+    precision = config.tensorrt.precision
+    if trt_mod.strongly_typed_only:
+        precision_built = "onnx"
+        if precision != "fp32":
+            parsed.notes.append(f"{trt_mod.flavour} {trt_mod.version} builds strongly typed networks: "
+                                f"the ONNX file's tensor types decide; precision '{precision}' was not applied")
+    else:
+        precision_built = precision
+        if precision in ("fp16", "bf16"):
+            flag = getattr(trt_.BuilderFlag, precision.upper(), None)
+            if flag is None:
+                raise BuildError(name, f"{trt_mod.label} has no {precision.upper()} builder flag")
+            builder_config.set_flag(flag)
+    builder_config.set_memory_pool_limit(trt_.MemoryPoolType.WORKSPACE, config.tensorrt.workspace_mib * MIB)
+
+    if trt_mod.builds_without_gpu:
+        rtx_config: Any = builder_config  # compute-capability targets are TensorRT-RTX API only
+        rtx_config.num_compute_capabilities = len(target.compute_capabilities)
+        for i, cc in enumerate(target.compute_capabilities):
+            enum = getattr(trt_.ComputeCapability, f"SM{cc.replace('.', '')}")
+            mark = log.mark()
+            if not rtx_config.set_compute_capability(enum, i):
+                raise BuildError(name, f"set_compute_capability({cc}) failed: "
+                                 + "; ".join(log.errors_since(mark)))
+    return precision_built
+
+
+def load_timing_cache(builder_config: trt.IBuilderConfig, trt_mod: TensorRTModule,
+                      timing_cache: Path | None) -> Path | None:
+    """Give the builder the timing cache in ``timing_cache`` (a new one when absent or when
+    it does not fit this TensorRT/GPU). Returns the path in use, None for flavours without."""
+    if timing_cache is None or not trt_mod.has_timing_cache:
+        return None
+    data = timing_cache.read_bytes() if timing_cache.is_file() else b""
+    cache = builder_config.create_timing_cache(data)
+    if not builder_config.set_timing_cache(cache, False):
+        logger.warning("timing cache %s does not fit this TensorRT/GPU; starting a new one", timing_cache)
+        cache = builder_config.create_timing_cache(b"")
+        builder_config.set_timing_cache(cache, False)
+    return timing_cache
+
+
+def build_serialized(parsed: ParsedNetwork, builder_config: trt.IBuilderConfig,
+                     config: ModelConfig) -> tuple[memoryview, float]:
+    """Step 4 (Polygraphy's ``EngineBytesFromNetwork``): build; returns (plan bytes, seconds).
+
+    Raises:
+        ProfileRejected: the builder refused a profile (names the input where it can).
+        BuildError: any other builder failure, with TensorRT's logged errors.
+    """
+    log, name = parsed.log, config.name
+    input_names = [t.name for t in config.inputs]
+    mark = log.mark()
+    start = time.perf_counter()
+    serialized = parsed.builder.build_serialized_network(parsed.network, builder_config)
+    build_s = time.perf_counter() - start
+    if serialized is None:
+        errors = log.errors_since(mark)
+        reason = "; ".join(errors) or "the builder returned no plan and logged no error"
+        if any("profile" in e.lower() for e in errors):
+            raise ProfileRejected(name, f"TensorRT rejected the optimization profile: {reason}",
+                                  input=_input_named_in(errors, input_names)
+                                  or (input_names[0] if len(input_names) == 1 else None))
+        raise BuildError(name, f"TensorRT's builder failed: {reason}")
+    return memoryview(serialized).cast("B"), build_s
+
+
+def save_plan(source: ModelSource, target: PlanTarget, plan: memoryview, manifest: PlanManifest) -> None:
+    """Step 5 (Polygraphy's ``SaveBytes``): write the plan, then its manifest, atomically
+    beside the ONNX file (a reader never finds a manifest without its plan)."""
+    write_atomic(target.plan_path(source.version_dir), plan)
+    manifest.write(target.manifest_path(source.version_dir))
+
+
 def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget, *,
                built_on: str, target_note: str, timing_cache: Path | None = None,
                progress: bool = False) -> PlanManifest:
-    """Build one plan and write it and its manifest beside the ONNX file.
+    """Build one plan and write it and its manifest beside the ONNX file: ``parse_network``,
+    ``add_profiles``, ``configure_builder``, ``load_timing_cache``, ``build_serialized``,
+    ``save_plan`` (the timing cache is written back after the build).
 
     Args:
         source: the model (config, version folder, ONNX path).
@@ -273,137 +449,39 @@ def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget,
         ProfileRejected: TensorRT refused a profile; names model, input and TensorRT's reason.
         BuildError: parsing failed, config and network disagree, or the builder failed.
     """
-    trt_ = trt_mod.module
     config = source.config
-    name = config.name
     profiles = requested_profiles(config)
-    log = trt_module.capturing_logger(trt_mod)
-    builder: trt.Builder = trt_.Builder(log)
-    notes: list[str] = []
-
-    flags = 0
-    if trt_mod.strongly_typed_only and hasattr(trt_.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
-        flags |= 1 << int(trt_.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    network: trt.INetworkDefinition = builder.create_network(flags)
-    parser: trt.OnnxParser = trt_.OnnxParser(network, log)
-    model_bytes = source.onnx_path.read_bytes()
-    prepared, dim_notes = unify_dynamic_dims(model_bytes, config, profiles)
-    notes += dim_notes
-    mark = log.mark()
-    if not parser.parse(prepared if prepared is not None else model_bytes, str(source.onnx_path)):
-        errors = [str(parser.get_error(i).desc()) for i in range(parser.num_errors)]
-        raise BuildError(name, "TensorRT's ONNX parser refused "
-                         f"{source.onnx_path}: {'; '.join(errors or log.errors_since(mark)) or 'no reason given'}")
-
-    net_inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
-    net_outputs = {network.get_output(i).name for i in range(network.num_outputs)}
-    for spec in config.inputs:
-        if spec.name not in net_inputs:
-            raise BuildError(name, f"not an input of the ONNX network; its inputs are {sorted(net_inputs)}",
-                             input=spec.name)
-    undeclared = sorted(set(net_inputs) - {t.name for t in config.inputs})
-    if undeclared:
-        raise BuildError(name, f"network inputs {undeclared} are not declared in config.yaml")
-    missing_outputs = sorted({t.name for t in config.outputs} - net_outputs)
-    if missing_outputs:
-        raise BuildError(name, f"config outputs {missing_outputs} are not network outputs "
-                         f"{sorted(net_outputs)}")
-
-    builder_config: trt.IBuilderConfig = builder.create_builder_config()
-    input_names = [t.name for t in config.inputs]
-    for index, shapes in enumerate(profiles):
-        profile: trt.IOptimizationProfile = builder.create_optimization_profile()
-        for input_name, s in shapes.items():
-            mark = log.mark()
-            profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
-            if not profile:  # IOptimizationProfile.__bool__ is isValid()
-                raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
-                                      + "; ".join(log.errors_since(mark) or ["profile is invalid"]),
-                                      input=input_name)
-        mark = log.mark()
-        if builder_config.add_optimization_profile(profile) < 0:
-            errors = log.errors_since(mark)
-            raise ProfileRejected(name, f"TensorRT rejected profile {index}: {'; '.join(errors)}",
-                                  input=_input_named_in(errors, input_names))
-
-    precision = config.tensorrt.precision
-    if trt_mod.strongly_typed_only:
-        precision_built = "onnx"
-        if precision != "fp32":
-            notes.append(f"{trt_mod.flavour} {trt_mod.version} builds strongly typed networks: "
-                         f"the ONNX file's tensor types decide; precision '{precision}' was not applied")
-    else:
-        precision_built = precision
-        if precision in ("fp16", "bf16"):
-            flag = getattr(trt_.BuilderFlag, precision.upper(), None)
-            if flag is None:
-                raise BuildError(name, f"{trt_mod.label} has no {precision.upper()} builder flag")
-            builder_config.set_flag(flag)
-    builder_config.set_memory_pool_limit(trt_.MemoryPoolType.WORKSPACE, config.tensorrt.workspace_mib << 20)
-
-    if trt_mod.builds_without_gpu:
-        rtx_config: Any = builder_config  # compute-capability targets are TensorRT-RTX API only
-        rtx_config.num_compute_capabilities = len(target.compute_capabilities)
-        for i, cc in enumerate(target.compute_capabilities):
-            enum = getattr(trt_.ComputeCapability, f"SM{cc.replace('.', '')}")
-            mark = log.mark()
-            if not rtx_config.set_compute_capability(enum, i):
-                raise BuildError(name, f"set_compute_capability({cc}) failed: "
-                                 + "; ".join(log.errors_since(mark)))
-
-    cache_used = None
-    if timing_cache is not None and trt_mod.has_timing_cache:
-        data = timing_cache.read_bytes() if timing_cache.is_file() else b""
-        cache = builder_config.create_timing_cache(data)
-        if not builder_config.set_timing_cache(cache, False):
-            logger.warning("timing cache %s does not fit this TensorRT/GPU; starting a new one", timing_cache)
-            cache = builder_config.create_timing_cache(b"")
-            builder_config.set_timing_cache(cache, False)
-        cache_used = str(timing_cache)
+    parsed = parse_network(source, trt_mod, profiles)
+    builder_config: trt.IBuilderConfig = parsed.builder.create_builder_config()
+    add_profiles(parsed, builder_config, trt_mod, config, profiles)
+    precision_built = configure_builder(parsed, builder_config, trt_mod, config, target)
+    cache_used = load_timing_cache(builder_config, trt_mod, timing_cache)
     if progress:
         monitor = progress_monitor(trt_mod)
         if monitor is not None:
             builder_config.progress_monitor = monitor
-
-    mark = log.mark()
-    start = time.perf_counter()
-    serialized = builder.build_serialized_network(network, builder_config)
-    build_s = time.perf_counter() - start
-    if serialized is None:
-        errors = log.errors_since(mark)
-        reason = "; ".join(errors) or "the builder returned no plan and logged no error"
-        if any("profile" in e.lower() for e in errors):
-            raise ProfileRejected(name, f"TensorRT rejected the optimization profile: {reason}",
-                                  input=_input_named_in(errors, input_names)
-                                  or (input_names[0] if len(input_names) == 1 else None))
-        raise BuildError(name, f"TensorRT's builder failed: {reason}")
-    plan = memoryview(serialized).cast("B")
-
-    if cache_used is not None and timing_cache is not None:
-        timing_cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = timing_cache.with_suffix(".tmp")
-        tmp.write_bytes(memoryview(builder_config.get_timing_cache().serialize()).cast("B"))
-        os.replace(tmp, timing_cache)
+    plan, build_s = build_serialized(parsed, builder_config, config)
+    if cache_used is not None:
+        write_atomic(cache_used, memoryview(builder_config.get_timing_cache().serialize()).cast("B"))
 
     plan_path = target.plan_path(source.version_dir)
-    tmp_plan = plan_path.with_suffix(".plan.tmp")
-    tmp_plan.write_bytes(plan)
-    os.replace(tmp_plan, plan_path)
     manifest = PlanManifest(
-        model=name, version=source.version, flavour=trt_mod.flavour, tensorrt_version=trt_mod.version,
+        model=config.name, version=source.version, flavour=trt_mod.flavour, tensorrt_version=trt_mod.version,
         compute_capabilities=list(target.compute_capabilities), target_note=target_note,
         built_on=built_on, built_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         build_s=round(build_s, 3), onnx_file=MODEL_FILENAME, onnx_sha256=file_sha256(source.onnx_path),
         onnx_bytes=source.onnx_path.stat().st_size, plan_file=plan_path.name,
-        plan_sha256=file_sha256(plan_path), plan_bytes=plan_path.stat().st_size, profiles=profiles,
-        precision=precision, precision_built=precision_built,
-        workspace_mib=config.tensorrt.workspace_mib, timing_cache=cache_used, notes=notes)
-    manifest.write(target.manifest_path(source.version_dir))
+        plan_sha256=hashlib.sha256(plan).hexdigest(), plan_bytes=len(plan), profiles=profiles,
+        precision=config.tensorrt.precision, precision_built=precision_built,
+        workspace_mib=config.tensorrt.workspace_mib, timing_cache=None if cache_used is None else str(cache_used),
+        notes=parsed.notes)
+    save_plan(source, target, plan, manifest)
     return manifest
 
 
 def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[ModelSource], list[BuildResult]]:
-    """Non-pipeline models under ``root`` (only ``names`` when given), latest version each.
+    """Non-pipeline models under ``root`` (only ``names`` when given), latest version each,
+    as ``ModelRepository`` indexes them.
 
     Returns:
         ``(sources, failures)``: a model with no ``<version>/model.onnx`` or an unknown name
@@ -412,26 +490,18 @@ def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[M
     Raises:
         ConfigError: ``root`` is missing or a ``config.yaml`` is invalid.
     """
-    root = Path(root)
-    if not root.is_dir():
-        raise ConfigError(f"model repository {root} does not exist")
-    paths = {p.parent.name: p for p in sorted(root.glob("*/config.yaml"))}
+    repo = ModelRepository(root, require_versions=False)
     failures = [BuildResult(n, "failed", error=BuildError(n, f"no {root}/{n}/config.yaml"))
-                for n in (names or []) if n not in paths]
+                for n in (names or []) if n not in repo.names()]
     sources = []
-    for model_name, path in paths.items():
-        if names and model_name not in names:
+    for entry in repo.entries():
+        if (names and entry.name not in names) or entry.config.pipeline:
             continue
-        config = load_model_config(path)
-        if config.pipeline:
+        if not entry.versions:
+            failures.append(BuildResult(entry.name, "failed", error=BuildError(
+                entry.name, f"no <version>/{MODEL_FILENAME} under {entry.path}; run `make models`")))
             continue
-        versions = sorted(int(p.name) for p in path.parent.iterdir()
-                          if p.is_dir() and p.name.isdigit() and (p / MODEL_FILENAME).is_file())
-        if not versions:
-            failures.append(BuildResult(model_name, "failed", error=BuildError(
-                model_name, f"no <version>/{MODEL_FILENAME} under {path.parent}; run `make models`")))
-            continue
-        sources.append(ModelSource(config, versions[-1], path.parent / str(versions[-1])))
+        sources.append(ModelSource(entry.config, entry.latest, entry.onnx_path().parent))
     return sources, failures
 
 
@@ -496,7 +566,7 @@ def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status (0 ok, 1 a model failed, 2 no TensorRT)."""
-    parser = argparse.ArgumentParser(prog="python -m deployments.runtime.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m deployments.runtime.tools.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="engines", help="model repository (default: engines)")
     parser.add_argument("--models", nargs="*", help="models to build (default: all non-pipeline models)")
     parser.add_argument("--flavour", choices=["auto", "tensorrt", "tensorrt_rtx"], default="auto")

@@ -2,12 +2,12 @@
 
 Predictions come from ``residency.predict`` (ONNX graph), measurements from
 ``residency.footprints`` (ONNX Runtime, one subprocess per model so RSS readings are clean).
-Figures are printed in MB = 10^6 bytes.
+Figures are printed in MiB (2^20 bytes; ``contract.units``).
 
 Command line::
 
-    python -m deployments.runtime.tools.plan plan [--root engines] [--gpu-memory-gb 80] [--headroom 0.15]
-        [--precision fp16] [--instances N] [--baseline-mb 0] [--measure] [--json]
+    python -m deployments.runtime.tools.plan plan [--root engines] [--gpu-memory-gib 80] [--headroom 0.15]
+        [--precision fp16] [--instances N] [--baseline-mib 0] [--measure] [--json]
     python -m deployments.runtime.tools.plan measure MODEL [--root engines] [--write] [--json]
 """
 
@@ -25,12 +25,12 @@ from typing import Any, Mapping, Sequence
 from ..backends.base import Footprint
 from ..contract.repository import ModelEntry, ModelRepository
 from ..contract.shapes import shrunk_shapes
+from ..contract.units import MIB, format_mib, mib_to_bytes
 from ..residency.footprints import (MEASURE_INPUT_ELEMENTS, RECORD_FILENAME, load_and_measure,
                                     measure_batch_of, read_record, write_record)
 from ..residency.host import ModelHost
 from ..residency.predict import CONTEXT_FACTOR, analyze_graph, predict
 
-MB = 1_000_000
 
 
 @dataclass
@@ -100,8 +100,9 @@ def plan_model(entry: ModelEntry, precision: str | None = None, instances: int |
         shrink=shrink_text, shrink_saves_bytes=saves, unknown_tensors=prediction.graph.unknown_tensors)
 
 
-def _mb(n: float | None) -> str:
-    return "-" if n is None else f"{n / MB:,.1f}"
+def _mib(n: float | None) -> str:
+    """A table cell: the number of MiB, the unit being in the column header."""
+    return format_mib(n).removesuffix(" MiB")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
@@ -117,18 +118,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
 def render_plan(plans: Sequence[ModelPlan], gpu_memory_bytes: int, headroom: float, baseline_bytes: int,
                 precision: str | None) -> str:
     """The plan as text: one row per model, then whether the set fits."""
-    headers = ["model", "params", "max profile", "peak act/sample MB", "engine pred MB", "ctx pred MB",
-               "engine meas MB", "ctx meas MB", "inst", "total MB", "shrink max profile", "saves MB"]
+    headers = ["model", "params", "max profile", "peak act/sample MiB", "engine pred MiB", "ctx pred MiB",
+               "engine meas MiB", "ctx meas MiB", "inst", "total MiB", "shrink max profile", "saves MiB"]
     right = [False, True, False, True, True, True, True, True, True, True, False, True]
-    rows = [[p.model, f"{p.parameters:,}", p.max_profile, f"{p.peak_activation_bytes / MB:,.2f}",
-             _mb(p.engine_bytes), _mb(p.predicted_context_bytes), _mb(p.measured_engine_bytes),
-             _mb(p.measured_context_bytes) + (f" ({p.measured_source})" if p.measured_source else ""),
-             str(p.instances), _mb(p.total_bytes), p.shrink, _mb(p.shrink_saves_bytes)] for p in plans]
+    rows = [[p.model, f"{p.parameters:,}", p.max_profile, f"{p.peak_activation_bytes / MIB:,.2f}",
+             _mib(p.engine_bytes), _mib(p.predicted_context_bytes), _mib(p.measured_engine_bytes),
+             _mib(p.measured_context_bytes) + (f" ({p.measured_source})" if p.measured_source else ""),
+             str(p.instances), _mib(p.total_bytes), p.shrink, _mib(p.shrink_saves_bytes)] for p in plans]
     total = baseline_bytes + sum(p.total_bytes for p in plans)
     usable = int(gpu_memory_bytes * (1.0 - headroom))
     saves = sum(p.shrink_saves_bytes for p in plans)
-    verdict = (f"fits ({_mb(usable - total)} MB to spare)" if total <= usable
-               else f"does NOT fit (short by {_mb(total - usable)} MB)")
+    verdict = (f"fits ({format_mib(usable - total)} to spare)" if total <= usable
+               else f"does NOT fit (short by {format_mib(total - usable)})")
     shrunk_verdict = "fits" if total - saves <= usable else "does not fit"
     lines = [
         format_table(headers, rows, right),
@@ -136,9 +137,11 @@ def render_plan(plans: Sequence[ModelPlan], gpu_memory_bytes: int, headroom: flo
         f"context: predicted = {CONTEXT_FACTOR:g} x max batch x peak activation per sample "
         f"(activations sized {'as in the graph' if precision is None else precision}); "
         "measured where a measurement exists. total = engine + instances x context (measured if any).",
-        f"set: {_mb(total)} MB (baseline {_mb(baseline_bytes)} MB + models {_mb(total - baseline_bytes)} MB); "
-        f"GPU {_mb(gpu_memory_bytes)} MB with {headroom:.0%} headroom leaves {_mb(usable)} MB: {verdict}.",
-        f"shrinking every max profile as shown saves {_mb(saves)} MB -> {_mb(total - saves)} MB ({shrunk_verdict}).",
+        f"set: {format_mib(total)} (baseline {format_mib(baseline_bytes)} + models "
+        f"{format_mib(total - baseline_bytes)}); GPU {format_mib(gpu_memory_bytes)} with {headroom:.0%} headroom "
+        f"leaves {format_mib(usable)}: {verdict}.",
+        f"shrinking every max profile as shown saves {format_mib(saves)} -> {format_mib(total - saves)} "
+        f"({shrunk_verdict}).",
     ]
     unknown = [p for p in plans if p.unknown_tensors]
     if unknown:
@@ -158,8 +161,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if measured is None and args.measure:
             measured, source = _measure_in_subprocess(Path(args.root), entry.name, args.measure_elements), "ORT"
         plans.append(plan_model(entry, args.precision, args.instances, measured, source if measured else ""))
-    gpu_bytes = int(args.gpu_memory_gb * 1e9)
-    baseline = int(args.baseline_mb * MB)
+    gpu_bytes = mib_to_bytes(args.gpu_memory_gib * 1024)
+    baseline = mib_to_bytes(args.baseline_mib)
     if args.json:
         total = baseline + sum(p.total_bytes for p in plans)
         usable = int(gpu_bytes * (1 - args.headroom))
@@ -189,9 +192,9 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record))
     else:
-        print(f"{entry.name} ({backend}): engine {_mb(footprint.engine_bytes)} MB, context "
-              f"{_mb(footprint.context_bytes)} MB, total for {entry.config.instances} instances "
-              f"{_mb(record['total_bytes'])} MB (measured in {seconds:.1f} s)")
+        print(f"{entry.name} ({backend}): engine {format_mib(footprint.engine_bytes)}, context "
+              f"{format_mib(footprint.context_bytes)}, total for {entry.config.instances} instances "
+              f"{format_mib(record['total_bytes'])} (measured in {seconds:.1f} s)")
     return 0
 
 
@@ -202,10 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="predict (and optionally measure) each model's memory; check a GPU fits")
     plan.add_argument("--root", default="engines", help="model repository (default: engines)")
     plan.add_argument("--models", nargs="*", help="only these models (default: every non-pipeline model)")
-    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GB (10^9 bytes)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory in GiB (2^30 bytes)")
     plan.add_argument("--headroom", type=float, default=0.15, help="fraction kept free (0.15-0.20)")
-    plan.add_argument("--baseline-mb", type=float, default=0.0,
-                      help="memory the process holds before any model (CUDA context, libraries)")
+    plan.add_argument("--baseline-mib", type=float, default=0.0,
+                      help="MiB the process holds before any model (CUDA context, libraries)")
     plan.add_argument("--instances", type=int, default=None, help="contexts per model (default: config)")
     plan.add_argument("--precision", choices=["fp16", "fp32"], default=None,
                       help="size floating-point weights and activations at this precision "

