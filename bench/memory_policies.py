@@ -97,7 +97,9 @@ def _timed(cache: Any, name: str, inputs: dict[str, np.ndarray]) -> float:
 def run_policy(root: str, policy: str, footprints: dict[str, dict[str, Any]], budget_bytes: int | None,
                requests: int, seed: int) -> dict[str, Any]:
     """One policy's run in this process (called in a fresh child process by ``main``)."""
-    from deployments.runtime.residency.cache import LoadPolicy, ModelCache
+    from deployments.runtime.contract.config import CacheOptions, LoadPolicy
+    from deployments.runtime.contract.units import MIB
+    from deployments.runtime.residency.cache import ModelCache
     from deployments.runtime.backends.base import Footprint
     from deployments.runtime.backends.process import measured_rss_bytes
     from deployments.runtime.contract.repository import ModelRepository
@@ -111,8 +113,9 @@ def run_policy(root: str, policy: str, footprints: dict[str, dict[str, Any]], bu
     sampler.start()
     cache_offset_s = time.monotonic() - sampler.t0
     start = time.perf_counter()
-    cache = ModelCache(repo, MODELS, load_policy=cast(LoadPolicy, policy), budget_bytes=budget_bytes, footprints=given,
-                       wait_timeout_s=120).start()
+    options = CacheOptions(load_policy=cast(LoadPolicy, policy), max_num_models_per_replica=None, wait_timeout_s=120,
+                           memory_budget_mib=None if budget_bytes is None else budget_bytes / MIB)
+    cache = ModelCache(repo, MODELS, options, footprints=given).start()
     startup_s = time.perf_counter() - start
     at_start = {"rss_bytes": measured_rss_bytes(), "resident_bytes": cache.resident_bytes}
 

@@ -22,21 +22,17 @@ from .ingress import Router, RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
 from .pool import PoolDeployment
-from .runtime.contract.config import Backend, DeploymentOptions
+from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
 from .runtime.contract.repository import ModelRepository
 
 logger = logging.getLogger("ray.serve")
 
 
-class PoolOptions(DeploymentOptions):
-    """The multiplexed pool deployment: placement, and per replica the model count cap, the
-    load policy and the byte budget (MB) of ``deployments.pool.PoolDeployment``."""
-
-    max_num_models_per_replica: int = Field(3, ge=1)
-    load_policy: Literal["eager", "lazy", "lru"] = "lru"
-    memory_budget_mb: Optional[float] = Field(None, gt=0)
-    wait_timeout_s: float = Field(30.0, gt=0)
+class PoolOptions(DeploymentOptions, CacheOptions):
+    """The multiplexed pool deployment: placement (``DeploymentOptions``) and what each replica
+    keeps resident (``CacheOptions``: load policy, ``memory_budget_mib``, model count cap);
+    passed whole to ``deployments.pool.PoolDeployment`` and its ``ModelCache``."""
 
 
 class AppArgs(BaseModel):
@@ -87,8 +83,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
-        fields = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"serve_config.yaml application args: {fields}") from None
+        raise ConfigError(f"serve_config.yaml application args: {describe_validation_error(e)}") from None
     entries = ModelRepository(app_args.repository, app_args.models).entries()
     use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
     if not use_gpus:
@@ -97,10 +92,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
-        p = app_args.pool
-        pool = PoolDeployment.options(name="pool", **ray_options(p, use_gpus)).bind(
-            app_args.repository, pool_models, app_args.backend, p.max_num_models_per_replica,
-            p.load_policy, p.memory_budget_mb, p.wait_timeout_s)
+        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus)).bind(
+            app_args.repository, pool_models, app_args.backend, app_args.pool)
     dedicated: dict[str, Any] = {}
     for e in entries:
         if e.name in pool_models or e.config.pipeline:

@@ -7,6 +7,7 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
+from .runtime.contract.config import CacheOptions
 from .runtime.residency.cache import ModelCache
 from .runtime.contract.errors import ModelNotFound
 from .runtime.contract.repository import ModelRepository
@@ -18,41 +19,35 @@ class PoolDeployment:
 
     Ray Serve's multiplexing routes a model's requests to a replica that has it and caps the
     models per replica by count (``max_num_models_per_replica``); what is actually resident is
-    decided by the replica's ``ModelCache``: the same count cap plus ``memory_budget_mb``, with
+    decided by the replica's ``ModelCache``: the same count cap plus ``memory_budget_mib``, with
     the chosen ``load_policy``, never evicting a model a request holds.
 
     Args:
         repository: model repository root.
         names: the models of the pool.
         backend: ``auto``, ``onnxruntime`` or ``tensorrt``.
-        max_num_models_per_replica: count cap (Ray's and the cache's).
-        load_policy: ``eager``, ``lazy`` or ``lru``.
-        memory_budget_mb: budget in MB (10**6 bytes, as the cache's messages print) for the
-            models' footprints; None
-            for no byte limit.
-        wait_timeout_s: how long a load waits for held models to be released before 503.
+        options: the pool's ``CacheOptions`` (``deployments.app.PoolOptions``), passed whole to
+            the ``ModelCache``.
     """
 
-    def __init__(self, repository: str, names: Iterable[str], backend: str = "auto",
-                 max_num_models_per_replica: int = 3, load_policy: str = "lru",
-                 memory_budget_mb: float | None = None, wait_timeout_s: float = 30.0) -> None:
+    def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions) -> None:
         names = list(names)
-        self.cache = ModelCache(
-            ModelRepository(repository, names), names, load_policy=load_policy,  # type: ignore[arg-type]
-            budget_bytes=None if memory_budget_mb is None else int(memory_budget_mb * 1e6),
-            max_models=max_num_models_per_replica, backend=backend, wait_timeout_s=wait_timeout_s).start()
+        self.cache = ModelCache(ModelRepository(repository, names), names, options, backend=backend).start()
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
                 raise ModelNotFound(f"model '{name}' is not in the multiplexed pool; pool: {self.cache.names}")
             return name  # residency is the cache's business, not Ray's
 
-        self._get_model = serve.multiplexed(max_num_models_per_replica=max_num_models_per_replica)(register)
+        cap = options.max_num_models_per_replica
+        self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model named by the multiplexed model id.
 
-        Raises: as ``ModelCache.acquire`` and ``ModelHost.infer`` (e.g. ``OverBudget``).
+        The cache validates the request once, before any load (``ModelCache.infer_async``).
+
+        Raises: as ``ModelCache.infer_async`` (``InvalidInput``, ``OverBudget``...).
         """
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)

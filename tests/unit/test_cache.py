@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from deployments.runtime.residency.cache import ModelCache
-from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.contract.config import CacheOptions, ModelConfig
 from deployments.runtime.contract.errors import OverBudget
+from deployments.runtime.contract.units import MIB, format_mib
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelRepository
 
@@ -46,6 +47,15 @@ def random_inputs(config: ModelConfig, rng: np.random.Generator) -> dict[str, np
     return inputs
 
 
+def make_cache(repo: ModelRepository, load_policy: str, budget_bytes: int | None = None,
+               max_models: int | None = None, wait_timeout_s: float = 30.0) -> ModelCache:
+    """A cache of ``MODELS``; the budget in bytes goes through ``memory_budget_mib`` exactly
+    (a MiB is a power of two), no count cap unless ``max_models``."""
+    return ModelCache(repo, MODELS, CacheOptions(
+        load_policy=load_policy, memory_budget_mib=None if budget_bytes is None else budget_bytes / MIB,
+        max_num_models_per_replica=max_models, wait_timeout_s=wait_timeout_s))
+
+
 def events(cache: ModelCache, kind: str | None = None, model: str | None = None) -> list[dict[str, Any]]:
     return [e for e in cache.timeline() if (kind is None or e["event"] == kind)
             and (model is None or e["model"] == model)]
@@ -64,7 +74,7 @@ def repo(model_repository: ModelRepository) -> ModelRepository:
 def lazy_run(repo: ModelRepository) -> dict[str, Any]:
     """One request per model through a lazy cache without budget; returns its timeline and the
     measured footprints (bytes for the configured instances), then unloads everything."""
-    cache = ModelCache(repo, MODELS, load_policy="lazy")
+    cache = make_cache(repo, load_policy="lazy")
     rng = np.random.default_rng(0)
     for name in MODELS:
         cache.infer(name, random_inputs(repo.get(name).config, rng))
@@ -106,7 +116,7 @@ def test_random_workload_stays_under_budget_and_matches_a_serial_run(
                 expected[i] = host.infer(inputs)
         host.unload()
 
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda r: cache.infer(*r), requests))
 
@@ -126,7 +136,7 @@ def test_model_held_by_a_long_request_is_evicted_only_after_it_finishes(
     held, other, pusher = "tiny_cnn", "mid_cnn", "resnet18"
     budget = sizes[held] + sizes[other] + 10_000_000  # pusher fits alone, not beside held
     assert sizes[pusher] <= budget < sizes[held] + sizes[pusher]
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=budget, wait_timeout_s=60)
     rng = np.random.default_rng(7)
     x = random_inputs(repo.get(held).config, rng)
     want = cache.infer(held, x)
@@ -166,7 +176,7 @@ def test_load_waits_for_held_models_then_answers_over_budget(
         repo: ModelRepository, sizes: dict[str, int]) -> None:
     held, wanted = "tiny_cnn", "resnet18"
     budget = sizes[held] + 10_000_000
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget, wait_timeout_s=0.5)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=budget, wait_timeout_s=0.5)
     with cache.acquire(held):
         start = time.monotonic()
         with pytest.raises(OverBudget) as raised:
@@ -180,7 +190,7 @@ def test_load_waits_for_held_models_then_answers_over_budget(
 
 
 def test_concurrent_first_requests_for_a_cold_model_load_it_once(repo: ModelRepository) -> None:
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=3_000_000_000)
     x = random_inputs(repo.get("resnet18").config, np.random.default_rng(3))
     barrier = threading.Barrier(8)
 
@@ -198,7 +208,7 @@ def test_concurrent_first_requests_for_a_cold_model_load_it_once(repo: ModelRepo
 
 
 def test_concurrent_async_first_requests_load_once(repo: ModelRepository) -> None:
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=3_000_000_000)
     x = random_inputs(repo.get("mid_cnn").config, np.random.default_rng(4))
 
     async def main() -> list[dict[str, np.ndarray]]:
@@ -211,7 +221,7 @@ def test_concurrent_async_first_requests_load_once(repo: ModelRepository) -> Non
 
 
 def test_cancelled_async_request_gives_its_hold_back_once_the_load_lands(repo: ModelRepository) -> None:
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=3_000_000_000)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=3_000_000_000)
     x = random_inputs(repo.get("resnet18").config, np.random.default_rng(10))
 
     async def main() -> None:
@@ -235,17 +245,17 @@ def test_cancelled_async_request_gives_its_hold_back_once_the_load_lands(repo: M
 def test_model_alone_over_budget_is_refused_with_both_figures(
         repo: ModelRepository, sizes: dict[str, int]) -> None:
     budget = sizes["ocr_rec"] - 1_000_000
-    cache = ModelCache(repo, MODELS, load_policy="lru", budget_bytes=budget)
+    cache = make_cache(repo, load_policy="lru", budget_bytes=budget)
     with pytest.raises(OverBudget) as raised:
         cache.infer("ocr_rec", random_inputs(repo.get("ocr_rec").config, np.random.default_rng(5)))
     message = raised.value.message
-    assert f"{sizes['ocr_rec'] / 1e6:,.1f} MB" in message and f"{budget / 1e6:,.1f} MB" in message
+    assert format_mib(sizes["ocr_rec"]) in message and format_mib(budget) in message
     assert loads_of(cache, "ocr_rec") == 0 and events(cache, "refused", "ocr_rec")
     cache.close()
 
 
 def test_eager_loads_every_model_at_start_and_requests_load_nothing(repo: ModelRepository) -> None:
-    cache = ModelCache(repo, MODELS, load_policy="eager").start()
+    cache = make_cache(repo, load_policy="eager").start()
     assert sorted(e["model"] for e in events(cache, "load")) == sorted(MODELS)
     assert all(m["state"] == "ready" for m in cache.status()["models"].values())
     before = len(cache.timeline())
@@ -257,7 +267,7 @@ def test_eager_loads_every_model_at_start_and_requests_load_nothing(repo: ModelR
 def test_lazy_cache_with_a_budget_refuses_instead_of_evicting(
         repo: ModelRepository, sizes: dict[str, int]) -> None:
     budget = sizes["mid_cnn"] + sizes["ocr_cls"] + 1_000_000
-    cache = ModelCache(repo, MODELS, load_policy="lazy", budget_bytes=budget)
+    cache = make_cache(repo, load_policy="lazy", budget_bytes=budget)
     rng = np.random.default_rng(8)
     for name in ("mid_cnn", "ocr_cls"):
         cache.infer(name, random_inputs(repo.get(name).config, rng))
@@ -269,7 +279,7 @@ def test_lazy_cache_with_a_budget_refuses_instead_of_evicting(
 
 
 def test_count_cap_evicts_the_least_recently_used_model(repo: ModelRepository) -> None:
-    cache = ModelCache(repo, MODELS, load_policy="lru", max_models=2)
+    cache = make_cache(repo, load_policy="lru", max_models=2)
     rng = np.random.default_rng(9)
     for name in ("ocr_cls", "mid_cnn", "ocr_cls", "tiny_cnn"):
         cache.infer(name, random_inputs(repo.get(name).config, rng))

@@ -1,11 +1,14 @@
 """ModelCache: the models one replica holds, under a byte budget and an optional count cap.
 
-Three load policies (DESIGN.md, "The three load policies"):
+Three load policies (``CacheOptions.load_policy``; README, "Memory"):
 
 * ``eager``: ``start()`` loads every model; nothing is ever evicted.
 * ``lazy``: a model loads on its first request; nothing is ever evicted.
 * ``lru``: a model loads on its first request; before a load, least-recently-used models that
   no request holds are evicted until the new one fits ``budget_bytes`` (and ``max_models``).
+
+``budget_bytes`` and ``max_models`` come from ``CacheOptions`` (``memory_budget_mib``,
+``max_num_models_per_replica``).
 
 Promises, all policies:
 
@@ -47,33 +50,28 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from ..backends.base import Footprint
 from ..backends.process import process_rss_bytes
-from ..backends.select import resolve_backend
+from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
+from ..contract.config import CacheOptions
 from ..contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
+from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
 from ..contract.repository import ModelRepository
 
 logger = logging.getLogger(__name__)
 
-LoadPolicy = Literal["eager", "lazy", "lru"]
-LOAD_POLICIES: tuple[str, ...] = ("eager", "lazy", "lru")
-
 _ABSENT, _LOADING, _READY, _EVICTING = "absent", "loading", "ready", "evicting"
 
 # One load or eviction at a time in the process: RSS readings are process-wide.
 _LOAD_LOCK = threading.Lock()
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
 
 
 @dataclass
@@ -109,12 +107,10 @@ class ModelCache:
     Args:
         repository: the model repository.
         names: the models this cache serves (default: every non-pipeline model).
-        load_policy: ``eager``, ``lazy`` or ``lru`` (module docstring).
-        budget_bytes: the most bytes of model footprints resident at once; None for no limit.
-        max_models: the most models resident at once (Ray's multiplexed count cap); None for
-            no limit. Both limits apply together.
-        backend: ``auto``, ``onnxruntime`` or ``tensorrt`` (``engine.resolve_backend``).
-        wait_timeout_s: how long a load waits for held models to be released (``lru``).
+        options: ``CacheOptions``: load policy, byte budget (``memory_budget_mib``), count cap
+            (``max_num_models_per_replica``; both limits apply together), and how long a load
+            waits for held models to be released (``wait_timeout_s``, ``lru``).
+        backend: ``auto``, ``onnxruntime`` or ``tensorrt`` (``backends.select.requested_backend``).
         measure_elements: input elements of the measuring runs at a model's first load on ONNX
             Runtime (``footprints.measure_batch_of``); None measures at the full max batch.
         footprints: known footprints by model name (e.g. from ``memory measure --write`` or a
@@ -124,31 +120,25 @@ class ModelCache:
         loader_threads: threads ``acquire`` uses in async code to wait for a load.
 
     Raises:
-        ConfigError: an unknown policy, a pipeline model among ``names``, a non-positive limit.
+        ConfigError: a pipeline model among ``names``.
         ModelNotFound: a name the repository does not hold.
     """
 
-    def __init__(self, repository: ModelRepository, names: Iterable[str] | None = None, *,
-                 load_policy: LoadPolicy = "lazy", budget_bytes: int | None = None,
-                 max_models: int | None = None, backend: str = "auto", wait_timeout_s: float = 30.0,
+    def __init__(self, repository: ModelRepository, names: Iterable[str] | None = None,
+                 options: CacheOptions = CacheOptions(), *, backend: str = "auto",
                  measure_elements: int | None = footprints.MEASURE_INPUT_ELEMENTS,
                  footprints: Mapping[str, Footprint] | None = None, checkout_timeout_s: float = 30.0,
                  timeline_size: int = 1000, loader_threads: int = 8) -> None:
-        if load_policy not in LOAD_POLICIES:
-            raise ConfigError(f"load_policy must be one of {list(LOAD_POLICIES)}, got '{load_policy}'")
-        if budget_bytes is not None and budget_bytes <= 0:
-            raise ConfigError(f"budget_bytes must be positive, got {budget_bytes}")
-        if max_models is not None and max_models < 1:
-            raise ConfigError(f"max_models must be at least 1, got {max_models}")
         entries = ([repository.get(n) for n in names] if names is not None
                    else [e for e in repository.entries() if not e.config.pipeline])
         pipelines = [e.name for e in entries if e.config.pipeline]
         if pipelines:
             raise ConfigError(f"pipeline models {pipelines} have no engine to cache")
-        self.load_policy: str = load_policy
-        self.budget_bytes = budget_bytes
-        self.max_models = max_models
-        self.wait_timeout_s = wait_timeout_s
+        self.options = options
+        self.load_policy: str = options.load_policy
+        self.budget_bytes = options.budget_bytes
+        self.max_models = options.max_num_models_per_replica
+        self.wait_timeout_s = options.wait_timeout_s
         self.measure_elements = measure_elements
         self._backend_request = backend
         self._given = dict(footprints or {})
@@ -272,14 +262,6 @@ class ModelCache:
             return [s.name for s in sorted(self._slots.values(), key=lambda s: s.last_used)
                     if s.state in (_READY, _EVICTING)]
 
-    def footprint(self, name: str) -> tuple[Footprint, str]:
-        """The footprint the cache uses for ``name`` and its source (``measured`` once loaded)."""
-        slot = self._slot(name)
-        with self._cond:
-            if slot.footprint is not None:
-                return slot.footprint, slot.footprint_source
-        return self._estimate(slot)
-
     def close(self) -> None:
         """Refuse new requests, wait for held models to be released, unload everything."""
         with self._cond:
@@ -372,8 +354,7 @@ class ModelCache:
     def _estimate(self, slot: _Slot) -> tuple[Footprint, str]:
         entry = slot.host.entry
         if not slot.backend:
-            requested = entry.config.backend if self._backend_request == "auto" else self._backend_request
-            slot.backend = resolve_backend(requested)
+            slot.backend = resolve_backend(requested_backend(entry.config, self._backend_request))
         backend = slot.backend
         known = footprints.measured_footprint(entry, backend)
         if known is not None:
@@ -443,9 +424,9 @@ class ModelCache:
         need = footprint.total(instances)
         if need <= self.budget_bytes:
             return
-        message = (f"model '{slot.name}' needs {_mb(need)} ({source}: engine {_mb(footprint.engine_bytes)} + "
-                   f"{instances} x context {_mb(footprint.context_bytes)}), more than this replica's "
-                   f"memory budget of {_mb(self.budget_bytes)}")
+        message = (f"model '{slot.name}' needs {format_mib(need)} ({source}: engine {format_mib(footprint.engine_bytes)} + "
+                   f"{instances} x context {format_mib(footprint.context_bytes)}), more than this replica's "
+                   f"memory budget of {format_mib(self.budget_bytes)}")
         with self._cond:
             self._record("refused", slot, 0.0, detail=message, model_bytes=need)
         raise OverBudget(message)
@@ -498,16 +479,16 @@ class ModelCache:
 
     def _no_room_message(self, slot: _Slot, need: int, waited: bool) -> str:
         held = [s for s in self._slots.values() if s.state == _READY and s.refcount]
-        held_text = ", ".join(f"{s.name} ({_mb(s.bytes)}, {s.refcount} in use)" for s in held) or "none"
+        held_text = ", ".join(f"{s.name} ({format_mib(s.bytes)}, {s.refcount} in use)" for s in held) or "none"
         limits = []
         if self.budget_bytes is not None:
-            limits.append(f"budget {_mb(self.budget_bytes)}, {_mb(self._resident_bytes)} resident, "
-                          f"{_mb(self._reserved_bytes)} reserved by loads in progress")
+            limits.append(f"budget {format_mib(self.budget_bytes)}, {format_mib(self._resident_bytes)} resident, "
+                          f"{format_mib(self._reserved_bytes)} reserved by loads in progress")
         if self.max_models is not None:
             limits.append(f"at most {self.max_models} models")
         wait = (f" after waiting {self.wait_timeout_s:g} s for models in use to be released" if waited
                 else f" ({self.load_policy} policy never evicts)")
-        return (f"model '{slot.name}' needs {_mb(need)} but there is no room{wait}: {'; '.join(limits)}; "
+        return (f"model '{slot.name}' needs {format_mib(need)} but there is no room{wait}: {'; '.join(limits)}; "
                 f"in use: {held_text}")
 
     def _evict_marked(self) -> None:
@@ -543,12 +524,12 @@ class ModelCache:
             "process_rss_bytes": process_rss_bytes(), "detail": detail,
         }
         self._events.append(record)
-        budget = _mb(self.budget_bytes) if self.budget_bytes is not None else "no budget"
+        budget = format_mib(self.budget_bytes) if self.budget_bytes is not None else "no budget"
         if event == "refused":
             logger.warning("model cache: refused %s: %s", slot.name, detail)
         else:
             logger.info("model cache: %s %s in %.1f ms (%s); resident %s of %s: %s", event, slot.name, ms,
-                        _mb(model_bytes), _mb(self._resident_bytes), budget, ", ".join(resident))
+                        format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
 
 
 def _shared_error(error: BaseException, name: str) -> BaseException:
