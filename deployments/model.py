@@ -27,7 +27,7 @@ class ModelDeployment:
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once.
     """
 
-    def __init__(self, repository: str, name: str, backend: str = "auto") -> None:
+    def __init__(self, repository: str, name: str, backend: str) -> None:
         self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
         self.batch_stats = BatchStats()
         policy = BatchPolicy.of(self.host.config)

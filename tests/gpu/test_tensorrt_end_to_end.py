@@ -99,7 +99,7 @@ def test_unloading_returns_the_engines_and_contexts_device_memory(tmp_path):
     print(f"\nheld {held / MiB:.1f} MiB loaded (footprint says {footprint.total(2) / MiB:.1f} MiB), "
           f"{left / MiB:.1f} MiB left after close, engine.released_bytes={engine.released_bytes}")
     assert held > 0 and footprint.context_bytes > 0
-    assert left <= 16 * MiB  # DESIGN.md: about 12 MB per model stays as driver cache
+    assert left <= 16 * MiB  # the reference measurement: about 12 MB per model stays as driver cache
 
 
 def test_a_plan_from_another_tensorrt_version_is_refused_at_load_not_deserialized(tmp_path):

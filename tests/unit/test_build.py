@@ -282,3 +282,51 @@ def test_the_progress_display_follows_the_builders_phases(repo, capsys):
     assert only(build.build_all(repo, progress=True)).status == "built"
     drawn = capsys.readouterr().err
     assert "plans" in drawn and "Building engine" in drawn  # tqdm bars: models, then TensorRT's phases
+
+
+def test_build_steps_compose_and_each_runs_alone(repo):
+    """parse_network -> add_profiles -> configure_builder -> build_serialized -> save_plan, as
+    ``build_plan`` composes them; each step is callable on its own."""
+    rtx = trt_module.load("tensorrt_rtx")
+    (source,), failures = build.find_sources(repo)
+    assert failures == [] and source.config.name == "small" and source.version == 1
+    profiles = build.requested_profiles(source.config)
+    parsed = build.parse_network(source, rtx, profiles)
+    assert [parsed.network.get_input(i).name for i in range(parsed.network.num_inputs)] == ["input"]
+    builder_config = parsed.builder.create_builder_config()
+    build.add_profiles(parsed, builder_config, rtx, source.config, profiles)
+    assert builder_config.num_optimization_profiles == 1
+    target, _, _ = build.choose_target(rtx)
+    assert build.configure_builder(parsed, builder_config, rtx, source.config, target) == "onnx"
+    assert any("strongly typed" in note for note in parsed.notes)
+    plan, build_s = build.build_serialized(parsed, builder_config, source.config)
+    assert len(plan) > 0 and build_s > 0
+    manifest = PlanManifest(
+        model="small", version=1, flavour=rtx.flavour, tensorrt_version=rtx.version,
+        compute_capabilities=list(target.compute_capabilities), target_note="", built_on="", built_at="",
+        build_s=build_s, onnx_file="model.onnx", onnx_sha256="", onnx_bytes=0, plan_file="", plan_sha256="",
+        plan_bytes=len(plan), profiles=profiles, precision="fp16", precision_built="onnx", workspace_mib=1024)
+    build.save_plan(source, target, plan, manifest)
+    assert target.plan_path(source.version_dir).read_bytes() == bytes(plan)
+    assert PlanManifest.read(target.manifest_path(source.version_dir)).plan_bytes == len(plan)
+
+
+def test_network_whose_inputs_disagree_with_the_config_is_a_build_error_naming_the_input(repo):
+    rtx = trt_module.load("tensorrt_rtx")
+    (source,), _ = build.find_sources(repo)
+    parsed = build.parse_network(source, rtx, build.requested_profiles(source.config))
+    renamed = source.config.model_copy(update={"inputs": (source.config.inputs[0].model_copy(update={"name": "x"}),)})
+    with pytest.raises(build.BuildError, match="model 'small' input 'x': not an input of the ONNX network"):
+        build.check_network_io(parsed.network, renamed)
+
+
+def test_find_sources_reports_a_model_without_versions_and_an_unknown_name_per_model(repo):
+    (repo / "empty").mkdir()
+    write_config(repo / "empty")
+    (repo / "empty" / "²").mkdir()  # not an ASCII version number: ignored, as the server ignores it
+    conv_model(repo / "empty" / "²" / "model.onnx")
+    sources, failures = build.find_sources(repo, ["small", "empty", "nope"])
+    assert [s.config.name for s in sources] == ["small"]
+    assert {f.model: f.error.reason for f in failures} == {
+        "nope": f"no {repo}/nope/config.yaml",
+        "empty": f"no <version>/model.onnx under {repo / 'empty'}; run `make models`"}

@@ -1,7 +1,7 @@
 """ModelCache over the six real models on ONNX Runtime: policies, budget, holds, single flight.
 
 The module fixture loads every model once through a lazy cache; that first load measures each
-footprint (``memory.load_and_measure``), which the process remembers, so the other caches here
+footprint (``residency.footprints.load_and_measure``), which the process remembers, so the other caches here
 start from measured figures and their budgets are set from them.
 """
 
@@ -285,4 +285,16 @@ def test_count_cap_evicts_the_least_recently_used_model(repo: ModelRepository) -
         cache.infer(name, random_inputs(repo.get(name).config, rng))
     assert [e["model"] for e in events(cache, "evict")] == ["mid_cnn"]
     assert sorted(cache.resident()) == ["ocr_cls", "tiny_cnn"]
+    cache.close()
+
+
+def test_invalid_request_is_refused_before_its_model_loads(repo: ModelRepository) -> None:
+    from deployments.runtime.contract.errors import InvalidInput
+
+    cache = make_cache(repo, load_policy="lru")
+    with pytest.raises(InvalidInput, match=r"model 'tiny_cnn' input 'input': axis 2 is 225"):
+        cache.infer("tiny_cnn", {"input": np.zeros((1, 3, 225, 224), np.float32)})
+    with pytest.raises(InvalidInput, match=r"no outputs \['probs'\]"):
+        asyncio.run(cache.infer_async("tiny_cnn", {"input": np.zeros((1, 3, 224, 224), np.float32)}, ["probs"]))
+    assert cache.timeline() == [] and cache.resident() == []
     cache.close()

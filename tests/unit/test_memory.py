@@ -20,7 +20,7 @@ from deployments.runtime.contract.repository import ModelRepository
 
 CNNS = ["tiny_cnn", "mid_cnn", "resnet18"]
 
-# TensorRT context memory at batch 32 @224 in the reference measurement (DESIGN.md).
+# TensorRT context memory at batch 32 @224 in the reference measurement (runtime/residency/predict.py).
 REFERENCE_CONTEXT_BYTES = {"tiny_cnn": 296_000_000, "resnet18": 79_000_000}
 
 
@@ -48,7 +48,7 @@ def test_ocr_weights_in_constant_nodes_count_as_parameters(model_repository: Mod
 @pytest.mark.parametrize("name", ["tiny_cnn", "resnet18"])
 def test_fp16_prediction_is_an_upper_estimate_within_2x_of_the_reference(
         model_repository: ModelRepository, name: str) -> None:
-    """The reference (DESIGN.md) measured TensorRT contexts at batch 32 @224: tiny_cnn 296 MB,
+    """The reference measurement (runtime/residency/predict.py) put TensorRT contexts at batch 32 @224: tiny_cnn 296 MB,
     ResNet-18 79 MB. Those engines were FP16: in FP32 tiny_cnn's first conv output and the
     depthwise conv reading it alone take 2 x 205 MB. Stated tolerance: the 3 x rule, with
     activations at FP16, predicts between 0.9x and 2.0x the reference (tiny_cnn +4 %,

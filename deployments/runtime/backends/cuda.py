@@ -324,9 +324,7 @@ class CudaMemory:
         Raises:
             CudaError: ``cudaMemcpyAsync`` failed.
         """
-        rt = self._rt
-        check(rt.cudaMemcpyAsync(dst.ptr, src.ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-                                 stream.handle), f"cudaMemcpyAsync(HostToDevice, {nbytes})")
+        self._copy_async(dst.ptr, src.ptr, nbytes, "HostToDevice", stream)
 
     def copy_to_host(self, dst: HostBufferLike, src: DeviceBufferLike, nbytes: int,
                      stream: StreamLike) -> None:
@@ -335,9 +333,12 @@ class CudaMemory:
         Raises:
             CudaError: ``cudaMemcpyAsync`` failed.
         """
+        self._copy_async(dst.ptr, src.ptr, nbytes, "DeviceToHost", stream)
+
+    def _copy_async(self, dst: int, src: int, nbytes: int, direction: str, stream: StreamLike) -> None:
         rt = self._rt
-        check(rt.cudaMemcpyAsync(dst.ptr, src.ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-                                 stream.handle), f"cudaMemcpyAsync(DeviceToHost, {nbytes})")
+        kind = getattr(rt.cudaMemcpyKind, f"cudaMemcpy{direction}")
+        check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream.handle), f"cudaMemcpyAsync({direction}, {nbytes})")
 
     def mem_get_info(self) -> tuple[int, int]:
         return mem_get_info()

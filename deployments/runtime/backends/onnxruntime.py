@@ -41,7 +41,7 @@ class OnnxRuntimeEngine:
     """An ``InferenceSession`` on ``<model_dir>/model.onnx``.
 
     ``footprint()``: engine bytes are the process RSS delta across session creation; context
-    bytes are 0 here: ``memory.load_and_measure`` measures them (the arena's growth across runs
+    bytes are 0 here: ``residency.footprints.load_and_measure`` measures them (the arena's growth across runs
     at the max profile; the model cache does it at a model's first load).
 
     The session keeps ONNX Runtime's CPU arena but turns the memory pattern off: with it, every

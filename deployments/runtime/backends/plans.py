@@ -11,7 +11,7 @@ its ONNX file under a name that says all three, with a manifest of the same stem
 The manifest records the ONNX file's sha256, the profiles, the precision asked for and the one
 built, the workspace limit, the flavour and version, the target compute capabilities, what
 machine built it and when. ``stale_reasons`` compares a manifest with what the config and the
-files say now; ``python -m deployments.runtime.build`` rebuilds on any reason, and
+files say now; ``python -m deployments.runtime.tools.build`` rebuilds on any reason, and
 ``find_plan`` (at load) refuses with ``PlanMismatch`` instead of deserializing blindly.
 """
 
@@ -236,11 +236,11 @@ def find_plan(config: ModelConfig, model_dir: Path, flavour: str, version: str,
         reasons = stale_reasons(manifest, config, model_dir / onnx_filename, plan_path)
         if reasons:
             raise PlanMismatch(f"{where}: plan {manifest.plan_file} is stale: " + "; ".join(reasons)
-                               + ". Rebuild it: `make engines` (python -m deployments.runtime.build "
+                               + ". Rebuild it: `make engines` (python -m deployments.runtime.tools.build "
                                f"--models {config.name})")
         return plan_path, manifest
     listing = "; ".join(found) if found else "none"
     raise PlanMismatch(
         f"{where}: no TensorRT plan for {flavour} {version} on compute capability "
         f"{compute_capability}; plans there: {listing}. Build one on this machine: `make engines` "
-        f"(python -m deployments.runtime.build --models {config.name} --flavour {flavour})")
+        f"(python -m deployments.runtime.tools.build --models {config.name} --flavour {flavour})")

@@ -39,7 +39,7 @@ from ..contract.errors import ConfigError, InferenceError, InvalidInput
 from .plans import PlanManifest, PlanMismatch, find_plan
 from ..contract.repository import MODEL_FILENAME
 
-if TYPE_CHECKING:  # type-checked against tensorrt-stubs (Makefile: typecheck)
+if TYPE_CHECKING:  # type-checked against tensorrt-stubs (tests/unit/test_tensorrt_typecheck.py)
     import tensorrt as trt
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class TensorRTEngine:
     Args:
         config: the model's contract.
         model_dir: its version folder (``model.onnx`` and the plans built by
-            ``python -m deployments.runtime.build``).
+            ``python -m deployments.runtime.tools.build``).
         flavour: which TensorRT module to use (``auto``: ``tensorrt``, else ``tensorrt_rtx``).
         device: CUDA device ordinal whose compute capability picks the plan.
 

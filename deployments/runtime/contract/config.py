@@ -82,7 +82,7 @@ class TensorSpec(_Frozen):
 
 
 class TensorRTOptions(_Frozen):
-    """How ``python -m deployments.runtime.build`` builds this model's TensorRT plan
+    """How ``python -m deployments.runtime.tools.build`` builds this model's TensorRT plan
     (the optional ``tensorrt:`` section of ``config.yaml``).
 
     ``precision``: ``fp16``/``bf16`` set the builder flag where the flavour has one (TensorRT

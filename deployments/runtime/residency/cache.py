@@ -23,7 +23,7 @@ Promises, all policies:
 * ``resident_bytes`` (the footprints of the loaded models) is at most ``budget_bytes`` after
   every event of the timeline.
 
-Footprint of a model = ``engine_bytes + instances x context_bytes`` (``engine.Footprint``). Before
+Footprint of a model = ``engine_bytes + instances x context_bytes`` (``backends.base.Footprint``). Before
 a model's first load the cache reserves the best figure it has: one measured earlier in this
 process (``footprints.measured_footprint``), one passed in ``footprints``, one recorded beside the
 model (``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
@@ -36,7 +36,7 @@ Loads and evictions run one at a time in the process (a process-wide lock), outs
 bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
 process-wide, so serializing loads also keeps one load's measurement free of another's.
 
-Timeline: every load, reload, evict and refusal is logged (logger ``deployments.runtime.cache``)
+Timeline: every load, reload, evict and refusal is logged (logger ``deployments.runtime.residency.cache``)
 and kept (the last ``timeline_size``) for ``timeline()``.
 """
 
@@ -113,7 +113,7 @@ class ModelCache:
         backend: ``auto``, ``onnxruntime`` or ``tensorrt`` (``backends.select.requested_backend``).
         measure_elements: input elements of the measuring runs at a model's first load on ONNX
             Runtime (``footprints.measure_batch_of``); None measures at the full max batch.
-        footprints: known footprints by model name (e.g. from ``memory measure --write`` or a
+        footprints: known footprints by model name (e.g. from ``python -m deployments.runtime.tools.plan measure --write`` or a
             TensorRT build), used before the first load instead of the prediction.
         checkout_timeout_s: ``ModelHost``'s wait for a free execution context.
         timeline_size: events kept for ``timeline()``.

@@ -1,4 +1,4 @@
-"""Prepare the model repository on a fresh machine: ``python -m deployments.prepare [--root engines]``.
+"""Prepare the model repository on a fresh machine: ``python -m deployments.runtime.tools.prepare [--root engines]``.
 
 Two kinds of models land in ``<root>/<model>/1/model.onnx`` (ignored by git):
 
@@ -375,7 +375,7 @@ def prepare(root: Path, cache_dir: Path | None = None, progress: Progress = prin
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deployments.prepare",
+        prog="python -m deployments.runtime.tools.prepare",
         description="Fetch the OCR models and generate the synthetic CNNs into the model repository.")
     parser.add_argument("--root", type=Path, default=Path("engines"), help="model repository (default: engines)")
     parser.add_argument("--cache-dir", type=Path, default=None,
