@@ -276,3 +276,25 @@ def test_count_cap_evicts_the_least_recently_used_model(repo: ModelRepository) -
     assert [e["model"] for e in events(cache, "evict")] == ["mid_cnn"]
     assert sorted(cache.resident()) == ["ocr_cls", "tiny_cnn"]
     cache.close()
+
+
+def test_burst_of_first_requests_for_more_models_than_the_cap_all_succeed(repo: ModelRepository) -> None:
+    """Four concurrent first requests, max_models=3: three load at once, the fourth evicts the
+    least recently used as soon as its request ends (no request waits for the whole wait)."""
+    names = ["tiny_cnn", "mid_cnn", "ocr_cls", "resnet18"]
+    cache = ModelCache(repo, names, load_policy="lru", max_models=3, wait_timeout_s=20)
+    rng = np.random.default_rng(11)
+    requests = [(name, random_inputs(repo.get(name).config, rng)) for name in names]
+    barrier = threading.Barrier(len(requests))
+
+    def request(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        barrier.wait()
+        return cache.infer(name, inputs)
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [pool.submit(request, *r) for r in requests]
+        results = [f.result(60) for f in futures]
+    assert all(results) and not events(cache, "refused")
+    assert sorted(e["model"] for e in events(cache, "load")) == sorted(names)
+    assert len(events(cache, "evict")) == 1 and len(cache.resident()) == 3
+    cache.close()

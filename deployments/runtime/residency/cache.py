@@ -13,6 +13,9 @@ Promises, all policies:
   block; a held model is never evicted: eviction only picks models at zero.
 * Concurrent first requests for one cold model load it once (single flight): the others wait
   for that load and share its outcome.
+* ``max_models`` counts loaded models and loads that hold their place; a load still waiting for
+  room holds none, so a burst of first requests for more models than the cap loads the first
+  ``max_models`` at once and the rest evict them as their requests end.
 * A model whose footprint alone is over ``budget_bytes`` is refused with ``OverBudget`` (503)
   naming both figures. With ``lru``, when the new model does not fit because the resident
   models are in use, the request waits up to ``wait_timeout_s`` for them to be released, then
@@ -83,6 +86,7 @@ class _Flight:
     holders: int = 1
     done: bool = False
     error: BaseException | None = None
+    counted: bool = False  # the load has its place under ``max_models`` (``_reserve``)
 
 
 @dataclass
@@ -455,6 +459,8 @@ class ModelCache:
                     for victim in victims:
                         victim.state = _EVICTING
                     self._reserved_bytes += need
+                    if adds_model and slot.flight is not None:
+                        slot.flight.counted = True
                     return
                 remaining = deadline - time.monotonic()
                 if self.load_policy != "lru" or remaining <= 0:
@@ -468,7 +474,10 @@ class ModelCache:
         now, None when even evicting every unheld model (``lru``) is not enough."""
         pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
         used = self._resident_bytes - pending + self._reserved_bytes
-        count = sum(1 for s in self._slots.values() if s.state in (_READY, _LOADING) and s is not slot)
+        # Loads still waiting for room hold no place yet: counting them would make a burst of
+        # first requests for more models than the cap wait on each other.
+        count = sum(1 for s in self._slots.values() if s is not slot and (
+            s.state == _READY or (s.state == _LOADING and s.flight is not None and s.flight.counted)))
         count += 1  # the model being loaded
 
         def fits() -> bool:
