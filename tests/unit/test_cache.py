@@ -298,3 +298,71 @@ def test_burst_of_first_requests_for_more_models_than_the_cap_all_succeed(repo: 
     assert sorted(e["model"] for e in events(cache, "load")) == sorted(names)
     assert len(events(cache, "evict")) == 1 and len(cache.resident()) == 3
     cache.close()
+
+
+class _SizedEngine:
+    """A stand-in engine whose real footprint is known only once it is open (as TensorRT's
+    device memory is); ``physical`` logs the bytes of all open engines at every open and close."""
+
+    backend = "tensorrt"
+
+    def __init__(self, name: str, real_bytes: dict[str, int], physical: list[tuple[str, int]],
+                 is_open: dict[str, int], opened: threading.Event) -> None:
+        self.name, self.real_bytes, self.physical, self.is_open = name, real_bytes, physical, is_open
+        is_open[name] = real_bytes[name]
+        physical.append((f"open {name}", sum(is_open.values())))
+        opened.set()
+
+    def create_context(self) -> Any:
+        class Context:
+            def infer(self, inputs: Any) -> dict[str, np.ndarray]:
+                return {}
+
+            def close(self) -> None:
+                pass
+        return Context()
+
+    def footprint(self) -> Any:
+        from deployments.runtime.backends.base import Footprint
+        return Footprint(engine_bytes=self.real_bytes[self.name], context_bytes=0)
+
+    def close(self) -> None:
+        del self.is_open[self.name]
+        self.physical.append((f"close {self.name}", sum(self.is_open.values())))
+
+
+def test_model_larger_than_its_estimate_never_lets_another_load_pass_the_budget(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget 1000; A (500) held; B estimated 100 but really 600; C 300 asked while B loads:
+    B may pass the budget only while it is measured, C never loads beside it, B gets served."""
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.residency import host as host_module
+
+    a, b, c = "tiny_cnn", "mid_cnn", "ocr_cls"
+    real = {a: 500, b: 600, c: 300}
+    given = {a: Footprint(500, 0), b: Footprint(100, 0), c: Footprint(300, 0)}
+    physical: list[tuple[str, int]] = []
+    is_open: dict[str, int] = {}
+    b_opened = threading.Event()
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
+        config.name, real, physical, is_open, b_opened if config.name == b else threading.Event()))
+    cache = ModelCache(repo, [a, b, c], load_policy="lru", budget_bytes=1000, backend="onnxruntime",
+                       footprints=given, wait_timeout_s=20)
+    def use(name: str) -> None:
+        with cache.acquire(name):
+            pass
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with cache.acquire(a):
+            b_future = pool.submit(use, b)
+            assert b_opened.wait(10)
+            c_future = pool.submit(use, c)
+            c_future.result(20)
+            assert not b_future.done(), "B does not fit beside A (held) until A is released"
+        b_future.result(20)
+    over = [(event, total) for event, total in physical if total > 1000]
+    assert over == [(f"open {b}", 1100)], physical
+    assert all(e["resident_bytes"] <= 1000 for e in cache.timeline())
+    assert cache.status()["models"][b]["state"] == "ready" and cache.status()["models"][b]["bytes"] == 600
+    assert cache.resident_bytes == sum(is_open.values())
+    cache.close()
