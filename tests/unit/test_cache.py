@@ -336,7 +336,7 @@ def test_model_larger_than_its_estimate_never_lets_another_load_pass_the_budget(
     """Budget 1000; A (500) held; B estimated 100 but really 600; C 300 asked while B loads:
     B may pass the budget only while it is measured, C never loads beside it, B gets served."""
     from deployments.runtime.backends.base import Footprint
-    from deployments.runtime.residency import host as host_module
+    from deployments.runtime.residency import footprints, host as host_module
 
     a, b, c = "tiny_cnn", "mid_cnn", "ocr_cls"
     real = {a: 500, b: 600, c: 300}
@@ -344,6 +344,7 @@ def test_model_larger_than_its_estimate_never_lets_another_load_pass_the_budget(
     physical: list[tuple[str, int]] = []
     is_open: dict[str, int] = {}
     b_opened = threading.Event()
+    monkeypatch.setattr(footprints, "measured_footprint", lambda entry, backend: None)
     monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
         config.name, real, physical, is_open, b_opened if config.name == b else threading.Event()))
     cache = ModelCache(repo, [a, b, c], load_policy="lru", budget_bytes=1000, backend="onnxruntime",
