@@ -315,7 +315,12 @@ def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget,
         profile: trt.IOptimizationProfile = builder.create_optimization_profile()
         for input_name, s in shapes.items():
             mark = log.mark()
-            profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
+            try:  # full TensorRT raises (e.g. a rank that differs from the network's) where RTX logs
+                profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
+                                      + "; ".join([*log.errors_since(mark), f"set_shape raised: {e}"]),
+                                      input=input_name) from e
             if not profile:  # IOptimizationProfile.__bool__ is isValid()
                 raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
                                       + "; ".join(log.errors_since(mark) or ["profile is invalid"]),
@@ -485,8 +490,12 @@ def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
         try:
             manifest = build_plan(source, trt_mod, target, built_on=built_on, target_note=note,
                                   timing_cache=cache, progress=progress)
-        except BuildError as e:
-            results.append(BuildResult(source.config.name, "failed", reasons=reasons, error=e,
+        except Exception as e:  # one model's failure, expected or not, never stops the others
+            error = e if isinstance(e, BuildError) else BuildError(
+                source.config.name, f"the build raised {type(e).__name__}: {e}")
+            if not isinstance(e, BuildError):
+                logger.exception("building model '%s' failed", source.config.name)
+            results.append(BuildResult(source.config.name, "failed", reasons=reasons, error=error,
                                        seconds=time.perf_counter() - start))
             continue
         results.append(BuildResult(source.config.name, "built", plan_path, manifest, reasons,
