@@ -339,3 +339,12 @@ def test_any_unexpected_exception_in_one_build_fails_that_model_only(repo, monke
     assert results["other"].status == "failed"
     assert results["other"].error.message == "model 'other': the build raised MemoryError: std::bad_alloc"
 
+
+def test_network_outputs_the_config_does_not_declare_are_not_outputs_of_the_plan(repo):
+    path = repo / "small" / "1" / "model.onnx"
+    model = onnx.load(path)
+    model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 8, 1, 1]))
+    onnx.save(model, path)
+    result = only(build.build_all(repo, flavour="tensorrt_rtx"))
+    assert result.status == "built", result.error
+    assert "network outputs ['p'] are not declared in config.yaml: not outputs of the plan" in result.manifest.notes

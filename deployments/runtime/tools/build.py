@@ -248,6 +248,20 @@ def _input_named_in(messages: Iterable[str], names: Sequence[str]) -> str | None
     return None
 
 
+def _unmark_undeclared_outputs(network: "trt.INetworkDefinition", declared: set[str]) -> list[str]:
+    """Unmark network outputs that config.yaml does not declare, so the plan neither computes nor
+    needs an address for them (TensorRT wants one for every output before ``execute_async_v3``).
+    Returns a note for the manifest, or nothing."""
+    undeclared = [network.get_output(i) for i in range(network.num_outputs)
+                  if network.get_output(i).name not in declared]
+    for tensor in undeclared:
+        network.unmark_output(tensor)
+    if not undeclared:
+        return []
+    return [f"network outputs {sorted(t.name for t in undeclared)} are not declared in config.yaml: "
+            "not outputs of the plan"]
+
+
 def _timing_cache_path(root: Path, target: PlanTarget) -> Path:
     ccs = target.stem.rsplit(".", 1)[-1]
     return root / ".cache" / f"timing.{target.flavour}-{target.version}.{ccs}.cache"
@@ -308,6 +322,7 @@ def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget,
     if missing_outputs:
         raise BuildError(name, f"config outputs {missing_outputs} are not network outputs "
                          f"{sorted(net_outputs)}")
+    notes += _unmark_undeclared_outputs(network, {t.name for t in config.outputs})
 
     builder_config: trt.IBuilderConfig = builder.create_builder_config()
     input_names = [t.name for t in config.inputs]
