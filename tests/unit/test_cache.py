@@ -326,6 +326,13 @@ class _SizedEngine:
         from deployments.runtime.backends.base import Footprint
         return Footprint(engine_bytes=self.real_bytes[self.name], context_bytes=0)
 
+    fault: str | None = None  # set on the class: every open engine's probe fails with it
+
+    def check_health(self) -> None:
+        from deployments.runtime.contract.errors import EngineFault
+        if _SizedEngine.fault:
+            raise EngineFault(f"model '{self.name}': {_SizedEngine.fault}")
+
     def close(self) -> None:
         del self.is_open[self.name]
         self.physical.append((f"close {self.name}", sum(self.is_open.values())))
@@ -366,4 +373,29 @@ def test_model_larger_than_its_estimate_never_lets_another_load_pass_the_budget(
     assert all(e["resident_bytes"] <= 1000 for e in cache.timeline())
     assert cache.status()["models"][b]["state"] == "ready" and cache.status()["models"][b]["bytes"] == 600
     assert cache.resident_bytes == sum(is_open.values())
+    cache.close()
+
+
+def test_pool_replica_health_probe_fails_when_a_loaded_models_engine_is_unusable(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.pool import PoolDeployment
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.contract.errors import EngineFault
+    from deployments.runtime.residency import host as host_module
+
+    real = {"tiny_cnn": 10, "mid_cnn": 10}
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
+        config.name, real, [], {}, threading.Event()))
+    cache = ModelCache(repo, list(real), load_policy="lru", backend="onnxruntime",
+                       footprints={n: Footprint(10, 0) for n in real})
+    replica = PoolDeployment.func_or_class.__new__(PoolDeployment.func_or_class)
+    replica.cache = cache
+    monkeypatch.setattr(_SizedEngine, "fault", "the CUDA device is unusable (cudaErrorIllegalAddress)")
+    replica.check_health()  # nothing loaded: nothing to probe
+    with cache.acquire("tiny_cnn"):
+        pass
+    with pytest.raises(EngineFault, match=r"model 'tiny_cnn': the CUDA device is unusable \(cudaErrorIllegalAddress\)"):
+        replica.check_health()
+    monkeypatch.setattr(_SizedEngine, "fault", None)
+    replica.check_health()
     cache.close()

@@ -68,10 +68,18 @@ class FakeStream:
         memory.streams.add(self.handle)
 
     def synchronize(self) -> None:
+        self._memory.raise_if_sticky("cudaStreamSynchronize")
         self.synchronized += 1
 
     def close(self) -> None:
         self._memory.streams.discard(self.handle)
+
+
+class StickyCudaError(enum.IntEnum):
+    """cuda-python's error codes for the sticky errors (CUDA runtime API: the process must restart)."""
+
+    cudaErrorIllegalAddress = 700
+    cudaErrorLaunchFailure = 719
 
 
 class FakeMemory:
@@ -83,6 +91,11 @@ class FakeMemory:
         self._next = 0x10000
         self._lock = threading.Lock()
         self.total_bytes = total_bytes
+        self.sticky: StickyCudaError | None = None  # once set, every call fails with it
+
+    def raise_if_sticky(self, call: str) -> None:
+        if self.sticky is not None:
+            cuda.check((self.sticky,), call)
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
         with self._lock:
@@ -113,6 +126,7 @@ class FakeMemory:
         self.blocks[dst.ptr][:nbytes] = self.blocks[src.ptr][:nbytes]
 
     def mem_get_info(self) -> tuple[int, int]:
+        self.raise_if_sticky("cudaMemGetInfo")
         return self.total_bytes - self.used_bytes(), self.total_bytes
 
 
@@ -519,3 +533,32 @@ def test_plan_outputs_the_config_does_not_declare_get_scratch_buffers_and_are_no
 def test_a_plan_input_the_config_does_not_declare_is_refused_at_load_naming_it(memory):
     with pytest.raises(ConfigError, match=r"plan inputs \['mask'\] are not declared in config.yaml"):
         serve(memory, FakeCudaEngine(memory, extra_inputs=("mask",)))
+
+
+@pytest.mark.parametrize("sticky", list(StickyCudaError))
+def test_a_sticky_cuda_error_fails_the_health_probe_of_host_and_dedicated_deployment(memory, monkeypatch, sticky):
+    from deployments.model import ModelDeployment
+
+    fake = FakeCudaEngine(memory)
+    monkeypatch.setattr(host_module, "open_engine", lambda config, path, backend: serve(memory, fake, config))
+    entry = ModelEntry(config=model_config(instances=1), path=Path("/nonexistent"), versions=(1,))
+    model_host = ModelHost(entry, backend="tensorrt").load()
+    replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    replica.host = model_host
+    replica.check_health()  # healthy
+    memory.sticky = sticky  # a kernel faulted: from now on every CUDA call in the process fails
+    with pytest.raises(cuda.CudaError, match=sticky.name):
+        model_host.infer({"input": batch(2)})
+    for probe in (model_host.check_health, replica.check_health):
+        with pytest.raises(EngineFault, match=rf"the CUDA device is unusable \(cudaMemGetInfo failed: {sticky.name}"):
+            probe()
+
+
+def test_an_unloaded_model_fails_the_dedicated_health_probe_as_not_ready(memory):
+    from deployments.model import ModelDeployment
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    replica.host = ModelHost(ModelEntry(config=model_config(), path=Path("/nonexistent"), versions=(1,)))
+    with pytest.raises(ModelNotReady):
+        replica.check_health()

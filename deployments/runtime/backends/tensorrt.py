@@ -417,6 +417,23 @@ class TensorRTEngine:
             io_bytes = sum(math.prod(io.profiles[0][1]) * io.dtype.itemsize for io in self.inputs)
         return Footprint(engine_bytes=self._engine_bytes, context_bytes=activation + io_bytes, measured=True)
 
+    def check_health(self) -> None:
+        """Probe the device with one CUDA call (``cudaMemGetInfo``): after a sticky error
+        (``cudaErrorIllegalAddress``, ``cudaErrorLaunchFailure``, ...) every CUDA call in the
+        process fails until it restarts, so a failing probe means no request can succeed here.
+
+        Raises:
+            EngineFault: the probe failed (the message names the CUDA error); the engine is closed.
+        """
+        where = f"model '{self.config.name}'"
+        if self._engine is None:
+            raise EngineFault(f"{where}: engine is closed")
+        try:
+            self._memory.mem_get_info()
+        except InferenceError as e:  # CudaError
+            raise EngineFault(f"{where}: the CUDA device is unusable ({e.message}); "
+                              "the process must restart") from None
+
     def close(self) -> None:
         """Close remaining contexts, then destroy the engine; ``released_bytes`` then holds
         the device-memory rise ``cudaMemGetInfo`` measured across it (idempotent)."""

@@ -267,6 +267,19 @@ class ModelCache:
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }
 
+    def check_health(self) -> None:
+        """Probe every loaded model's engine (``ModelHost.check_health``); a cache with nothing
+        loaded is healthy.
+
+        Raises:
+            EngineFault: a loaded model's engine or device can no longer run requests.
+        """
+        with self._cond:
+            hosts = [s.host for s in self._slots.values() if s.state == _READY]
+        for host in hosts:
+            if host.ready:  # an eviction may have unloaded it since
+                host.check_health()
+
     def resident(self) -> list[str]:
         """Names of the loaded models, least recently used first."""
         with self._cond:
