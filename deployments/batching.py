@@ -37,12 +37,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .runtime.contract.config import ModelConfig
-from .runtime.contract.errors import InferenceTimeout, ModelNotReady
+from .runtime.contract.errors import EngineFault, InferenceTimeout, ModelNotReady
 from .runtime.residency.host import ModelHost
 from .runtime.contract.validation import validate_request
 
 # Failures that belong to no single request: retrying the group one by one cannot help.
-_GROUP_FAILURES = (InferenceTimeout, ModelNotReady)
+_GROUP_FAILURES = (InferenceTimeout, ModelNotReady, EngineFault)
 
 
 @dataclass(frozen=True)

@@ -88,5 +88,10 @@ class ModelDeployment:
                 "total_bytes": footprint.engine_bytes + instances * context}
 
     def check_health(self) -> None:
-        if not self.host.ready:
-            raise RuntimeError(f"model '{self.host.name}' is not loaded")
+        """Ray's periodic probe: failing it makes Serve replace this replica.
+
+        Raises:
+            ModelNotReady: the model is not loaded.
+            EngineFault: its engine or device is unusable (a sticky CUDA error).
+        """
+        self.host.check_health()

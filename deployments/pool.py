@@ -52,6 +52,11 @@ class PoolDeployment:
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
 
+    def check_health(self) -> None:
+        """Ray's periodic probe: fails (so Serve replaces the replica) when a loaded model's
+        engine or device is unusable (``ModelCache.check_health``: a sticky CUDA error)."""
+        self.cache.check_health()
+
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready)."""
         context = serve.get_replica_context()

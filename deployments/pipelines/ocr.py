@@ -34,9 +34,15 @@ Differences from rapidocr, each forced by the serving contract:
   (multiples of 32, aspect kept). Recognition: the batch width ``48 x max aspect ratio`` is
   clamped to the profile's max width; wider lines are squeezed into it, as rapidocr's
   ``resize_norm_img`` does for lines wider than the batch width.
-* Decoding uses ``cv2.imdecode`` and accepts only PNG and JPEG. An alpha channel is composited
-  over white (rapidocr inverts some RGBA images); palette PNGs are expanded to colour (rapidocr
-  reads their palette indices as grey levels). EXIF orientation is ignored, as in rapidocr.
+* Decoding uses ``cv2.imdecode`` and accepts only PNG and JPEG (``decode_image``). Transparency
+  (RGBA, grey + alpha, a palette with transparency, 16-bit RGBA) is flattened so the text stays
+  readable: over white, except when everything opaque is light (white text on a transparent
+  background), where the alpha channel is the ink, giving dark text on white; rapidocr inverts some RGBA
+  images only and erases white text in grey + alpha images. Palette PNGs are expanded to colour
+  (rapidocr reads their palette indices as grey levels).
+* EXIF orientation is honoured (``apply_exif_orientation``, default true; rapidocr ignores it):
+  the image is turned as a viewer displays it (all eight orientations, mirrored ones included,
+  as ``PIL.ImageOps.exif_transpose``), and ``boxes`` are in that displayed frame.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ class OcrParameters(BaseModel):
     max_side_len: int = Field(2000, ge=32)
     min_side_len: int = Field(30, ge=1)
     max_image_pixels: int = Field(16_777_216, ge=1)
+    apply_exif_orientation: bool = True  # turn the image as its EXIF Orientation tag says
     # Det
     limit_side_len: int = Field(736, ge=32)
     limit_type: str = Field("min", pattern="^(min|max)$")
@@ -138,10 +145,12 @@ def read_character_list(onnx_path: str | Path) -> list[str]:
     raise ConfigError(f"{onnx_path}: no '{CHARACTER_METADATA_KEY}' metadata; is this the OCR recognizer?")
 
 
-def decode_image(data: bytes, max_pixels: int = 16_777_216) -> np.ndarray:
-    """Decode a PNG or JPEG file into a BGR image ``(H, W, 3)`` uint8.
+def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bool = True) -> np.ndarray:
+    """Decode a PNG or JPEG file into a BGR image ``(H, W, 3)`` uint8, as displayed.
 
-    Grey is expanded to BGR, 16-bit is reduced to 8-bit, alpha is composited over white.
+    Grey is expanded to BGR, 16-bit is reduced to 8-bit, transparency is flattened
+    (``flatten_alpha``), and with ``exif_orientation`` the EXIF Orientation tag (1-8) is applied
+    (``(H, W)`` are then the displayed height and width).
 
     Raises:
         InvalidInput: empty bytes, another format, undecodable data or more than ``max_pixels``.
@@ -155,6 +164,7 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216) -> np.ndarray:
     try:  # header only: the format and the size, before any pixel is decoded
         with Image.open(io.BytesIO(data)) as header:
             fmt, (width, height) = header.format, header.size
+            orientation = header.getexif().get(_EXIF_ORIENTATION, 1) if exif_orientation else 1
     except Image.DecompressionBombError:
         raise InvalidInput(too_big) from None
     except (UnidentifiedImageError, OSError, ValueError):
@@ -170,12 +180,51 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216) -> np.ndarray:
     if image.dtype == np.uint16:
         image = (image >> 8).astype(np.uint8)
     if image.ndim == 2:
-        return cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
-    if image.shape[2] == 4:  # over white, rounded, in 16-bit integers (no float copy of the image)
-        alpha = image[:, :, 3:].astype(np.uint16)
-        blended = image[:, :, :3].astype(np.uint16) * alpha + 255 * (255 - alpha) + 127
-        return (blended // 255).astype(np.uint8)
-    return image
+        image = cv2.cvtColor(image, cv2.COLOR_GRAY2BGR)
+    elif image.shape[2] == 4:  # RGBA, grey + alpha and palettes with transparency all come as BGRA
+        image = flatten_alpha(image)
+    return orient(image, orientation)
+
+
+_EXIF_ORIENTATION = 0x0112
+# EXIF Orientation -> the turn that displays the stored image (PIL.ImageOps.exif_transpose's table).
+_ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    2: lambda a: a[:, ::-1],                              # mirrored left-right
+    3: lambda a: a[::-1, ::-1],                           # rotated 180
+    4: lambda a: a[::-1],                                 # mirrored top-bottom
+    5: lambda a: a.transpose(1, 0, 2),                    # transposed (mirror about the main diagonal)
+    6: lambda a: cv2.rotate(a, cv2.ROTATE_90_CLOCKWISE),  # stored 90 degrees counter-clockwise
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],        # transversed (mirror about the other diagonal)
+    8: lambda a: cv2.rotate(a, cv2.ROTATE_90_COUNTERCLOCKWISE),
+}
+
+
+def orient(image: np.ndarray, orientation: int) -> np.ndarray:
+    """``image`` ``(H, W, C)`` turned as EXIF ``orientation`` (1-8) says a viewer displays it;
+    1 and unknown values leave it as stored."""
+    turn = _ORIENT.get(int(orientation) if isinstance(orientation, int) else 1)
+    return image if turn is None else np.ascontiguousarray(turn(image))
+
+
+def flatten_alpha(image: np.ndarray) -> np.ndarray:
+    """BGRA ``(H, W, 4)`` uint8 -> BGR ``(H, W, 3)`` uint8 where the text stays readable.
+
+    Composited over white, except when the image has transparent pixels and (almost) every
+    opaque one is light: then the ink is light (white text on a transparent background), white
+    would erase it, and the alpha channel is the ink: the result is ``255 - alpha`` in grey, dark
+    text on white, its edges as anti-aliased as drawn. An image without transparent pixels, or
+    with its own opaque background (at least 0.5 % of opaque pixels dark), is composited as is.
+    """
+    alpha = image[:, :, 3]
+    opaque = alpha >= 128
+    opaque_count = int(np.count_nonzero(opaque))
+    if 0 < opaque_count < alpha.size:  # a fully opaque image keeps its colours
+        grey = cv2.cvtColor(image[:, :, :3], cv2.COLOR_BGR2GRAY)
+        if np.count_nonzero(grey[opaque] < 128) < 0.005 * opaque_count:  # light ink
+            return cv2.cvtColor(255 - alpha, cv2.COLOR_GRAY2BGR)
+    a = alpha[:, :, np.newaxis].astype(np.uint16)  # rounded, in 16-bit integers (no float copy)
+    blended = image[:, :, :3].astype(np.uint16) * a + 255 * (255 - a) + 127
+    return (blended // 255).astype(np.uint8)
 
 
 def _without_session(cls: type[T], **attributes: Any) -> T:
@@ -384,7 +433,7 @@ class OcrPipeline:
         """Decode, resize and letterbox as rapidocr does; returns the image, the record that maps
         points back to the input, and the input's (height, width)."""
         p = self.parameters
-        image = decode_image(image_bytes, p.max_image_pixels)
+        image = decode_image(image_bytes, p.max_image_pixels, p.apply_exif_orientation)
         raw_h, raw_w = image.shape[:2]
         try:
             image, ratio_h, ratio_w = self._ocr.preprocess(image)

@@ -6,7 +6,7 @@ Source: Triton Inference Server, "Binary Tensor Data Extension"
 Request: the ``Inference-Header-Content-Length: N`` header says the body's first ``N`` bytes
 are the JSON infer request; the bytes after it are the raw data of every input whose
 ``parameters`` carry ``binary_data_size``, one after another in the order of ``inputs``.
-Raw data is row-major and little-endian; BOOL takes one byte per element; BYTES is, per
+Raw data is row-major and little-endian; BOOL takes one byte per element, 0 or 1; BYTES is, per
 element, a 4-byte little-endian length then that many bytes.
 
 Response: an output is binary when its ``outputs[i].parameters.binary_data`` is true, or when
@@ -161,10 +161,22 @@ def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, 
         raise InvalidInput(
             f"{where}: shape {list(shape)} x {datatype} needs {expected} bytes, binary_data_size "
             f"gives {len(raw)} bytes")
+    if datatype == "BOOL":
+        _check_bool_bytes(where, raw)
     array = np.frombuffer(raw, dtype=dtype, count=count)
     if not array.flags.aligned:  # an offset not a multiple of the element size
         array = array.copy()
     return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
+
+
+def _check_bool_bytes(where: str, raw: memoryview) -> None:
+    """Raises InvalidInput when a BOOL byte is not 0 or 1 (numpy would read 2 as an odd True)."""
+    as_bytes = np.frombuffer(raw, dtype=np.uint8)
+    bad = np.flatnonzero(as_bytes > 1)
+    if bad.size:
+        raise InvalidInput(
+            f"{where}: BOOL element {bad[0]} is byte {as_bytes[bad[0]]} ({bad.size} such bytes); the binary "
+            "tensor data extension allows only 0 (false) and 1 (true)")
 
 
 def _decode_bytes(where: str, raw: memoryview, count: int) -> np.ndarray:

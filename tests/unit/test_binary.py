@@ -275,3 +275,21 @@ def test_json_response_when_no_output_is_binary():
     body, headers = encode_response("m", "1", request_with(), {"y": np.array([1.5], np.float32)})
     assert headers == {"content-type": "application/json"}
     assert json.loads(body)["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [1], "data": [1.5]}]
+
+
+@pytest.mark.parametrize("payload,index,byte", [(b"\x00\x01\x02", 2, 2), (b"\xff\x00\x01", 0, 255)])
+def test_binary_bool_bytes_other_than_0_and_1_are_400_naming_the_element(payload, index, byte):
+    body, header = binary_body(
+        {"inputs": [{"name": "flags", "shape": [3], "datatype": "BOOL", "parameters": {"binary_data_size": 3}}]},
+        payload)
+    with pytest.raises(InvalidInput) as e:
+        decode(body, header)
+    assert f"element {index} is byte {byte}" in e.value.message and "only 0 (false) and 1 (true)" in e.value.message
+    assert error_status(e.value)[0] == 400
+
+
+def test_binary_bool_zeros_and_ones_decode_to_false_and_true():
+    body, header = binary_body(
+        {"inputs": [{"name": "flags", "shape": [4], "datatype": "BOOL", "parameters": {"binary_data_size": 4}}]},
+        b"\x00\x01\x01\x00")
+    assert decode(body, header).inputs["flags"].tolist() == [False, True, True, False]

@@ -330,3 +330,68 @@ def test_find_sources_reports_a_model_without_versions_and_an_unknown_name_per_m
     assert {f.model: f.error.reason for f in failures} == {
         "nope": f"no {repo}/nope/config.yaml",
         "empty": f"no <version>/model.onnx under {repo / 'empty'}; run `make models`"}
+
+def test_set_shape_raising_for_one_model_fails_that_model_and_the_others_still_build(repo, monkeypatch):
+    # Full TensorRT raises from IOptimizationProfile.set_shape (e.g. a rank that differs) where
+    # TensorRT-RTX logs; the real RTX builder with set_shape raising for one input stands for it.
+    write_config(repo / "other")
+    conv_model(repo / "other" / "1" / "model.onnx", seed=1)
+    trt = trt_module.load("tensorrt_rtx").module
+    real_set_shape = trt.IOptimizationProfile.set_shape
+
+    def set_shape(self, name, *dims):
+        if self is profiles_of_other[-1]:
+            raise RuntimeError("setShape: min/opt/max ranks differ from the network's")
+        return real_set_shape(self, name, *dims)
+
+    profiles_of_other: list = []
+    real_create = trt.Builder.create_optimization_profile
+    building: list[str] = []
+    real_build_plan = build.build_plan
+
+    def build_plan(source, *args, **kwargs):
+        building.append(source.config.name)
+        return real_build_plan(source, *args, **kwargs)
+
+    def create_optimization_profile(self):
+        profile = real_create(self)
+        if building[-1] == "other":
+            profiles_of_other.append(profile)
+        return profile
+
+    monkeypatch.setattr(build, "build_plan", build_plan)
+    monkeypatch.setattr(trt.Builder, "create_optimization_profile", create_optimization_profile)
+    monkeypatch.setattr(trt.IOptimizationProfile, "set_shape", set_shape)
+    results = {r.model: r for r in build.build_all(repo, flavour="tensorrt_rtx")}
+    assert results["small"].status == "built", results["small"].error
+    assert results["other"].status == "failed"
+    error = results["other"].error
+    assert isinstance(error, build.ProfileRejected) and (error.model, error.input) == ("other", "input")
+    assert "set_shape raised: setShape: min/opt/max ranks differ" in error.message
+
+
+def test_any_unexpected_exception_in_one_build_fails_that_model_only(repo, monkeypatch):
+    write_config(repo / "other")
+    conv_model(repo / "other" / "1" / "model.onnx", seed=1)
+    real_build_plan = build.build_plan
+
+    def build_plan(source, *args, **kwargs):
+        if source.config.name == "other":
+            raise MemoryError("std::bad_alloc")
+        return real_build_plan(source, *args, **kwargs)
+
+    monkeypatch.setattr(build, "build_plan", build_plan)
+    results = {r.model: r for r in build.build_all(repo, flavour="tensorrt_rtx")}
+    assert results["small"].status == "built"
+    assert results["other"].status == "failed"
+    assert results["other"].error.message == "model 'other': the build raised MemoryError: std::bad_alloc"
+
+
+def test_network_outputs_the_config_does_not_declare_are_not_outputs_of_the_plan(repo):
+    path = repo / "small" / "1" / "model.onnx"
+    model = onnx.load(path)
+    model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, ["N", 8, 1, 1]))
+    onnx.save(model, path)
+    result = only(build.build_all(repo, flavour="tensorrt_rtx"))
+    assert result.status == "built", result.error
+    assert "network outputs ['p'] are not declared in config.yaml: not outputs of the plan" in result.manifest.notes

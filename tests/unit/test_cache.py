@@ -298,3 +298,128 @@ def test_invalid_request_is_refused_before_its_model_loads(repo: ModelRepository
         asyncio.run(cache.infer_async("tiny_cnn", {"input": np.zeros((1, 3, 224, 224), np.float32)}, ["probs"]))
     assert cache.timeline() == [] and cache.resident() == []
     cache.close()
+
+
+def test_burst_of_first_requests_for_more_models_than_the_cap_all_succeed(repo: ModelRepository) -> None:
+    """Four concurrent first requests, max_models=3: three load at once, the fourth evicts the
+    least recently used as soon as its request ends (no request waits for the whole wait)."""
+    names = ["tiny_cnn", "mid_cnn", "ocr_cls", "resnet18"]
+    cache = ModelCache(
+        repo, names, CacheOptions(load_policy="lru", max_num_models_per_replica=3, wait_timeout_s=20))
+    rng = np.random.default_rng(11)
+    requests = [(name, random_inputs(repo.get(name).config, rng)) for name in names]
+    barrier = threading.Barrier(len(requests))
+
+    def request(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        barrier.wait()
+        return cache.infer(name, inputs)
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [pool.submit(request, *r) for r in requests]
+        results = [f.result(60) for f in futures]
+    assert all(results) and not events(cache, "refused")
+    assert sorted(e["model"] for e in events(cache, "load")) == sorted(names)
+    assert len(events(cache, "evict")) == 1 and len(cache.resident()) == 3
+    cache.close()
+
+
+class _SizedEngine:
+    """A stand-in engine whose real footprint is known only once it is open (as TensorRT's
+    device memory is); ``physical`` logs the bytes of all open engines at every open and close."""
+
+    backend = "tensorrt"
+
+    def __init__(self, name: str, real_bytes: dict[str, int], physical: list[tuple[str, int]],
+                 is_open: dict[str, int], opened: threading.Event) -> None:
+        self.name, self.real_bytes, self.physical, self.is_open = name, real_bytes, physical, is_open
+        is_open[name] = real_bytes[name]
+        physical.append((f"open {name}", sum(is_open.values())))
+        opened.set()
+
+    def create_context(self) -> Any:
+        class Context:
+            def infer(self, inputs: Any) -> dict[str, np.ndarray]:
+                return {}
+
+            def close(self) -> None:
+                pass
+        return Context()
+
+    def footprint(self) -> Any:
+        from deployments.runtime.backends.base import Footprint
+        return Footprint(engine_bytes=self.real_bytes[self.name], context_bytes=0)
+
+    fault: str | None = None  # set on the class: every open engine's probe fails with it
+
+    def check_health(self) -> None:
+        from deployments.runtime.contract.errors import EngineFault
+        if _SizedEngine.fault:
+            raise EngineFault(f"model '{self.name}': {_SizedEngine.fault}")
+
+    def close(self) -> None:
+        del self.is_open[self.name]
+        self.physical.append((f"close {self.name}", sum(self.is_open.values())))
+
+
+def test_model_larger_than_its_estimate_never_lets_another_load_pass_the_budget(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget 1000; A (500) held; B estimated 100 but really 600; C 300 asked while B loads:
+    B may pass the budget only while it is measured, C never loads beside it, B gets served."""
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.residency import footprints, host as host_module
+
+    a, b, c = "tiny_cnn", "mid_cnn", "ocr_cls"
+    real = {a: 500, b: 600, c: 300}
+    given = {a: Footprint(500, 0), b: Footprint(100, 0), c: Footprint(300, 0)}
+    physical: list[tuple[str, int]] = []
+    is_open: dict[str, int] = {}
+    b_opened = threading.Event()
+    monkeypatch.setattr(footprints, "measured_footprint", lambda entry, backend: None)
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
+        config.name, real, physical, is_open, b_opened if config.name == b else threading.Event()))
+    cache = ModelCache(repo, [a, b, c], CacheOptions(load_policy="lru", memory_budget_mib=1000 / MIB,
+                                                      wait_timeout_s=20),
+                       backend="onnxruntime", footprints=given)
+    def use(name: str) -> None:
+        with cache.acquire(name):
+            pass
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with cache.acquire(a):
+            b_future = pool.submit(use, b)
+            assert b_opened.wait(10)
+            c_future = pool.submit(use, c)
+            c_future.result(20)
+            assert not b_future.done(), "B does not fit beside A (held) until A is released"
+        b_future.result(20)
+    over = [(event, total) for event, total in physical if total > 1000]
+    assert over == [(f"open {b}", 1100)], physical
+    assert all(e["resident_bytes"] <= 1000 for e in cache.timeline())
+    assert cache.status()["models"][b]["state"] == "ready" and cache.status()["models"][b]["bytes"] == 600
+    assert cache.resident_bytes == sum(is_open.values())
+    cache.close()
+
+
+def test_pool_replica_health_probe_fails_when_a_loaded_models_engine_is_unusable(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.pool import PoolDeployment
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.contract.errors import EngineFault
+    from deployments.runtime.residency import host as host_module
+
+    real = {"tiny_cnn": 10, "mid_cnn": 10}
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
+        config.name, real, [], {}, threading.Event()))
+    cache = ModelCache(repo, list(real), CacheOptions(load_policy="lru"), backend="onnxruntime",
+                       footprints={n: Footprint(10, 0) for n in real})
+    replica = PoolDeployment.func_or_class.__new__(PoolDeployment.func_or_class)
+    replica.cache = cache
+    monkeypatch.setattr(_SizedEngine, "fault", "the CUDA device is unusable (cudaErrorIllegalAddress)")
+    replica.check_health()  # nothing loaded: nothing to probe
+    with cache.acquire("tiny_cnn"):
+        pass
+    with pytest.raises(EngineFault, match=r"model 'tiny_cnn': the CUDA device is unusable \(cudaErrorIllegalAddress\)"):
+        replica.check_health()
+    monkeypatch.setattr(_SizedEngine, "fault", None)
+    replica.check_health()
+    cache.close()

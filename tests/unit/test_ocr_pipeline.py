@@ -289,3 +289,97 @@ def test_detector_profile_without_a_multiple_of_32_is_a_config_error(pipeline, m
 ])
 def test_recognizer_batch_width_stays_within_the_profile(pipeline, ratios, width):
     assert int(48 * pipeline._rec_ratio(ratios)) == width
+
+
+# ---------------------------------------------------------------------------- transparency, EXIF
+
+
+def words(result: dict[str, np.ndarray]) -> list[str]:
+    """The lines without spaces: whether PP-OCR's recognizer emits a space between two words
+    depends on the rendering's pixels, which these tests vary (transparency, JPEG, rotation)."""
+    return [t.replace(" ", "") for t in texts(result)]
+
+
+def _png(image: Image.Image, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG", **options)
+    return out.getvalue()
+
+
+def _white_text_on_transparent(mode: str, lines=(HELLO,), size=(800, 200)) -> bytes:
+    """White DejaVu text on a fully transparent background, stored as ``mode``."""
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", 40)
+    if mode == "P":  # a palette: index 0 transparent black, index 1 white
+        image = Image.new("P", size, 0)
+        image.putpalette([0, 0, 0, 255, 255, 255])
+        ImageDraw.Draw(image).text((40, 60), lines[0], fill=1, font=font)
+        return _png(image, transparency=0)
+    image = Image.new("RGBA", size, (0, 0, 0, 0))
+    draw = ImageDraw.Draw(image)
+    for i, line in enumerate(lines):
+        draw.text((40, 60 + 90 * i), line, fill=(255, 255, 255, 255), font=font)
+    if mode == "RGBA16":  # 16 bits per channel, through OpenCV (Pillow writes no 16-bit RGBA)
+        rgba = np.asarray(image).astype(np.uint16) * 257
+        return _encoded(cv2.cvtColor(rgba, cv2.COLOR_RGBA2BGRA), ".png")
+    return _png(image.convert(mode))
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "RGBA16"])
+def test_white_text_on_a_transparent_background_is_read(pipeline, mode):
+    data = _white_text_on_transparent(mode)
+    assert words(run(pipeline, data)) == [HELLO.replace(" ", "")]
+
+
+def test_dark_text_on_transparent_and_an_opaque_card_with_transparent_margins_still_read(pipeline):
+    from PIL import ImageDraw, ImageFont
+
+    font = ImageFont.truetype("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf", 40)
+    dark = Image.new("RGBA", (800, 200), (255, 255, 255, 0))
+    ImageDraw.Draw(dark).text((40, 60), HELLO, fill=(0, 0, 0, 255), font=font)
+    card = Image.new("RGBA", (800, 200), (0, 0, 0, 0))
+    ImageDraw.Draw(card).rounded_rectangle((10, 10, 790, 190), radius=40, fill=(250, 250, 240, 255))
+    ImageDraw.Draw(card).text((40, 60), FOX, fill=(20, 20, 20, 255), font=font)
+    assert words(run(pipeline, _png(dark))) == [HELLO.replace(" ", "")]
+    assert words(run(pipeline, _png(card))) == [FOX.replace(" ", "")]
+    assert decode_image(_png(card))[100, 400].tolist() == [240, 250, 250]  # the card keeps its colour
+
+
+# PIL.ImageOps.exif_transpose's turn per orientation, and its inverse (how a camera stores it).
+_STORE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+          5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+          8: Image.Transpose.ROTATE_270}
+
+
+def _stored_with_orientation(displayed: Image.Image, orientation: int, fmt: str) -> bytes:
+    stored = displayed.transpose(_STORE[orientation]) if orientation in _STORE else displayed
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    stored.save(out, format=fmt, exif=exif, **({"quality": 95} if fmt == "JPEG" else {}))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_decode_applies_every_exif_orientation_as_pil_exif_transpose(orientation):
+    from PIL import ImageOps
+
+    pixels = np.random.default_rng(orientation).integers(0, 256, (3, 5, 3), dtype=np.uint8)
+    displayed = Image.fromarray(pixels)
+    data = _stored_with_orientation(displayed, orientation, "PNG")
+    want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))[:, :, ::-1]
+    np.testing.assert_array_equal(decode_image(data), want)
+    np.testing.assert_array_equal(decode_image(data), pixels[:, :, ::-1])
+    stored = decode_image(data, exif_orientation=False)
+    assert stored.shape == (np.asarray(displayed.transpose(_STORE[orientation])) if orientation in _STORE
+                            else pixels).shape
+
+
+@pytest.mark.parametrize("orientation", [6, 3, 8, 5])
+def test_a_jpeg_stored_sideways_reads_with_boxes_in_the_displayed_frame(pipeline, image_maker, orientation):
+    displayed = Image.open(io.BytesIO(image_maker.render_text([HELLO, FOX], size=(800, 300))))
+    upright = run(pipeline, _stored_with_orientation(displayed, 1, "JPEG"))
+    turned = run(pipeline, _stored_with_orientation(displayed, orientation, "JPEG"))
+    assert words(turned) == words(upright) == [HELLO.replace(" ", ""), FOX.replace(" ", "")]
+    np.testing.assert_allclose(turned["boxes"], upright["boxes"], atol=4.0)

@@ -23,7 +23,7 @@ import pytest
 from deployments.runtime.backends import cuda
 from deployments.runtime.residency import host as host_module
 from deployments.runtime.contract.config import ModelConfig
-from deployments.runtime.contract.errors import ConfigError, InferenceError
+from deployments.runtime.contract.errors import ConfigError, EngineFault, InferenceError
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelEntry
 from deployments.runtime.backends.tensorrt import TensorRTContext, TensorRTEngine
@@ -68,10 +68,18 @@ class FakeStream:
         memory.streams.add(self.handle)
 
     def synchronize(self) -> None:
+        self._memory.raise_if_sticky("cudaStreamSynchronize")
         self.synchronized += 1
 
     def close(self) -> None:
         self._memory.streams.discard(self.handle)
+
+
+class StickyCudaError(enum.IntEnum):
+    """cuda-python's error codes for the sticky errors (CUDA runtime API: the process must restart)."""
+
+    cudaErrorIllegalAddress = 700
+    cudaErrorLaunchFailure = 719
 
 
 class FakeMemory:
@@ -83,6 +91,11 @@ class FakeMemory:
         self._next = 0x10000
         self._lock = threading.Lock()
         self.total_bytes = total_bytes
+        self.sticky: StickyCudaError | None = None  # once set, every call fails with it
+
+    def raise_if_sticky(self, call: str) -> None:
+        if self.sticky is not None:
+            cuda.check((self.sticky,), call)
 
     def alloc(self, nbytes: int) -> tuple[int, int]:
         with self._lock:
@@ -113,6 +126,7 @@ class FakeMemory:
         self.blocks[dst.ptr][:nbytes] = self.blocks[src.ptr][:nbytes]
 
     def mem_get_info(self) -> tuple[int, int]:
+        self.raise_if_sticky("cudaMemGetInfo")
         return self.total_bytes - self.used_bytes(), self.total_bytes
 
 
@@ -130,7 +144,10 @@ class FakeDataType(enum.Enum):
 
 
 class FakeExecutionContext:
-    """Stands where ``trt.IExecutionContext`` stands. ``fail`` names a call that returns False."""
+    """Stands where ``trt.IExecutionContext`` stands. ``fail`` names a call that returns False;
+    ``raise:<call>`` makes it raise ``RuntimeError`` instead, as the real binding does for some
+    calls (``set_optimization_profile_async``). Like TensorRT, ``execute_async_v3`` fails when
+    an I/O tensor of the engine has no address."""
 
     def __init__(self, engine: "FakeCudaEngine") -> None:
         self.engine = engine
@@ -141,8 +158,13 @@ class FakeExecutionContext:
         self.in_use = False
         self.destroyed = False
 
+    def _maybe_raise(self, call: str) -> None:
+        if self.engine.fail == f"raise:{call}":
+            raise RuntimeError(f"[TRT] {call}: internal error text")
+
     def set_optimization_profile_async(self, index: int, stream: int) -> bool:
         self.calls.append(f"set_optimization_profile_async({index})")
+        self._maybe_raise("set_optimization_profile_async")
         if self.engine.fail == "set_optimization_profile_async":
             return False
         self.profile = index
@@ -150,6 +172,7 @@ class FakeExecutionContext:
 
     def set_input_shape(self, name: str, shape) -> bool:
         self.calls.append("set_input_shape")
+        self._maybe_raise("set_input_shape")
         if self.engine.fail == "set_input_shape":
             return False
         lo, _, hi = self.engine.get_tensor_profile_shape(name, self.profile)
@@ -159,6 +182,9 @@ class FakeExecutionContext:
         return True
 
     def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        self._maybe_raise("get_tensor_shape")
+        if name in self.engine.extra_outputs:
+            return (self.shapes["input"][0], 2) if "input" in self.shapes else (-1, 2)
         if name == "input":
             return self.shapes.get("input", (-1, 4))
         if self.engine.output_shape_unknown:
@@ -167,6 +193,7 @@ class FakeExecutionContext:
 
     def set_tensor_address(self, name: str, address: int) -> bool:
         self.calls.append("set_tensor_address")
+        self._maybe_raise("set_tensor_address")
         if self.engine.fail == f"set_tensor_address:{name}":
             return False
         self.addresses[name] = address
@@ -174,6 +201,9 @@ class FakeExecutionContext:
 
     def execute_async_v3(self, stream_handle: int) -> bool:
         self.calls.append("execute_async_v3")
+        self._maybe_raise("execute_async_v3")
+        if set(self.engine.tensor_names) - set(self.addresses):
+            return False  # TensorRT: "address is not set for output tensor ..."
         assert not self.in_use, "one execution context ran two requests at once"
         self.in_use = True
         try:
@@ -202,7 +232,8 @@ class FakeCudaEngine:
     """Stands where ``trt.ICudaEngine`` stands: input ``input`` (N, 4) FP32, output ``output``
     (N, 3) FP32 = input @ WEIGHTS + bias, with the given (min, opt, max) batch profiles."""
 
-    def __init__(self, memory: FakeMemory, profiles=((1, 4, 8),), input_dtype: str = "FLOAT") -> None:
+    def __init__(self, memory: FakeMemory, profiles=((1, 4, 8),), input_dtype: str = "FLOAT",
+                 extra_outputs: tuple[str, ...] = (), extra_inputs: tuple[str, ...] = ()) -> None:
         self.memory = memory
         self.profiles = profiles
         self.input_dtype = input_dtype
@@ -216,13 +247,15 @@ class FakeCudaEngine:
         self.events: list[str] = []
         self.device_memory_size_v2 = 5_000_000
         self.num_optimization_profiles = len(profiles)
-        self.num_io_tensors = 2
+        self.extra_outputs, self.extra_inputs = extra_outputs, extra_inputs
+        self.tensor_names = ("input", *extra_inputs, "output", *extra_outputs)
+        self.num_io_tensors = len(self.tensor_names)
 
     def get_tensor_name(self, index: int) -> str:
-        return ("input", "output")[index]
+        return self.tensor_names[index]
 
     def get_tensor_mode(self, name: str) -> FakeTensorIOMode:
-        return FakeTensorIOMode.INPUT if name == "input" else FakeTensorIOMode.OUTPUT
+        return FakeTensorIOMode.INPUT if name in ("input", *self.extra_inputs) else FakeTensorIOMode.OUTPUT
 
     def get_tensor_dtype(self, name: str) -> FakeDataType:
         return FakeDataType[self.input_dtype] if name == "input" else FakeDataType.FLOAT
@@ -235,6 +268,8 @@ class FakeCudaEngine:
         return 1_000_000 * self.profiles[index][2]
 
     def create_execution_context(self) -> FakeExecutionContext:
+        if self.fail == "raise:create_execution_context":
+            raise RuntimeError("[TRT] create_execution_context: internal error text")
         context = FakeExecutionContext(self)
         self.contexts.append(context)
         return context
@@ -441,3 +476,89 @@ def test_cuda_check_names_the_call_and_the_cuda_error():
 
 def test_context_type_is_the_one_the_engine_hands_out(memory):
     assert isinstance(serve(memory, FakeCudaEngine(memory)).create_context(), TensorRTContext)
+
+
+@pytest.mark.parametrize("call,error", [
+    ("set_optimization_profile_async", EngineFault), ("set_input_shape", InferenceError),
+    ("get_tensor_shape", InferenceError), ("set_tensor_address", InferenceError),
+    ("execute_async_v3", InferenceError)])
+def test_a_tensorrt_call_that_raises_is_a_typed_error_naming_the_call_without_tensorrts_text(memory, call, error):
+    fake = FakeCudaEngine(memory, profiles=((1, 4, 8), (1, 1, 2)))
+    context = serve(memory, fake).create_context()
+    context.infer({"input": batch(5)})  # profile 0 is set; batch 1 switches to profile 1
+    fake.fail = f"raise:{call}"
+    with pytest.raises(error) as raised:
+        context.infer({"input": batch(1)})
+    assert raised.value.message.startswith(f"model 'fake' context 0: TensorRT {call}")
+    assert "raised RuntimeError" in raised.value.message and "internal error text" not in raised.value.message
+    fake.fail = None  # the context stays usable
+    np.testing.assert_allclose(context.infer({"input": batch(1)})["output"], expected(batch(1)), rtol=1e-6)
+
+
+def test_a_profile_switch_tensorrt_refuses_fails_a_batch_once_instead_of_retrying_each_request(
+        memory, monkeypatch):
+    from deployments.batching import BatchItem, run_batch
+
+    fake = FakeCudaEngine(memory, profiles=((1, 4, 8), (1, 1, 2)))
+    monkeypatch.setattr(host_module, "open_engine", lambda config, path, backend: serve(memory, fake, config))
+    entry = ModelEntry(config=model_config(instances=1), path=Path("/nonexistent"), versions=(1,))
+    model_host = ModelHost(entry, backend="tensorrt").load()
+    fake.fail = "raise:set_optimization_profile_async"
+    items = [BatchItem.of(model_host.config, {"input": batch(1, seed=i)}, None) for i in range(2)]
+    run = run_batch(model_host, items)
+    assert all(isinstance(r, EngineFault) for r in run.results), run.results
+    assert run.retried_alone == 0 and run.calls == []
+    model_host.unload()
+
+
+def test_create_execution_context_raising_is_an_inference_error(memory):
+    fake = FakeCudaEngine(memory)
+    engine = serve(memory, fake)
+    fake.fail = "raise:create_execution_context"
+    with pytest.raises(InferenceError, match=r"TensorRT create_execution_context raised RuntimeError"):
+        engine.create_context()
+
+
+def test_plan_outputs_the_config_does_not_declare_get_scratch_buffers_and_are_not_returned(memory):
+    fake = FakeCudaEngine(memory, extra_outputs=("aux",))
+    engine = serve(memory, fake)
+    context = engine.create_context()
+    x = batch(3)
+    out = context.infer({"input": x})
+    assert list(out) == ["output"]
+    np.testing.assert_allclose(out["output"], expected(x), rtol=1e-6)
+    assert context.buffer_bytes["aux"] >= 3 * 2 * 4
+
+
+def test_a_plan_input_the_config_does_not_declare_is_refused_at_load_naming_it(memory):
+    with pytest.raises(ConfigError, match=r"plan inputs \['mask'\] are not declared in config.yaml"):
+        serve(memory, FakeCudaEngine(memory, extra_inputs=("mask",)))
+
+
+@pytest.mark.parametrize("sticky", list(StickyCudaError))
+def test_a_sticky_cuda_error_fails_the_health_probe_of_host_and_dedicated_deployment(memory, monkeypatch, sticky):
+    from deployments.model import ModelDeployment
+
+    fake = FakeCudaEngine(memory)
+    monkeypatch.setattr(host_module, "open_engine", lambda config, path, backend: serve(memory, fake, config))
+    entry = ModelEntry(config=model_config(instances=1), path=Path("/nonexistent"), versions=(1,))
+    model_host = ModelHost(entry, backend="tensorrt").load()
+    replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    replica.host = model_host
+    replica.check_health()  # healthy
+    memory.sticky = sticky  # a kernel faulted: from now on every CUDA call in the process fails
+    with pytest.raises(cuda.CudaError, match=sticky.name):
+        model_host.infer({"input": batch(2)})
+    for probe in (model_host.check_health, replica.check_health):
+        with pytest.raises(EngineFault, match=rf"the CUDA device is unusable \(cudaMemGetInfo failed: {sticky.name}"):
+            probe()
+
+
+def test_an_unloaded_model_fails_the_dedicated_health_probe_as_not_ready(memory):
+    from deployments.model import ModelDeployment
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    replica.host = ModelHost(ModelEntry(config=model_config(), path=Path("/nonexistent"), versions=(1,)))
+    with pytest.raises(ModelNotReady):
+        replica.check_health()

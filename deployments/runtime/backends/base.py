@@ -49,5 +49,9 @@ class Engine(Protocol):
 
     def footprint(self) -> Footprint: ...
 
+    def check_health(self) -> None:
+        """Raise ``EngineFault`` when the engine or its device can no longer run anything (a
+        sticky CUDA error); cheap enough for Ray's periodic health check."""
+
     def close(self) -> None:
         """Release the engine; every context must be closed first."""

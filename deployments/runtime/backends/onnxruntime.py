@@ -92,5 +92,8 @@ class OnnxRuntimeEngine:
     def footprint(self) -> Footprint:
         return Footprint(engine_bytes=self._engine_bytes, context_bytes=0, measured=True)
 
+    def check_health(self) -> None:
+        """Nothing on the CPU can break for good the way a CUDA context does: always healthy."""
+
     def close(self) -> None:
         self.session = None  # type: ignore[assignment]

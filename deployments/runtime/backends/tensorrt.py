@@ -12,7 +12,10 @@ and grow-only device and pinned host buffers per tensor. One request at a time p
     get_tensor_shape, set_tensor_address                           (each output)
     execute_async_v3, copy device -> host, synchronize
 
-Every boolean TensorRT returns is checked; False becomes ``InferenceError`` naming the call.
+Every TensorRT call goes through ``_trt_call``: a False return or an exception becomes
+``InferenceError`` naming the call (``EngineFault`` for a refused profile switch, which no
+request causes). Plan outputs the config does not declare (a plan built elsewhere) get scratch
+device buffers, since TensorRT needs an address for every output; they are not returned.
 
 The boundary to TensorRT is the ``ICudaEngine``/``IExecutionContext`` objects and to CUDA a
 ``cuda.MemoryApi``; ``TensorRTEngine.from_cuda_engine`` takes both, so an engine built in
@@ -35,7 +38,7 @@ from . import cuda, trt_module
 from ..contract.config import ModelConfig
 from ..contract.datatypes import NUMPY_BY_DATATYPE
 from .base import Footprint
-from ..contract.errors import ConfigError, InferenceError, InvalidInput
+from ..contract.errors import ConfigError, EngineFault, InferenceError, InvalidInput
 from .plans import PlanManifest, PlanMismatch, find_plan
 from ..contract.repository import MODEL_FILENAME
 
@@ -56,10 +59,27 @@ def _dims(dims: Any) -> tuple[int, ...]:
     return tuple(int(dims[i]) for i in range(len(dims)))
 
 
-def _check(ok: bool, call: str, where: str) -> None:
-    """TensorRT reports failure by returning False: make that an error naming the call."""
-    if not ok:
-        raise InferenceError(f"{where}: TensorRT {call} returned False")
+# Bytes per element of TensorRT DataType names, for outputs the config does not declare.
+_ITEMSIZE_BY_TRT: dict[str, int] = {
+    "FLOAT": 4, "HALF": 2, "BF16": 2, "INT8": 1, "INT32": 4, "INT64": 8, "BOOL": 1, "UINT8": 1,
+    "FP8": 1, "INT4": 1, "FP4": 1, "E8M0": 1,
+}
+
+
+def _trt_call(where: str, call: str, fn: Any, *args: Any,
+              error: type[InferenceError] = InferenceError) -> Any:
+    """Call a TensorRT method and turn both ways it reports failure into ``error`` naming the
+    call: returning False (as documented for ``set_input_shape``, ``execute_async_v3`` ...), and
+    raising (the Python binding raises ``RuntimeError`` from e.g. ``set_optimization_profile_async``).
+    TensorRT's own text goes to the log, not to the client."""
+    try:
+        result = fn(*args)
+    except Exception as e:  # the binding's exceptions carry internal text: logged, not sent
+        logger.error("%s: TensorRT %s raised %s: %s", where, call, type(e).__name__, e)
+        raise error(f"{where}: TensorRT {call} raised {type(e).__name__} (the server log has TensorRT's message)") from None
+    if result is False:
+        raise error(f"{where}: TensorRT {call} returned False")
+    return result
 
 
 @dataclass(frozen=True)
@@ -132,27 +152,27 @@ class TensorRTContext:
         engine, memory, where = self._engine, self._memory, self._where
         profile = engine.select_profile({name: tuple(a.shape) for name, a in inputs.items()})
         if profile != self._profile:
-            _check(context.set_optimization_profile_async(profile, stream.handle),
-                   f"set_optimization_profile_async({profile})", where)
+            _trt_call(where, f"set_optimization_profile_async({profile})", context.set_optimization_profile_async,
+                      profile, stream.handle, error=EngineFault)
             self._profile = profile
         for io in engine.inputs:
             array = np.ascontiguousarray(inputs[io.name], dtype=io.dtype)
-            _check(context.set_input_shape(io.name, array.shape),
-                   f"set_input_shape('{io.name}', {list(array.shape)})", where)
+            _trt_call(where, f"set_input_shape('{io.name}', {list(array.shape)})", context.set_input_shape,
+                      io.name, array.shape)
             device, host = self._buffers(io.name, array.nbytes)
             host.view(array.dtype, array.shape)[...] = array
             memory.copy_to_device(device, host, array.nbytes, stream)
-            _check(context.set_tensor_address(io.name, device.ptr), f"set_tensor_address('{io.name}')", where)
+            _trt_call(where, f"set_tensor_address('{io.name}')", context.set_tensor_address, io.name, device.ptr)
         shapes: dict[str, tuple[int, ...]] = {}
-        for io in engine.outputs:
-            shape = _dims(context.get_tensor_shape(io.name))
+        for io in (*engine.outputs, *engine.scratch_outputs):
+            shape = _dims(_trt_call(where, f"get_tensor_shape('{io.name}')", context.get_tensor_shape, io.name))
             if any(d < 0 for d in shape):
                 raise InferenceError(f"{where}: output '{io.name}' shape {list(shape)} is not known "
                                      "after set_input_shape (data-dependent output shapes are not supported)")
             shapes[io.name] = shape
             device, _ = self._buffers(io.name, math.prod(shape) * io.dtype.itemsize)
-            _check(context.set_tensor_address(io.name, device.ptr), f"set_tensor_address('{io.name}')", where)
-        _check(context.execute_async_v3(stream.handle), "execute_async_v3", where)
+            _trt_call(where, f"set_tensor_address('{io.name}')", context.set_tensor_address, io.name, device.ptr)
+        _trt_call(where, "execute_async_v3", context.execute_async_v3, stream.handle)
         for io in engine.outputs:
             memory.copy_to_host(self._host[io.name], self._device[io.name],
                                 math.prod(shapes[io.name]) * io.dtype.itemsize, stream)
@@ -290,6 +310,18 @@ class TensorRTEngine:
                         for shapes in (engine.get_tensor_profile_shape(spec.name, p)
                                        for p in range(self.num_profiles)))
                 ios[group].append(TensorIO(spec.name, NUMPY_BY_DATATYPE[spec.datatype], group == 0, profiles))
+        declared = {t.name for t in (*self.config.inputs, *self.config.outputs)}
+        undeclared_inputs = sorted(n for n, (is_input, _) in tensors.items() if is_input and n not in declared)
+        if undeclared_inputs:
+            raise ConfigError(f"{where}: plan inputs {undeclared_inputs} are not declared in config.yaml "
+                              "(TensorRT needs every input); declare them or rebuild with `make engines`")
+        self.scratch_outputs = tuple(
+            TensorIO(n, np.dtype((np.void, _ITEMSIZE_BY_TRT.get(trt_dtype, 8))), False)
+            for n, (is_input, trt_dtype) in sorted(tensors.items()) if not is_input and n not in declared)
+        if self.scratch_outputs:
+            logger.warning("%s: plan outputs %s are not declared in config.yaml; they get scratch buffers "
+                           "and are not returned (rebuild with `make engines` to drop them from the plan)",
+                           where, [io.name for io in self.scratch_outputs])
         return tuple(ios[0]), tuple(ios[1])
 
     def select_profile(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
@@ -330,7 +362,8 @@ class TensorRTEngine:
             if engine is None:
                 raise InferenceError(f"model '{self.config.name}': engine is closed")
             free_before, _ = self._memory.mem_get_info()
-            context: trt.IExecutionContext | None = engine.create_execution_context()
+            context: trt.IExecutionContext | None = _trt_call(
+                f"model '{self.config.name}'", "create_execution_context", engine.create_execution_context)
             if context is None:
                 raise InferenceError(f"model '{self.config.name}': TensorRT create_execution_context "
                                      "returned None (out of device memory?)")
@@ -349,10 +382,10 @@ class TensorRTEngine:
         total = 0
         for io in self.inputs:
             shape = io.profiles[0][1]
-            _check(context.set_input_shape(io.name, shape), f"set_input_shape('{io.name}', {list(shape)})", where)
+            _trt_call(where, f"set_input_shape('{io.name}', {list(shape)})", context.set_input_shape, io.name, shape)
             total += math.prod(shape) * io.dtype.itemsize
-        for io in self.outputs:
-            shape = _dims(context.get_tensor_shape(io.name))
+        for io in (*self.outputs, *self.scratch_outputs):
+            shape = _dims(_trt_call(where, f"get_tensor_shape('{io.name}')", context.get_tensor_shape, io.name))
             total += math.prod(max(d, 0) for d in shape) * io.dtype.itemsize
         return total
 
@@ -383,6 +416,23 @@ class TensorRTEngine:
         if io_bytes is None:  # no context yet: inputs at their max, outputs not known
             io_bytes = sum(math.prod(io.profiles[0][1]) * io.dtype.itemsize for io in self.inputs)
         return Footprint(engine_bytes=self._engine_bytes, context_bytes=activation + io_bytes, measured=True)
+
+    def check_health(self) -> None:
+        """Probe the device with one CUDA call (``cudaMemGetInfo``): after a sticky error
+        (``cudaErrorIllegalAddress``, ``cudaErrorLaunchFailure``, ...) every CUDA call in the
+        process fails until it restarts, so a failing probe means no request can succeed here.
+
+        Raises:
+            EngineFault: the probe failed (the message names the CUDA error); the engine is closed.
+        """
+        where = f"model '{self.config.name}'"
+        if self._engine is None:
+            raise EngineFault(f"{where}: engine is closed")
+        try:
+            self._memory.mem_get_info()
+        except InferenceError as e:  # CudaError
+            raise EngineFault(f"{where}: the CUDA device is unusable ({e.message}); "
+                              "the process must restart") from None
 
     def close(self) -> None:
         """Close remaining contexts, then destroy the engine; ``released_bytes`` then holds

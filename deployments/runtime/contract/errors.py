@@ -51,5 +51,10 @@ class InferenceError(ServingError):
     """A real fault while running a model (HTTP 500); the message names the failed call."""
 
 
+class EngineFault(InferenceError):
+    """A fault of the engine or device that no request causes (a profile switch TensorRT
+    refuses, a sticky CUDA error); retrying requests one by one cannot help (HTTP 500)."""
+
+
 class ConfigError(ServingError):
     """A model repository or application config is invalid; raised at start, names file and field."""

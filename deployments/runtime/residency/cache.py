@@ -16,6 +16,9 @@ Promises, all policies:
   block; a held model is never evicted: eviction only picks models at zero.
 * Concurrent first requests for one cold model load it once (single flight): the others wait
   for that load and share its outcome.
+* ``max_models`` counts loaded models and loads that hold their place; a load still waiting for
+  room holds none, so a burst of first requests for more models than the cap loads the first
+  ``max_models`` at once and the rest evict them as their requests end.
 * A model whose footprint alone is over ``budget_bytes`` is refused with ``OverBudget`` (503)
   naming both figures. With ``lru``, when the new model does not fit because the resident
   models are in use, the request waits up to ``wait_timeout_s`` for them to be released, then
@@ -28,9 +31,12 @@ a model's first load the cache reserves the best figure it has: one measured ear
 process (``footprints.measured_footprint``), one passed in ``footprints``, one recorded beside the
 model (``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
 budget. The load then measures the real one (``footprints.load_and_measure``: exact on TensorRT,
-RSS growth on ONNX Runtime); when it is larger than the reservation, more models are evicted
-before the load counts as done, and if that is impossible within the wait the model is
-unloaded again and the request gets ``OverBudget``. Reloads use the measured figure.
+RSS growth on ONNX Runtime); when it is larger than the reservation, the extra is reserved at
+once, under the load lock, by evicting unheld models; if that is not enough the model is unloaded
+before any other load starts and its load starts over with the real figure, waiting for room
+(``OverBudget`` after the wait). So the real bytes of the loaded models stay within the budget,
+except while a model whose figure was too low is being loaded and measured (one model's error,
+never two). Reloads use the measured figure.
 
 Loads and evictions run one at a time in the process (a process-wide lock), outside the cache's
 bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
@@ -82,6 +88,7 @@ class _Flight:
     holders: int = 1
     done: bool = False
     error: BaseException | None = None
+    counted: bool = False  # the load has its place under ``max_models`` (``_reserve``)
 
 
 @dataclass
@@ -256,6 +263,19 @@ class ModelCache:
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }
 
+    def check_health(self) -> None:
+        """Probe every loaded model's engine (``ModelHost.check_health``); a cache with nothing
+        loaded is healthy.
+
+        Raises:
+            EngineFault: a loaded model's engine or device can no longer run requests.
+        """
+        with self._cond:
+            hosts = [s.host for s in self._slots.values() if s.state == _READY]
+        for host in hosts:
+            if host.ready:  # an eviction may have unloaded it since
+                host.check_health()
+
     def resident(self) -> list[str]:
         """Names of the loaded models, least recently used first."""
         with self._cond:
@@ -368,43 +388,46 @@ class ModelCache:
 
     def _load(self, slot: _Slot, flight: _Flight, deadline: float) -> None:
         """Make room, load and measure ``slot``'s model, then publish it (state ready, the
-        flight's holders as references). Runs in the loading request's thread."""
+        flight's holders as references). Runs in the loading request's thread.
+
+        The real footprint is known only once the model is loaded. When it is larger than the
+        reservation, the extra is reserved at once, still under the load lock (evicting unheld
+        models), so no other load starts beside an under-reserved model; when it does not fit
+        now, the model is unloaded again and its load starts over with the real figure, waiting
+        for room like any load (until ``deadline``)."""
         instances = slot.host.config.instances
         estimate, source = self._estimate(slot)
-        need = estimate.total(instances)
-        if source != "predicted":
-            self._refuse_if_alone_over_budget(slot, estimate, source)
-        reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
-        self._reserve(slot, reserved, deadline, adds_model=True)
-        loaded = False
-        try:
-            with _LOAD_LOCK:
-                self._evict_marked()
-                start = time.perf_counter()
-                if source != "predicted":
-                    slot.host.load()
-                    footprint = (slot.host.footprint() if slot.host.engine is not None
-                                 and slot.host.engine.backend == "tensorrt" else estimate)
-                else:
-                    footprint = footprints.load_and_measure(slot.host, self.measure_elements)
-                    source = "measured"
-                load_ms = (time.perf_counter() - start) * 1e3
-            loaded = True
-            actual = footprint.total(instances)
-            if actual > reserved:
-                self._refuse_if_alone_over_budget(slot, footprint, source)
-                self._reserve(slot, actual - reserved, deadline, adds_model=False)
-                reserved = actual
+        while True:
+            if source != "predicted":
+                self._refuse_if_alone_over_budget(slot, estimate, source)
+            need = estimate.total(instances)
+            reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
+            self._reserve(slot, reserved, deadline, adds_model=True)
+            try:
                 with _LOAD_LOCK:
                     self._evict_marked()
-        except BaseException:
-            with self._cond:
-                self._reserved_bytes -= reserved
-                self._cond.notify_all()
-            if loaded:
-                with _LOAD_LOCK:
-                    slot.host.unload()
-            raise
+                    start = time.perf_counter()
+                    footprint, source = self._load_host(slot, estimate, source)
+                    load_ms = (time.perf_counter() - start) * 1e3
+                    actual = footprint.total(instances)
+                    fits = actual <= reserved or self._grow_reservation(slot, actual - reserved)
+                    if fits:
+                        reserved = max(reserved, actual)
+                        self._evict_marked()
+                    else:
+                        slot.host.unload()
+            except BaseException:
+                self._give_back(slot, reserved)
+                if slot.host.ready:
+                    with _LOAD_LOCK:
+                        slot.host.unload()
+                raise
+            if fits:
+                break
+            logger.info("model cache: %s needs %s, not the %s reserved, and no room is free now; "
+                        "unloaded, loading again with its real figure", slot.name, _mb(actual), _mb(reserved))
+            self._give_back(slot, reserved)
+            estimate = footprint
         with self._cond:
             self._reserved_bytes -= reserved
             self._resident_bytes += actual
@@ -415,6 +438,38 @@ class ModelCache:
             slot.loads += 1
             flight.done = True
             self._record("reload" if slot.evictions else "load", slot, load_ms)
+            self._cond.notify_all()
+
+    def _load_host(self, slot: _Slot, estimate: Footprint, source: str) -> tuple[Footprint, str]:
+        """Load ``slot``'s host (the load lock is held) and return its real footprint and source:
+        TensorRT's exact figure; on ONNX Runtime the measurement for a predicted model, else
+        ``estimate`` (a measured, given or recorded figure)."""
+        if source == "predicted":
+            return footprints.load_and_measure(slot.host, self.measure_elements), "measured"
+        slot.host.load()
+        engine = slot.host.engine
+        if engine is not None and engine.backend == "tensorrt":
+            return slot.host.footprint(), "measured"
+        return estimate, source
+
+    def _grow_reservation(self, slot: _Slot, extra: int) -> bool:
+        """Reserve ``extra`` more bytes for ``slot`` now, marking unheld models for eviction
+        (``lru``); False, reserving nothing, when that is not enough. Never waits."""
+        with self._cond:
+            victims = self._plan(slot, extra, adds_model=False)
+            if victims is None:
+                return False
+            for victim in victims:
+                victim.state = _EVICTING
+            self._reserved_bytes += extra
+            return True
+
+    def _give_back(self, slot: _Slot, reserved: int) -> None:
+        """Return a load's reservation (bytes and its place under ``max_models``)."""
+        with self._cond:
+            self._reserved_bytes -= reserved
+            if slot.flight is not None:
+                slot.flight.counted = False
             self._cond.notify_all()
 
     def _refuse_if_alone_over_budget(self, slot: _Slot, footprint: Footprint, source: str) -> None:
@@ -442,6 +497,8 @@ class ModelCache:
                     for victim in victims:
                         victim.state = _EVICTING
                     self._reserved_bytes += need
+                    if adds_model and slot.flight is not None:
+                        slot.flight.counted = True
                     return
                 remaining = deadline - time.monotonic()
                 if self.load_policy != "lru" or remaining <= 0:
@@ -455,7 +512,10 @@ class ModelCache:
         now, None when even evicting every unheld model (``lru``) is not enough."""
         pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
         used = self._resident_bytes - pending + self._reserved_bytes
-        count = sum(1 for s in self._slots.values() if s.state in (_READY, _LOADING) and s is not slot)
+        # Loads still waiting for room hold no place yet: counting them would make a burst of
+        # first requests for more models than the cap wait on each other.
+        count = sum(1 for s in self._slots.values() if s is not slot and (
+            s.state == _READY or (s.state == _LOADING and s.flight is not None and s.flight.counted)))
         count += 1  # the model being loaded
 
         def fits() -> bool:

@@ -97,6 +97,15 @@ class ModelHost:
         """Raises ModelNotReady when not loaded."""
         return self._loaded().footprint()
 
+    def check_health(self) -> None:
+        """The health probe a serving layer calls (Ray's ``check_health``).
+
+        Raises:
+            ModelNotReady: not loaded.
+            EngineFault: the engine or its device can no longer run requests (``Engine.check_health``).
+        """
+        self._loaded().check_health()
+
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Validate (``validate_request``), then ``run``.
 

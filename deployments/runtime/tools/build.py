@@ -249,6 +249,20 @@ def _input_named_in(messages: Iterable[str], names: Sequence[str]) -> str | None
     return None
 
 
+def _unmark_undeclared_outputs(network: "trt.INetworkDefinition", declared: set[str]) -> list[str]:
+    """Unmark network outputs that config.yaml does not declare, so the plan neither computes nor
+    needs an address for them (TensorRT wants one for every output before ``execute_async_v3``).
+    Returns a note for the manifest, or nothing."""
+    undeclared = [network.get_output(i) for i in range(network.num_outputs)
+                  if network.get_output(i).name not in declared]
+    for tensor in undeclared:
+        network.unmark_output(tensor)
+    if not undeclared:
+        return []
+    return [f"network outputs {sorted(t.name for t in undeclared)} are not declared in config.yaml: "
+            "not outputs of the plan"]
+
+
 def _timing_cache_path(root: Path, target: PlanTarget) -> Path:
     ccs = target.stem.rsplit(".", 1)[-1]
     return root / ".cache" / f"timing.{target.flavour}-{target.version}.{ccs}.cache"
@@ -292,6 +306,7 @@ def parse_network(source: ModelSource, trt_mod: TensorRTModule,
         raise BuildError(config.name, "TensorRT's ONNX parser refused "
                          f"{source.onnx_path}: {'; '.join(errors or log.errors_since(mark)) or 'no reason given'}")
     check_network_io(network, config)
+    notes += _unmark_undeclared_outputs(network, {t.name for t in config.outputs})
     return ParsedNetwork(builder, network, parser, log, notes)
 
 
@@ -331,7 +346,12 @@ def add_profiles(parsed: ParsedNetwork, builder_config: trt.IBuilderConfig, trt_
         profile: trt.IOptimizationProfile = parsed.builder.create_optimization_profile()
         for input_name, s in shapes.items():
             mark = log.mark()
-            profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
+            try:  # full TensorRT raises (e.g. a rank that differs from the network's) where RTX logs
+                profile.set_shape(input_name, trt_.Dims(s["min"]), trt_.Dims(s["opt"]), trt_.Dims(s["max"]))
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
+                                      + "; ".join([*log.errors_since(mark), f"set_shape raised: {e}"]),
+                                      input=input_name) from e
             if not profile:  # IOptimizationProfile.__bool__ is isValid()
                 raise ProfileRejected(name, f"TensorRT rejected profile {index} {s}: "
                                       + "; ".join(log.errors_since(mark) or ["profile is invalid"]),
@@ -555,8 +575,12 @@ def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
         try:
             manifest = build_plan(source, trt_mod, target, built_on=built_on, target_note=note,
                                   timing_cache=cache, progress=progress)
-        except BuildError as e:
-            results.append(BuildResult(source.config.name, "failed", reasons=reasons, error=e,
+        except Exception as e:  # one model's failure, expected or not, never stops the others
+            error = e if isinstance(e, BuildError) else BuildError(
+                source.config.name, f"the build raised {type(e).__name__}: {e}")
+            if not isinstance(e, BuildError):
+                logger.exception("building model '%s' failed", source.config.name)
+            results.append(BuildResult(source.config.name, "failed", reasons=reasons, error=error,
                                        seconds=time.perf_counter() - start))
             continue
         results.append(BuildResult(source.config.name, "built", plan_path, manifest, reasons,
