@@ -425,7 +425,7 @@ class ModelCache:
             if fits:
                 break
             logger.info("model cache: %s needs %s, not the %s reserved, and no room is free now; "
-                        "unloaded, loading again with its real figure", slot.name, _mb(actual), _mb(reserved))
+                        "unloaded, loading again with its real figure", slot.name, format_mib(actual), format_mib(reserved))
             self._give_back(slot, reserved)
             estimate = footprint
         with self._cond:
