@@ -25,6 +25,7 @@ from .pool import PoolDeployment
 from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
 from .runtime.contract.repository import ModelRepository
+from .runtime.contract.units import mib_to_bytes
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,6 +110,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", **ray_options(app_args.router, False)).bind(
         app_args.repository, dedicated, pool, pool_models,
-        RouterOptions(max_body_bytes=int(app_args.max_body_mib * (1 << 20)),
+        RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                       request_timeout_s=app_args.request_timeout_s, backend=app_args.backend),
         models=app_args.models)

@@ -240,7 +240,7 @@ def test_trailing_slash_is_404_not_a_redirect(router):
     assert_error(r, 404, "unknown model")
 
 
-def test_body_over_limit_is_413_by_its_declared_length(router):
+def test_body_over_limit_is_413(router):  # by its declared Content-Length
     assert_error(post(router, "/v2/models/tiny_cnn/infer", b" " * (LIMIT_BYTES + 1)), 413,
                  f"request body is {LIMIT_BYTES + 1} bytes; the limit is {LIMIT_BYTES} bytes")
 
