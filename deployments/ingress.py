@@ -2,9 +2,10 @@
 
 Routes (Open Inference Protocol, plus Triton's repository index):
     GET  /v2/health/live, /v2/health/ready, /v2
-    GET  /v2/models/{name}[/versions/{version}][/ready]
+    GET  /v2/models/{name}[/versions/{version}][/ready|/config]
     POST /v2/models/{name}[/versions/{version}]/infer
     POST /v2/repository/index
+    GET  /v2/memory
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
 """
@@ -15,8 +16,8 @@ import asyncio
 import functools
 import json
 import logging
-import re
 from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import unquote
 
 from ray import serve
 from starlette.applications import Starlette
@@ -25,9 +26,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
+from .logs import ready_logger, show_on_terminal
 from .model import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_request, encode_response, join_body
 from .protocol.errors import error_status
+from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -36,11 +39,14 @@ from .runtime.contract.validation import validate_inputs, validate_outputs
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository", "binary_tensor_data"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data"]
 _READY_POLL_S = 1.0
-_MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
-# KServe / Triton platform names by backend.
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
+_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer]"
+# Repository index state and reason of a pool model, by its state in the pool replica's cache.
+_POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
+                "loading": ("LOADING", "loading into the pool replica's cache"),
+                "evicting": ("UNLOADING", "being evicted from the pool replica's cache"),
+                "absent": ("UNAVAILABLE", "not loaded yet; loads on first request")}
 
 
 def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -77,7 +83,8 @@ class Router:
         max_body_bytes: request bodies above this get 413.
         request_timeout_s: a model call taking longer gets 504.
         models: the served subset of the repository (None: all).
-        backend: the configured backend, reported as the platform of pool models.
+        backend: the configured backend (``auto``, ``onnxruntime``, ``tensorrt``); metadata
+            reports the one each model's replica actually uses, which its replica tells.
     """
 
     def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
@@ -88,10 +95,12 @@ class Router:
         self.client = ModelClient(dedicated, pool, pool_models)
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
-        # Platform per model for metadata; dedicated replicas report theirs when ready.
-        self.platforms = {name: PLATFORMS.get(backend, backend) for name in self.client.pool_models}
+        # Backend per model (onnxruntime, tensorrt, pipeline): dedicated replicas report theirs
+        # when ready, the pool the one its replicas use (asked on first need).
+        self.backends: dict[str, str] = {}
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
+        show_on_terminal()
         self._poller = asyncio.get_running_loop().create_task(self._poll_ready())
 
     def __serve_build_asgi_app__(self) -> Starlette:
@@ -103,6 +112,8 @@ class Router:
             Route("/v2/models/{name}/versions/{version}", self.metadata, methods=["GET"]),
             Route("/v2/models/{name}/ready", self.model_ready, methods=["GET"]),
             Route("/v2/models/{name}/versions/{version}/ready", self.model_ready, methods=["GET"]),
+            Route("/v2/models/{name}/config", self.model_config, methods=["GET"]),
+            Route("/v2/models/{name}/versions/{version}/config", self.model_config, methods=["GET"]),
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]),
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
@@ -113,17 +124,49 @@ class Router:
 
     # --- readiness -------------------------------------------------------------------------
     async def _poll_ready(self) -> None:
+        """Mark each dedicated model ready once a replica answers, then log the ready line
+        (``deployments.logs``: it reaches the ``serve run`` terminal)."""
         pending = set(self.client.dedicated)
         while pending:
             for name in sorted(pending):
                 try:
-                    backend = await asyncio.wait_for(self.client.dedicated[name].ready.remote(), _READY_POLL_S)
-                    self.platforms[name] = PLATFORMS.get(backend, backend)
+                    self.backends[name] = await asyncio.wait_for(
+                        self.client.dedicated[name].ready.remote(), _READY_POLL_S)
                     self.ready_models.add(name)
                     pending.discard(name)
                 except Exception:  # no replica yet, or still loading: poll again
                     pass
-            await asyncio.sleep(_READY_POLL_S)
+            if pending:
+                await asyncio.sleep(_READY_POLL_S)
+        ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
+                          len(self.repo.names()), self.repo.names(), *[await self._base_url()] * 2)
+
+    async def _base_url(self) -> str:
+        """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
+        try:  # the controller's HTTP options; Serve has no public getter for them
+            from ray.serve.context import _get_global_client
+
+            options = await asyncio.to_thread(lambda: _get_global_client().http_config)
+            return f"http://{options.host}:{options.port}"
+        except Exception:
+            return "http://<http_options.host>:<http_options.port>"
+
+    async def _backend(self, entry: ModelEntry) -> str:
+        """The backend serving ``entry``: ``pipeline``, the one a dedicated replica loaded
+        (``""`` while none has), or for a pool model the one its replicas use.
+
+        Raises:
+            InferenceTimeout: the pool did not answer within ``request_timeout_s``.
+        """
+        if entry.config.pipeline:
+            return "pipeline"
+        if entry.name not in self.backends and entry.name in self.client.pool_models:
+            try:
+                models = await asyncio.wait_for(self.client.pool.models.remote(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
+            self.backends.update({name: m["backend"] for name, m in models.items()})
+        return self.backends.get(entry.name, "")
 
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
@@ -138,12 +181,17 @@ class Router:
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        # A model name holding '/' (e.g. "../x" sent as "..%2Fx") matches no route: answer it
-        # exactly as any unknown model name, without touching the filesystem.
-        match = _MODEL_PATH.match(request.url.path)
-        if match:
+        # Under /v2/models/, the first path segment as the client sent it is the model name: a
+        # name holding '/' (e.g. "../x" sent as "..%2Fx") is answered as any unknown name, without
+        # touching the filesystem; after a known name, an unknown suffix is an unknown route.
+        raw = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1").split("?")[0]
+        if raw.startswith("/v2/models/"):
+            name = unquote(raw[len("/v2/models/"):].split("/")[0])
+            if name not in self.repo.names():
+                return error_response(ModelNotFound(
+                    f"unknown model '{name}'; available models: {self.repo.names()}"))
             return error_response(ModelNotFound(
-                f"unknown model '{match.group('name')}'; available models: {self.repo.names()}"))
+                f"no route {request.method} {request.url.path}; model routes: {_MODEL_ROUTES}"))
         return error_response(ModelNotFound(
             f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
 
@@ -168,7 +216,13 @@ class Router:
     @_answers_errors
     async def metadata(self, request: Request) -> JSONResponse:
         entry = self._entry(request)
-        return JSONResponse(model_metadata(entry.config, (entry.latest,), self.platforms.get(entry.name, "")))
+        return JSONResponse(model_metadata(entry.config, (entry.latest,), platform_of(await self._backend(entry))))
+
+    @_answers_errors
+    async def model_config(self, request: Request) -> JSONResponse:
+        """Triton's model configuration (``protocol.triton.model_configuration``)."""
+        entry = self._entry(request)
+        return JSONResponse(model_configuration(entry.config, await self._backend(entry)))
 
     @_answers_errors
     async def model_ready(self, request: Request) -> JSONResponse:
@@ -176,13 +230,26 @@ class Router:
         self._require_ready(entry)
         return JSONResponse({"name": entry.name, "ready": True})
 
+    @_answers_errors
     async def repository_index(self, request: Request) -> JSONResponse:
+        """Every model with its served version and state: a dedicated model READY once a replica
+        loaded it (LOADING before); a pool model as one pool replica's cache holds it (READY
+        resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING; ``reason`` says which)."""
+        pool: dict[str, Any] = {}
+        if self.client.pool is not None:
+            try:
+                pool = await asyncio.wait_for(self.client.pool.models.remote(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
         index = []
         for entry in self.repo.entries():
             item = {"name": entry.name, "version": str(entry.latest),
                     "state": "READY" if entry.name in self.ready_models else "LOADING"}
-            if entry.name in self.client.pool_models:
-                item["reason"] = "multiplexed pool: loads on first request"
+            if entry.name in pool:
+                cached = pool[entry.name]
+                item["state"], item["reason"] = _POOL_STATES[cached["state"]]
+                if cached["state"] == "absent" and cached["evictions"]:
+                    item["reason"] = "evicted from the pool replica's cache; loads on next request"
             index.append(item)
         return JSONResponse(index)
 

@@ -14,6 +14,7 @@ import numpy as np
 from ray import serve
 from ray.exceptions import RayActorError
 
+from .logs import show_on_terminal
 from .pipelines import create_pipeline
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.contract.errors import ModelNotFound, ModelNotReady
@@ -36,6 +37,7 @@ class ModelDeployment:
     """
 
     def __init__(self, repository: str, name: str, backend: str = "auto") -> None:
+        show_on_terminal()
         self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
         self.batch_stats = BatchStats()
         policy = BatchPolicy.of(self.host.config)
@@ -163,6 +165,7 @@ class PipelineDeployment:
 
     def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str]) -> None:
+        show_on_terminal()
         repo = ModelRepository(repository)
         self.config = repo.get(name).config
         self.pipeline = create_pipeline(repo, name, ModelClient(dedicated, pool, pool_models).infer)

@@ -7,9 +7,20 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
-from .runtime.residency.cache import ModelCache
-from .runtime.contract.errors import ModelNotFound
+from .logs import show_on_terminal
+from .runtime.backends.select import resolve_backend
+from .runtime.contract.errors import ConfigError, ModelNotFound
 from .runtime.contract.repository import ModelRepository
+from .runtime.residency.cache import ModelCache
+
+
+def _backend_here(requested: str) -> str:
+    """The backend the cache will load a model with on this machine (it resolves ``requested``
+    the same way); ``requested`` itself when that cannot work here (its load will say why)."""
+    try:
+        return resolve_backend(requested)
+    except ConfigError:
+        return requested
 
 
 @serve.deployment
@@ -36,9 +47,13 @@ class PoolDeployment:
     def __init__(self, repository: str, names: Iterable[str], backend: str = "auto",
                  max_num_models_per_replica: int = 3, load_policy: str = "lru",
                  memory_budget_mb: float | None = None, wait_timeout_s: float = 30.0) -> None:
+        show_on_terminal()
         names = list(names)
+        repo = ModelRepository(repository, names)
+        self.backends = {e.name: _backend_here(e.config.backend if backend == "auto" else backend)
+                         for e in repo.entries()}
         self.cache = ModelCache(
-            ModelRepository(repository, names), names, load_policy=load_policy,  # type: ignore[arg-type]
+            repo, names, load_policy=load_policy,  # type: ignore[arg-type]
             budget_bytes=None if memory_budget_mb is None else int(memory_budget_mb * 1e6),
             max_models=max_num_models_per_replica, backend=backend, wait_timeout_s=wait_timeout_s).start()
 
@@ -56,6 +71,13 @@ class PoolDeployment:
         """
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        """Per pool model on this replica: ``state`` in the cache (``absent``, ``loading``,
+        ``ready``, ``evicting``), ``evictions`` so far, and the ``backend`` it runs (or will run) on."""
+        cached = self.cache.status()["models"]
+        return {name: {"state": cached[name]["state"], "evictions": cached[name]["evictions"],
+                       "backend": backend} for name, backend in self.backends.items()}
 
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready)."""

@@ -1,0 +1,134 @@
+"""How long Ctrl-C takes to stop `serve run serve_config.yaml`, and what happens to requests.
+
+For each environment given (``--env 'K=V K=V'``, repeatable; the first is the baseline), it
+starts ``serve run`` on a copy of ``serve_config.yaml`` with a free port, in its own process
+group (as a terminal runs it), waits for ``/v2/health/ready``, keeps ``--clients`` closed-loop
+clients sending small ``tiny_cnn`` requests, sends SIGINT to the group (what Ctrl-C does) and
+measures the seconds until ``serve run`` exits. Requests sent before the SIGINT must all be
+answered 200; the output is searched for Ray's "failed to shut down" warning and for the
+application's "ready" line.
+
+    .venv/bin/python -m bench.stop_time \
+        --env 'RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1' \
+        --env "$(make -s print-serve-env)"
+
+Prints a table and writes ``bench/results/stop_time.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                               "data": [0.5] * (3 * 224 * 224)}]})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(port: int, folder: Path) -> Path:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    for app in config["applications"]:
+        app["args"]["repository"] = str(ROOT / app["args"]["repository"])
+    path = folder / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def measure(env_text: str, ready_timeout_s: float, clients: int) -> dict:
+    """One start, load, Ctrl-C and exit of ``serve run`` under the variables in ``env_text``."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, **dict(item.split("=", 1) for item in env_text.split()))
+        log = Path(tmp) / "serve.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "serve"), "run", str(_config(port, Path(tmp)))],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            start = time.monotonic()
+            while time.monotonic() - start < ready_timeout_s:
+                try:
+                    if requests.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                time.sleep(0.5)
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise TimeoutError(f"not ready within {ready_timeout_s} s: {log.read_text()[-2000:]}")
+            ready_s = time.monotonic() - start
+            stop = threading.Event()
+            sigint_at: list[float] = []
+            results: list[tuple[float, int | str]] = []  # (send time, status or error)
+
+            def client() -> None:
+                session = requests.Session()
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    try:
+                        status: int | str = session.post(f"{url}/v2/models/tiny_cnn/infer", data=BODY,
+                                                         headers={"Content-Type": "application/json"},
+                                                         timeout=30).status_code
+                    except requests.RequestException as e:
+                        status = type(e).__name__
+                    results.append((sent, status))
+
+            threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            time.sleep(3.0)
+            sigint_at.append(time.monotonic())
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=120)
+            stop_s = time.monotonic() - sigint_at[0]
+            stop.set()
+            for t in threads:
+                t.join(timeout=35)
+        text = log.read_text()
+    before = [s for sent, s in results if sent < sigint_at[0]]
+    return {"env": env_text, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
+            "requests_before_sigint": len(before), "answered_200": sum(1 for s in before if s == 200),
+            "failed_before_sigint": sorted({str(s) for s in before if s != 200}),
+            "shutdown_warning": "failed to shut down" in text,
+            "ready_line": any("ready" in line and url in line for line in text.splitlines())}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Seconds from Ctrl-C to exit of `serve run`, per environment.")
+    parser.add_argument("--env", action="append", required=True, help="'K=V K=V' for serve run (repeatable)")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    rows = [measure(e, args.ready_timeout_s, args.clients) for e in args.env]
+    print("| environment | ready (s) | Ctrl-C to exit (s) | requests before SIGINT | answered 200 | warning | ready line |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| `{r['env']}` | {r['ready_s']} | {r['stop_s']} | {r['requests_before_sigint']} | "
+              f"{r['answered_200']} | {'yes' if r['shutdown_warning'] else 'no'} | {'yes' if r['ready_line'] else 'no'} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "stop_time.json").write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
