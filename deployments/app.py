@@ -28,7 +28,7 @@ from ray.serve.exceptions import RayServeException
 from .ingress import Router
 from .model import ModelDeployment, PipelineDeployment
 from .pool import PoolDeployment
-from .runtime.contract.config import Backend, DeploymentOptions
+from .runtime.contract.config import Backend, DeploymentOptions, describe
 from .runtime.contract.errors import ConfigError
 from .runtime.contract.repository import ModelRepository
 
@@ -110,8 +110,7 @@ def _build(args: dict[str, Any] | None) -> Application:
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
-        fields = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"serve_config.yaml application args: {fields}") from None
+        raise ConfigError(f"serve_config.yaml application args: {describe(e, AppArgs)}") from None
     entries = ModelRepository(app_args.repository, app_args.models).entries()
     use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
     if not use_gpus:

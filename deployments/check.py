@@ -21,6 +21,7 @@ from typing import Sequence
 import yaml
 from pydantic import ValidationError
 
+from .runtime.contract.config import describe
 from .runtime.contract.errors import ConfigError
 
 APP_IMPORT_PATH = "deployments.app:build_app"
@@ -45,8 +46,7 @@ def check(path: Path) -> str:
     try:
         schema = ServeDeploySchema.model_validate(raw)
     except ValidationError as e:
-        fields = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"{path}: {fields}") from None
+        raise ConfigError(f"{path}: {describe(e, ServeDeploySchema)}") from None
     models: list[str] = []
     for app in schema.applications:
         if app.import_path != APP_IMPORT_PATH:

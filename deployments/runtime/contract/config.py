@@ -11,7 +11,7 @@ A bad config fails at start with ``ConfigError`` naming the file and the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -221,11 +221,41 @@ def _check_extra_profile(inputs: tuple[TensorSpec, ...], index: int, profile: di
                     f"{shapes.max[axis]}] is outside profile 0's [{lo[axis]}, {hi[axis]}]")
 
 
-def _describe(err: ValidationError) -> str:
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field's annotation (``Optional[X]``, ``tuple[X, ...]``...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the model that holds the last element of ``loc`` (None if not a model)."""
+    current: type[BaseModel] | None = model
+    for step in loc[:-1]:
+        if isinstance(step, int):
+            continue  # an item of a sequence: the element model was found at the field
+        if current is None or step not in current.model_fields:
+            return None
+        current = _model_in(current.model_fields[step].annotation)
+    return None if current is None else list(current.model_fields)
+
+
+def describe(err: ValidationError, model: type[BaseModel]) -> str:
+    """One line for a pydantic error of ``model``: ``field.path: what is wrong`` per error,
+    joined by "; ". An unknown field lists the allowed ones (pydantic only says "Extra inputs
+    are not permitted"); a wrong choice already names the choices in pydantic's message."""
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        parts.append(f"{loc}: {e['msg']}")
+        message = e["msg"]
+        if e["type"] == "extra_forbidden":
+            allowed = _fields_at(model, tuple(e["loc"]))
+            message = "unknown field" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        parts.append(f"{loc}: {message}")
     return "; ".join(parts)
 
 
@@ -245,7 +275,7 @@ def load_model_config(path: Path) -> ModelConfig:
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_describe(e)}") from None
+        raise ConfigError(f"{path}: {describe(e, ModelConfig)}") from None
     if config.name != path.parent.name:
         raise ConfigError(f"{path}: name: '{config.name}' must equal its folder name '{path.parent.name}'")
     return config
