@@ -10,7 +10,7 @@ application's "ready" line.
 
     .venv/bin/python -m bench.stop_time \
         --env 'RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1' \
-        --env "$(make -s print-serve-env)"
+        --code . --env "$(make -s print-serve-env)"   # first run: --code <checkout before>
 
 Prints a table and writes ``bench/results/stop_time.json``.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,12 +56,32 @@ def _config(port: int, folder: Path) -> Path:
     return path
 
 
-def measure(env_text: str, ready_timeout_s: float, clients: int) -> dict:
-    """One start, load, Ctrl-C and exit of ``serve run`` under the variables in ``env_text``."""
+def _serve_status(log: Path, env: dict[str, str]) -> dict[str, object]:
+    """``serve status`` against this cluster's dashboard, without and with RAY_AUTH_MODE=token."""
+    found = re.search(r"dashboard at (?:http://)?([0-9.]+:[0-9]+)", log.read_text())
+    if not found:
+        return {"serve_status": "no dashboard address in the log"}
+    out: dict[str, object] = {}
+    for mode in (None, "token"):
+        child = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+        if mode:
+            child["RAY_AUTH_MODE"] = mode
+        result = subprocess.run([str(ROOT / ".venv" / "bin" / "serve"), "status", "-a", f"http://{found.group(1)}"],
+                                env=child, capture_output=True, text=True, timeout=60)
+        text = result.stdout + result.stderr
+        out[f"serve_status_{mode or 'unset'}"] = (
+            f"rc {result.returncode}" + (", app RUNNING" if "status: RUNNING" in text else "")
+            + (", AuthenticationError" if "AuthenticationError" in text else ""))
+    return out
+
+
+def measure(env_text: str, code: Path, ready_timeout_s: float, clients: int) -> dict:
+    """One start, load, Ctrl-C and exit of ``serve run`` under the variables in ``env_text``,
+    with the application's code from ``code`` (its ``deployments`` package)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, **dict(item.split("=", 1) for item in env_text.split()))
+        env = dict(os.environ, PYTHONPATH=str(code), **dict(item.split("=", 1) for item in env_text.split()))
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
             proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "serve"), "run", str(_config(port, Path(tmp)))],
@@ -77,6 +98,7 @@ def measure(env_text: str, ready_timeout_s: float, clients: int) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
                 raise TimeoutError(f"not ready within {ready_timeout_s} s: {log.read_text()[-2000:]}")
             ready_s = time.monotonic() - start
+            status = _serve_status(log, env)
             stop = threading.Event()
             sigint_at: list[float] = []
             results: list[tuple[float, int | str]] = []  # (send time, status or error)
@@ -106,7 +128,7 @@ def measure(env_text: str, ready_timeout_s: float, clients: int) -> dict:
                 t.join(timeout=35)
         text = log.read_text()
     before = [s for sent, s in results if sent < sigint_at[0]]
-    return {"env": env_text, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
+    return {"env": env_text, "code": str(code), **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
             "requests_before_sigint": len(before), "answered_200": sum(1 for s in before if s == 200),
             "failed_before_sigint": sorted({str(s) for s in before if s != 200}),
             "shutdown_warning": "failed to shut down" in text,
@@ -116,15 +138,22 @@ def measure(env_text: str, ready_timeout_s: float, clients: int) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Seconds from Ctrl-C to exit of `serve run`, per environment.")
     parser.add_argument("--env", action="append", required=True, help="'K=V K=V' for serve run (repeatable)")
+    parser.add_argument("--code", action="append", type=Path,
+                        help="checkout whose deployments package serves, one per --env (default: this one)")
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv)
-    rows = [measure(e, args.ready_timeout_s, args.clients) for e in args.env]
-    print("| environment | ready (s) | Ctrl-C to exit (s) | requests before SIGINT | answered 200 | warning | ready line |")
-    print("|---|---|---|---|---|---|---|")
+    codes = args.code or [ROOT] * len(args.env)
+    if len(codes) != len(args.env):
+        parser.error("give one --code per --env")
+    rows = [measure(e, c, args.ready_timeout_s, args.clients) for e, c in zip(args.env, codes)]
+    print("| code | environment | ready (s) | Ctrl-C to exit (s) | requests before SIGINT | answered 200 | "
+          "warning | ready line | serve status (RAY_AUTH_MODE unset / token) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| `{r['env']}` | {r['ready_s']} | {r['stop_s']} | {r['requests_before_sigint']} | "
-              f"{r['answered_200']} | {'yes' if r['shutdown_warning'] else 'no'} | {'yes' if r['ready_line'] else 'no'} |")
+        print(f"| {r['code']} | `{r['env']}` | {r['ready_s']} | {r['stop_s']} | {r['requests_before_sigint']} | "
+              f"{r['answered_200']} | {'yes' if r['shutdown_warning'] else 'no'} | {'yes' if r['ready_line'] else 'no'} | "
+              f"{r.get('serve_status_unset', '-')} / {r.get('serve_status_token', '-')} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "stop_time.json").write_text(json.dumps(rows, indent=2))
     return 0
