@@ -58,7 +58,8 @@ def _config(port: int, folder: Path) -> Path:
 
 def _serve_status(log: Path, env: dict[str, str]) -> dict[str, object]:
     """``serve status`` against this cluster's dashboard, without and with RAY_AUTH_MODE=token."""
-    found = re.search(r"dashboard at (?:http://)?([0-9.]+:[0-9]+)", log.read_text())
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())  # Ray colours the address
+    found = re.search(r"dashboard at (?:http://)?([0-9.]+:[0-9]+)", plain)
     if not found:
         return {"serve_status": "no dashboard address in the log"}
     out: dict[str, object] = {}
@@ -127,8 +128,10 @@ def measure(env_text: str, code: Path, ready_timeout_s: float, clients: int) -> 
             for t in threads:
                 t.join(timeout=35)
         text = log.read_text()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"stop_time_{port}.log").write_text(text)
     before = [s for sent, s in results if sent < sigint_at[0]]
-    return {"env": env_text, "code": str(code), **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
+    return {"env": env_text, "code": str(code), "log": f"bench/results/stop_time_{port}.log", **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
             "requests_before_sigint": len(before), "answered_200": sum(1 for s in before if s == 200),
             "failed_before_sigint": sorted({str(s) for s in before if s != 200}),
             "shutdown_warning": "failed to shut down" in text,
@@ -140,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--env", action="append", required=True, help="'K=V K=V' for serve run (repeatable)")
     parser.add_argument("--code", action="append", type=Path,
                         help="checkout whose deployments package serves, one per --env (default: this one)")
-    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv)
     codes = args.code or [ROOT] * len(args.env)

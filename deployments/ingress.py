@@ -138,8 +138,9 @@ class Router:
                     pass
             if pending:
                 await asyncio.sleep(_READY_POLL_S)
+        url = await self._base_url()
         ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
-                          len(self.repo.names()), self.repo.names(), *[await self._base_url()] * 2)
+                          len(self.repo.names()), self.repo.names(), url, url)
 
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
@@ -161,12 +162,21 @@ class Router:
         if entry.config.pipeline:
             return "pipeline"
         if entry.name not in self.backends and entry.name in self.client.pool_models:
-            try:
-                models = await asyncio.wait_for(self.client.pool.models.remote(), self.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
-            self.backends.update({name: m["backend"] for name, m in models.items()})
+            self.backends.update({name: m["backend"] for name, m in (await self._pool_models()).items()})
         return self.backends.get(entry.name, "")
+
+    async def _pool_models(self) -> dict[str, dict[str, Any]]:
+        """One pool replica's ``PoolDeployment.models()`` ({} without a pool).
+
+        Raises:
+            InferenceTimeout: the pool did not answer within ``request_timeout_s``.
+        """
+        if self.client.pool is None:
+            return {}
+        try:
+            return await asyncio.wait_for(self.client.pool.models.remote(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
@@ -235,12 +245,7 @@ class Router:
         """Every model with its served version and state: a dedicated model READY once a replica
         loaded it (LOADING before); a pool model as one pool replica's cache holds it (READY
         resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING; ``reason`` says which)."""
-        pool: dict[str, Any] = {}
-        if self.client.pool is not None:
-            try:
-                pool = await asyncio.wait_for(self.client.pool.models.remote(), self.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
+        pool = await self._pool_models()
         index = []
         for entry in self.repo.entries():
             item = {"name": entry.name, "version": str(entry.latest),
