@@ -134,6 +134,8 @@ def measure(env_text: str, code: Path, ready_timeout_s: float, clients: int) -> 
     return {"env": env_text, "code": str(code), "log": f"bench/results/stop_time_{port}.log", **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
             "requests_before_sigint": len(before), "answered_200": sum(1 for s in before if s == 200),
             "failed_before_sigint": sorted({str(s) for s in before if s != 200}),
+            "failed_sent_ms_before_sigint": sorted(round((sigint_at[0] - sent) * 1e3) for sent, s in results
+                                                   if sent < sigint_at[0] and s != 200),
             "shutdown_warning": "failed to shut down" in text,
             "ready_line": any("ready" in line and url in line for line in text.splitlines())}
 

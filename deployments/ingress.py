@@ -62,10 +62,10 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
     return wrapper
 
 
-def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> Response:
+def error_response(exc: BaseException, headers: dict[str, str] | None = None, log: bool = True) -> Response:
     """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
-    message quoting any client text always renders."""
-    status, message = error_status(exc)
+    message quoting any client text always renders. ``log``: as in ``error_status``."""
+    status, message = error_status(exc, log)
     return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
                     headers=headers)
 
@@ -182,12 +182,19 @@ class Router:
         params = request.path_params
         return self.repo.get(params["name"], params.get("version"))
 
+    def _not_ready(self, entry: ModelEntry) -> ModelNotReady | None:
+        """The 503 error for a model whose deployment has no loaded replica yet, else None."""
+        if entry.name in self.ready_models:
+            return None
+        return ModelNotReady(
+            f"model '{entry.name}' is not ready: its deployment is still loading or has no "
+            "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
+                "{name}", entry.name))
+
     def _require_ready(self, entry: ModelEntry) -> None:
-        if entry.name not in self.ready_models:
-            raise ModelNotReady(
-                f"model '{entry.name}' is not ready: its deployment is still loading or has no "
-                "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
-                    "{name}", entry.name))
+        error = self._not_ready(entry)
+        if error is not None:
+            raise error
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -214,10 +221,10 @@ class Router:
         return JSONResponse({"live": True})
 
     @_answers_errors
-    async def server_ready(self, request: Request) -> JSONResponse:
+    async def server_ready(self, request: Request) -> Response:
         loading = sorted(set(self.repo.names()) - self.ready_models)
-        if loading:
-            raise ModelNotReady(f"server not ready: models still loading: {loading}")
+        if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
+            return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
         return JSONResponse({"ready": True})
 
     async def server_metadata(self, request: Request) -> JSONResponse:
@@ -235,9 +242,11 @@ class Router:
         return JSONResponse(model_configuration(entry.config, await self._backend(entry)))
 
     @_answers_errors
-    async def model_ready(self, request: Request) -> JSONResponse:
+    async def model_ready(self, request: Request) -> Response:
         entry = self._entry(request)
-        self._require_ready(entry)
+        error = self._not_ready(entry)
+        if error is not None:  # a probe's answer, not a failure
+            return error_response(error, log=False)
         return JSONResponse({"name": entry.name, "ready": True})
 
     @_answers_errors
