@@ -202,7 +202,8 @@ class Router:
         # name holding '/' (e.g. "../x" sent as "..%2Fx") is answered as any unknown name, without
         # touching the filesystem; after a known name, an unknown suffix is an unknown route.
         raw = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1").split("?")[0]
-        raw = raw.removeprefix(request.scope.get("root_path", ""))  # the app's route_prefix
+        prefix = request.scope.get("root_path", "").rstrip("/")  # the app's route_prefix, if any
+        raw = raw.removeprefix(prefix)
         if raw.startswith("/v2/models/"):
             name = unquote(raw[len("/v2/models/"):].split("/")[0])
             if name not in self.repo.names():
