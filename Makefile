@@ -28,7 +28,7 @@ models: $(STAMP)
 # refuses a (1, 3, 640, 640) FP32 tensor). On a running cluster set them in its environment.
 # Locally, the ingress replica need not stay reachable for 30 s after Ctrl-C so that external
 # load balancers can deregister it (Serve's default drain with HAProxy; there is none here):
-# DRAINING_PERIOD 0 stops in seconds, in-flight requests still answered (README, "Stopping").
+# DRAINING_PERIOD 0 stops in seconds; replicas still finish their requests (README, "Stopping").
 FAST ?= 1
 FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
 	RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
@@ -38,10 +38,11 @@ FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
 RAY_ENV := RAY_AUTH_MODE=token
 SERVE_ENV := $(RAY_ENV) $(if $(filter 1,$(FAST)),$(FAST_ENV))
 
-# Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST), after checking the config
-# and every model's config.yaml (a bad one stops here: one line naming file and field, exit 2).
-serve: check
-	$(SERVE_ENV) $(VENV)/bin/serve run serve_config.yaml
+# Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST): `serve run serve_config.yaml`
+# after checking the config and every model's config.yaml (a bad one stops there: one line
+# naming file and field, exit 2), with a Ctrl-C that answers requests in flight (deployments/run.py).
+serve: models
+	$(SERVE_ENV) $(PY) -m deployments.run serve_config.yaml
 
 check: models
 	@$(PY) -m deployments.check serve_config.yaml

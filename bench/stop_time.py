@@ -1,16 +1,18 @@
-"""How long Ctrl-C takes to stop `serve run serve_config.yaml`, and what happens to requests.
+"""How long Ctrl-C takes to stop the server, and what happens to the requests in flight.
 
-For each environment given (``--env 'K=V K=V'``, repeatable; the first is the baseline), it
-starts ``serve run`` on a copy of ``serve_config.yaml`` with a free port, in its own process
-group (as a terminal runs it), waits for ``/v2/health/ready``, keeps ``--clients`` closed-loop
-clients sending small ``tiny_cnn`` requests, sends SIGINT to the group (what Ctrl-C does) and
-measures the seconds until ``serve run`` exits. Requests sent before the SIGINT must all be
-answered 200; the output is searched for Ray's "failed to shut down" warning and for the
-application's "ready" line.
+For each run (``--env 'K=V K=V'``, repeatable, with a matching ``--code`` checkout whose
+``deployments`` package serves and ``--via``: ``serve-run`` for Ray's ``serve run``,
+``make-serve`` for ``python -m deployments.run``, what ``make serve`` runs), it starts the server
+on a copy of ``serve_config.yaml`` with a free port, in its own process group (as a terminal
+runs it), waits for ``/v2/health/ready``, asks ``serve status`` with and without
+``RAY_AUTH_MODE=token``, keeps ``--clients`` closed-loop clients sending small ``tiny_cnn``
+requests, sends SIGINT to the group (what Ctrl-C does) and measures the seconds until the
+command exits. Requests sent before the SIGINT should all be answered 200; the output is
+searched for Ray's "failed to shut down" warning and for the application's "ready" line.
 
-    .venv/bin/python -m bench.stop_time \
-        --env 'RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1' \
-        --code . --env "$(make -s print-serve-env)"   # first run: --code <checkout before>
+    F='RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647'
+    .venv/bin/python -m bench.stop_time --code <checkout before> --via serve-run --env "$F" \
+        --code . --via make-serve --env "$(make -s print-serve-env)"
 
 Prints a table and writes ``bench/results/stop_time.json``.
 """
@@ -76,16 +78,20 @@ def _serve_status(log: Path, env: dict[str, str]) -> dict[str, object]:
     return out
 
 
-def measure(env_text: str, code: Path, ready_timeout_s: float, clients: int) -> dict:
-    """One start, load, Ctrl-C and exit of ``serve run`` under the variables in ``env_text``,
-    with the application's code from ``code`` (its ``deployments`` package)."""
+COMMANDS = {"serve-run": [str(ROOT / ".venv" / "bin" / "serve"), "run"],  # Ray's CLI
+            "make-serve": [sys.executable, "-m", "deployments.run"]}  # what `make serve` runs
+
+
+def measure(env_text: str, code: Path, via: str, ready_timeout_s: float, clients: int) -> dict:
+    """One start, load, Ctrl-C and exit of ``COMMANDS[via] <config>`` under the variables in
+    ``env_text``, with the application's code from ``code`` (its ``deployments`` package)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PYTHONPATH=str(code), **dict(item.split("=", 1) for item in env_text.split()))
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
-            proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "serve"), "run", str(_config(port, Path(tmp)))],
+            proc = subprocess.Popen([*COMMANDS[via], str(_config(port, Path(tmp)))],
                                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             start = time.monotonic()
             while time.monotonic() - start < ready_timeout_s:
@@ -131,7 +137,7 @@ def measure(env_text: str, code: Path, ready_timeout_s: float, clients: int) -> 
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"stop_time_{port}.log").write_text(text)
     before = [s for sent, s in results if sent < sigint_at[0]]
-    return {"env": env_text, "code": str(code), "log": f"bench/results/stop_time_{port}.log", **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
+    return {"env": env_text, "code": str(code), "command": via, "log": f"bench/results/stop_time_{port}.log", **status, "ready_s": round(ready_s, 1), "stop_s": round(stop_s, 1), "rc": rc,
             "requests_before_sigint": len(before), "answered_200": sum(1 for s in before if s == 200),
             "failed_before_sigint": sorted({str(s) for s in before if s != 200}),
             "failed_sent_ms_before_sigint": sorted(round((sigint_at[0] - sent) * 1e3) for sent, s in results
@@ -145,18 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--env", action="append", required=True, help="'K=V K=V' for serve run (repeatable)")
     parser.add_argument("--code", action="append", type=Path,
                         help="checkout whose deployments package serves, one per --env (default: this one)")
+    parser.add_argument("--via", action="append", choices=sorted(COMMANDS),
+                        help="how serve starts, one per --env (default: serve-run)")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv)
     codes = args.code or [ROOT] * len(args.env)
-    if len(codes) != len(args.env):
-        parser.error("give one --code per --env")
-    rows = [measure(e, c, args.ready_timeout_s, args.clients) for e, c in zip(args.env, codes)]
-    print("| code | environment | ready (s) | Ctrl-C to exit (s) | requests before SIGINT | answered 200 | "
+    vias = args.via or ["serve-run"] * len(args.env)
+    if not len(codes) == len(vias) == len(args.env):
+        parser.error("give one --code and one --via per --env")
+    rows = [measure(e, c, v, args.ready_timeout_s, args.clients) for e, c, v in zip(args.env, codes, vias)]
+    print("| code | command | environment | ready (s) | Ctrl-C to exit (s) | requests before SIGINT | answered 200 | "
           "warning | ready line | serve status (RAY_AUTH_MODE unset / token) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['code']} | `{r['env']}` | {r['ready_s']} | {r['stop_s']} | {r['requests_before_sigint']} | "
+        print(f"| {r['code']} | {r['command']} | `{r['env']}` | {r['ready_s']} | {r['stop_s']} | {r['requests_before_sigint']} | "
               f"{r['answered_200']} | {'yes' if r['shutdown_warning'] else 'no'} | {'yes' if r['ready_line'] else 'no'} | "
               f"{r.get('serve_status_unset', '-')} / {r.get('serve_status_token', '-')} |")
     RESULTS.mkdir(parents=True, exist_ok=True)

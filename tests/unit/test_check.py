@@ -80,11 +80,9 @@ def make_dry_run(target: str) -> list[str]:
                           check=True).stdout.splitlines()
 
 
-def test_make_serve_checks_first_and_runs_serve_with_token_auth_and_no_drain_wait():
+def test_make_serve_runs_the_checking_runner_with_token_auth_and_no_drain_wait():
     lines = make_dry_run("serve")
-    check = next(i for i, line in enumerate(lines) if "-m deployments.check serve_config.yaml" in line)
-    [run] = [i for i, line in enumerate(lines) if "serve run serve_config.yaml" in line]
-    assert check < run
+    [run] = [i for i, line in enumerate(lines) if "-m deployments.run serve_config.yaml" in line]
     env = lines[run].split()
     assert "RAY_AUTH_MODE=token" in env and "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0" in env
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in env and "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in env
@@ -95,3 +93,14 @@ def test_make_status_runs_rays_tools_with_the_auth_mode_make_serve_sets():
     assert any(line.split()[-2:] == [".venv/bin/ray", "status"] for line in lines)
     assert any(line.split()[-2:] == [".venv/bin/serve", "status"] for line in lines)
     assert all(line.startswith("RAY_AUTH_MODE=token ") for line in lines)
+
+
+def test_make_serves_runner_stops_on_a_bad_config_before_ray_starts(repository, tmp_path):
+    config_path = repository / "mid_cnn" / "config.yaml"
+    config_path.write_text(config_path.read_text().replace("mode: pool", "mode: shared"))
+    result = subprocess.run([sys.executable, "-m", "deployments.run", str(serve_config(tmp_path, repository))],
+                            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"config error: {config_path}: deployment.mode: Input should be 'dedicated' or 'pool'"]
