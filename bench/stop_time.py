@@ -92,7 +92,7 @@ def measure(env_text: str, code: Path, via: str, ready_timeout_s: float, clients
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
             proc = subprocess.Popen([*COMMANDS[via], str(_config(port, Path(tmp)))],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             start = time.monotonic()
             while time.monotonic() - start < ready_timeout_s:
                 try:
