@@ -37,6 +37,12 @@ logger = logging.getLogger("ray.serve")
 # Replicas that are not the ingress wait this long between checks for their last requests when
 # stopping (Serve's default is 2 s, paid once per tier of the graph on every Ctrl-C).
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
+# The router being stopped waits at most this long for its requests (Serve's default: 20 s).
+# Deleting the application (what `make serve` does on Ctrl-C, deployments/run.py) stops every
+# deployment at once, so a request the router accepted after that waits for a model replica that
+# is gone; without this bound it held the router, and Ctrl-C, for the full 20 s. With HAProxy,
+# Serve raises it to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
+ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class AppConfigError(ConfigError, RayServeException):
@@ -136,7 +142,8 @@ def _build(args: dict[str, Any] | None) -> Application:
             dedicated[e.name] = PipelineDeployment.options(
                 name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
                 app_args.repository, e.name, steps, pool, pool_models)
-    return Router.options(name="router", **ray_options(app_args.router, False)).bind(
+    return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                          **ray_options(app_args.router, False)).bind(
         app_args.repository, dedicated, pool, pool_models,
         max_body_bytes=int(app_args.max_body_mib * (1 << 20)),
         request_timeout_s=app_args.request_timeout_s,
