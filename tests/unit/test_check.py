@@ -104,3 +104,14 @@ def test_make_serves_runner_stops_on_a_bad_config_before_ray_starts(repository, 
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
         f"config error: {config_path}: deployment.mode: Input should be 'dedicated' or 'pool'"]
+
+
+def test_deployments_stop_promptly_the_router_within_its_bound(repository):
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from deployments.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
+
+    built = {d.name: d._deployment_config for d in
+             serve_build_app(build_app({"repository": str(repository)}), name="models").deployments}
+    assert {c.graceful_shutdown_wait_loop_s for c in built.values()} == {GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+    assert built["router"].graceful_shutdown_timeout_s == ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
