@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= test,bench,tensorrt
 
-.PHONY: serve bench test unit integration models engines plan venv clean
+.PHONY: serve check status print-serve-env bench test unit integration models engines plan venv clean
 
 venv: $(STAMP)
 
@@ -26,12 +26,34 @@ models: $(STAMP)
 # ingress, Ray's throughput-optimized mode (gRPC between deployments, user code and handle
 # routers on the replica's event loop), and gRPC messages up to 2 GiB (the 4 MiB default
 # refuses a (1, 3, 640, 640) FP32 tensor). On a running cluster set them in its environment.
+# Locally, the ingress replica need not stay reachable for 30 s after Ctrl-C so that external
+# load balancers can deregister it (Serve's default drain with HAProxy; there is none here):
+# DRAINING_PERIOD 0 stops in seconds; replicas still finish their requests (README, "Stopping").
 FAST ?= 1
-FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
+FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+	RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
+# The local cluster `serve run` starts has token authentication on (Ray's default for a new
+# local cluster; the token is in ~/.ray/auth_token). Ray's own tools (`serve status`,
+# `ray status`, `serve shutdown`) only send the token with RAY_AUTH_MODE=token set.
+RAY_ENV := RAY_AUTH_MODE=token
+SERVE_ENV := $(RAY_ENV) $(if $(filter 1,$(FAST)),$(FAST_ENV))
 
-# Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST).
+# Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST): `serve run serve_config.yaml`
+# after checking the config and every model's config.yaml (a bad one stops there: one line
+# naming file and field, exit 2), with a Ctrl-C that answers requests in flight (deployments/run.py).
 serve: models
-	$(if $(filter 1,$(FAST)),$(FAST_ENV)) $(VENV)/bin/serve run serve_config.yaml
+	$(SERVE_ENV) $(PY) -m deployments.run serve_config.yaml
+
+check: models
+	@$(PY) -m deployments.check serve_config.yaml
+
+# Ray's and Serve's view of what `make serve` runs (from another terminal).
+status:
+	$(RAY_ENV) $(VENV)/bin/ray status
+	$(RAY_ENV) $(VENV)/bin/serve status
+
+print-serve-env:
+	@echo $(SERVE_ENV)
 
 # Ray Serve app vs the single-process baseline (bench/README.md); results in bench/results/.
 bench: models

@@ -99,3 +99,8 @@ class ModelClient:
     async def pool_memory(self) -> dict[str, Any]:
         """``PoolDeployment.memory`` of one pool replica (the pool must exist)."""
         return await self.pool.memory.remote()
+
+    async def pool_states(self) -> dict[str, dict[str, Any]]:
+        """``PoolDeployment.models`` of one pool replica: per pool model its cache ``state``,
+        ``evictions`` and ``backend`` (the pool must exist)."""
+        return await self.pool.models.remote()

@@ -2,9 +2,10 @@
 
 Routes (Open Inference Protocol, plus Triton's repository index):
     GET  /v2/health/live, /v2/health/ready, /v2
-    GET  /v2/models/{name}[/versions/{version}][/ready]
+    GET  /v2/models/{name}[/versions/{version}][/ready|/config]
     POST /v2/models/{name}[/versions/{version}]/infer
     POST /v2/repository/index
+    GET  /v2/memory
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
 
@@ -21,9 +22,9 @@ import asyncio
 import functools
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import unquote
 
 from ray import serve
 from starlette.applications import Starlette
@@ -33,8 +34,10 @@ from starlette.routing import Route
 
 from . import __version__
 from .client import ModelClient
+from .logs import ready_logger, show_on_terminal
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.errors import error_status
+from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -42,11 +45,14 @@ from .runtime.contract.repository import ModelEntry, ModelRepository
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository", "binary_tensor_data"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data"]
 _READY_POLL_S = 1.0
-_MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
-# KServe / Triton platform names by backend.
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
+_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer]"
+# Repository index state and reason of a pool model, by its state in the pool replica's cache.
+_POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
+                "loading": ("LOADING", "loading into the pool replica's cache"),
+                "evicting": ("UNLOADING", "being evicted from the pool replica's cache"),
+                "absent": ("UNAVAILABLE", "not loaded yet; loads on first request")}
 
 
 def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -62,10 +68,10 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
     return wrapper
 
 
-def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> Response:
+def error_response(exc: BaseException, headers: dict[str, str] | None = None, log: bool = True) -> Response:
     """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
-    message quoting any client text always renders."""
-    status, message = error_status(exc)
+    message quoting any client text always renders. ``log``: as in ``error_status``."""
+    status, message = error_status(exc, log)
     return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
                     headers=headers)
 
@@ -75,13 +81,11 @@ class RouterOptions:
     """The router's options (their defaults live in ``deployments.app.AppArgs``).
 
     ``max_body_bytes``: request bodies above this get 413. ``request_timeout_s``: a model call
-    taking longer gets 504. ``backend``: the configured backend, reported as the platform of
-    pool models.
+    taking longer gets 504.
     """
 
     max_body_bytes: int
     request_timeout_s: float
-    backend: str
 
 
 class RouterApp:
@@ -98,8 +102,9 @@ class RouterApp:
         self.client = client
         self.max_body_bytes = options.max_body_bytes
         self.request_timeout_s = options.request_timeout_s
-        # Platform per model for metadata; dedicated replicas report theirs when ready.
-        self.platforms = {name: PLATFORMS.get(options.backend, options.backend) for name in self.client.pool_models}
+        # Backend per model (onnxruntime, onnxruntime_cuda, tensorrt, pipeline): dedicated replicas
+        # report theirs when ready, the pool the one its replicas use (asked on first need).
+        self.backends: dict[str, str] = {}
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
 
@@ -112,6 +117,8 @@ class RouterApp:
             Route("/v2/models/{name}/versions/{version}", self.metadata, methods=["GET"]),
             Route("/v2/models/{name}/ready", self.model_ready, methods=["GET"]),
             Route("/v2/models/{name}/versions/{version}/ready", self.model_ready, methods=["GET"]),
+            Route("/v2/models/{name}/config", self.model_config, methods=["GET"]),
+            Route("/v2/models/{name}/versions/{version}/config", self.model_config, methods=["GET"]),
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]),
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
@@ -122,39 +129,92 @@ class RouterApp:
 
     # --- readiness -------------------------------------------------------------------------
     async def poll_ready(self) -> None:
-        """Ask each dedicated model for its backend until all answered (loaded); returns then."""
+        """Mark each dedicated model ready once a replica answers, then log the ready line
+        (``deployments.logs``: it reaches the ``serve run`` terminal)."""
         pending = set(self.client.dedicated)
         while pending:
             for name in sorted(pending):
                 try:
-                    backend = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
-                    self.platforms[name] = PLATFORMS.get(backend, backend)
+                    self.backends[name] = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
                     self.ready_models.add(name)
                     pending.discard(name)
                 except Exception:  # no replica yet, or still loading: poll again
                     pass
             if pending:
                 await asyncio.sleep(_READY_POLL_S)
+        url = await self._base_url()
+        ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
+                          len(self.repo.names()), self.repo.names(), url, url)
+
+    async def _base_url(self) -> str:
+        """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
+        try:  # the controller's HTTP options; Serve has no public getter for them
+            from ray.serve.context import _get_global_client
+
+            options = await asyncio.to_thread(lambda: _get_global_client().http_config)
+            return f"http://{options.host}:{options.port}"
+        except Exception:
+            return "http://<http_options.host>:<http_options.port>"
+
+    async def _backend(self, entry: ModelEntry) -> str:
+        """The backend serving ``entry``: ``pipeline``, the one a dedicated replica loaded
+        (``""`` while none has), or for a pool model the one its replicas use.
+
+        Raises:
+            InferenceTimeout: the pool did not answer within ``request_timeout_s``.
+        """
+        if entry.config.pipeline:
+            return "pipeline"
+        if entry.name not in self.backends and entry.name in self.client.pool_models:
+            self.backends.update({name: m["backend"] for name, m in (await self._pool_models()).items()})
+        return self.backends.get(entry.name, "")
+
+    async def _pool_models(self) -> dict[str, dict[str, Any]]:
+        """One pool replica's ``PoolDeployment.models()`` ({} without a pool).
+
+        Raises:
+            InferenceTimeout: the pool did not answer within ``request_timeout_s``.
+        """
+        if self.client.pool is None:
+            return {}
+        try:
+            return await asyncio.wait_for(self.client.pool_states(), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
         return self.repo.get(params["name"], params.get("version"))
 
+    def _not_ready(self, entry: ModelEntry) -> ModelNotReady | None:
+        """The 503 error for a model whose deployment has no loaded replica yet, else None."""
+        if entry.name in self.ready_models:
+            return None
+        return ModelNotReady(
+            f"model '{entry.name}' is not ready: its deployment is still loading or has no "
+            "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
+                "{name}", entry.name))
+
     def _require_ready(self, entry: ModelEntry) -> None:
-        if entry.name not in self.ready_models:
-            raise ModelNotReady(
-                f"model '{entry.name}' is not ready: its deployment is still loading or has no "
-                "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
-                    "{name}", entry.name))
+        error = self._not_ready(entry)
+        if error is not None:
+            raise error
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
-        # A model name holding '/' (e.g. "../x" sent as "..%2Fx") matches no route: answer it
-        # exactly as any unknown model name, without touching the filesystem.
-        match = _MODEL_PATH.match(request.url.path)
-        if match:
+        # Under /v2/models/, the first path segment as the client sent it is the model name: a
+        # name holding '/' (e.g. "../x" sent as "..%2Fx") is answered as any unknown name, without
+        # touching the filesystem; after a known name, an unknown suffix is an unknown route.
+        raw = request.scope.get("raw_path", request.url.path.encode()).decode("latin-1").split("?")[0]
+        prefix = request.scope.get("root_path", "").rstrip("/")  # the app's route_prefix, if any
+        raw = raw.removeprefix(prefix)
+        if raw.startswith("/v2/models/"):
+            name = unquote(raw[len("/v2/models/"):].split("/")[0])
+            if name not in self.repo.names():
+                return error_response(ModelNotFound(
+                    f"unknown model '{name}'; available models: {self.repo.names()}"))
             return error_response(ModelNotFound(
-                f"unknown model '{match.group('name')}'; available models: {self.repo.names()}"))
+                f"no route {request.method} {request.url.path}; model routes: {_MODEL_ROUTES}"))
         return error_response(ModelNotFound(
             f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
 
@@ -167,10 +227,10 @@ class RouterApp:
         return JSONResponse({"live": True})
 
     @_answers_errors
-    async def server_ready(self, request: Request) -> JSONResponse:
+    async def server_ready(self, request: Request) -> Response:
         loading = sorted(set(self.repo.names()) - self.ready_models)
-        if loading:
-            raise ModelNotReady(f"server not ready: models still loading: {loading}")
+        if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
+            return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
         return JSONResponse({"ready": True})
 
     async def server_metadata(self, request: Request) -> JSONResponse:
@@ -179,21 +239,37 @@ class RouterApp:
     @_answers_errors
     async def metadata(self, request: Request) -> JSONResponse:
         entry = self._entry(request)
-        return JSONResponse(model_metadata(entry.config, (entry.latest,), self.platforms.get(entry.name, "")))
+        return JSONResponse(model_metadata(entry.config, (entry.latest,), platform_of(await self._backend(entry))))
 
     @_answers_errors
-    async def model_ready(self, request: Request) -> JSONResponse:
+    async def model_config(self, request: Request) -> JSONResponse:
+        """Triton's model configuration (``protocol.triton.model_configuration``)."""
         entry = self._entry(request)
-        self._require_ready(entry)
+        return JSONResponse(model_configuration(entry.config, await self._backend(entry)))
+
+    @_answers_errors
+    async def model_ready(self, request: Request) -> Response:
+        entry = self._entry(request)
+        error = self._not_ready(entry)
+        if error is not None:  # a probe's answer, not a failure
+            return error_response(error, log=False)
         return JSONResponse({"name": entry.name, "ready": True})
 
+    @_answers_errors
     async def repository_index(self, request: Request) -> JSONResponse:
+        """Every model with its served version and state: a dedicated model READY once a replica
+        loaded it (LOADING before); a pool model as one pool replica's cache holds it (READY
+        resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING; ``reason`` says which)."""
+        pool = await self._pool_models()
         index = []
         for entry in self.repo.entries():
             item = {"name": entry.name, "version": str(entry.latest),
                     "state": "READY" if entry.name in self.ready_models else "LOADING"}
-            if entry.name in self.client.pool_models:
-                item["reason"] = "multiplexed pool: loads on first request"
+            if entry.name in pool:
+                cached = pool[entry.name]
+                item["state"], item["reason"] = _POOL_STATES[cached["state"]]
+                if cached["state"] == "absent" and cached["evictions"]:
+                    item["reason"] = "evicted from the pool replica's cache; loads on next request"
             index.append(item)
         return JSONResponse(index)
 
@@ -263,6 +339,7 @@ class Router(RouterApp):
     def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None) -> None:
         super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
+        show_on_terminal()
         self._poller = asyncio.get_running_loop().create_task(self.poll_ready())
 
     def __serve_build_asgi_app__(self) -> Starlette:

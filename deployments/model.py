@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from .logs import show_on_terminal
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.contract.repository import ModelRepository
 from .runtime.residency.host import ModelHost
@@ -28,6 +29,7 @@ class ModelDeployment:
     """
 
     def __init__(self, repository: str, name: str, backend: str) -> None:
+        show_on_terminal()
         self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
         self.batch_stats = BatchStats()
         policy = BatchPolicy.of(self.host.config)

@@ -8,6 +8,7 @@ import numpy as np
 from ray import serve
 
 from .client import ModelClient
+from .logs import show_on_terminal
 from .pipelines import create_pipeline
 from .runtime.contract.repository import ModelRepository
 from .runtime.contract.validation import validate_request
@@ -22,6 +23,7 @@ class PipelineDeployment:
 
     def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str]) -> None:
+        show_on_terminal()
         repo = ModelRepository(repository)
         self.config = repo.get(name).config
         self.pipeline = create_pipeline(repo, name, ModelClient(dedicated, pool, pool_models).infer)

@@ -7,10 +7,21 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
+from .logs import show_on_terminal
+from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.contract.config import CacheOptions
-from .runtime.residency.cache import ModelCache
-from .runtime.contract.errors import ModelNotFound
+from .runtime.contract.errors import ConfigError, ModelNotFound
 from .runtime.contract.repository import ModelRepository
+from .runtime.residency.cache import ModelCache
+
+
+def _backend_here(requested: str) -> str:
+    """The backend the cache will load a model with on this machine (it resolves ``requested``
+    the same way); ``requested`` itself when that cannot work here (its load will say why)."""
+    try:
+        return resolve_backend(requested)
+    except ConfigError:
+        return requested
 
 
 @serve.deployment
@@ -31,8 +42,11 @@ class PoolDeployment:
     """
 
     def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions) -> None:
+        show_on_terminal()
         names = list(names)
-        self.cache = ModelCache(ModelRepository(repository, names), names, options, backend=backend).start()
+        repo = ModelRepository(repository, names)
+        self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
+        self.cache = ModelCache(repo, names, options, backend=backend).start()
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
@@ -56,6 +70,13 @@ class PoolDeployment:
         """Ray's periodic probe: fails (so Serve replaces the replica) when a loaded model's
         engine or device is unusable (``ModelCache.check_health``: a sticky CUDA error)."""
         self.cache.check_health()
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        """Per pool model on this replica: ``state`` in the cache (``absent``, ``loading``,
+        ``ready``, ``evicting``), ``evictions`` so far, and the ``backend`` it runs (or will run) on."""
+        cached = self.cache.status()["models"]
+        return {name: {"state": cached[name]["state"], "evictions": cached[name]["evictions"],
+                       "backend": backend} for name, backend in self.backends.items()}
 
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready)."""

@@ -41,11 +41,12 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def error_status(exc: BaseException) -> tuple[int, str]:
+def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     """HTTP status and client-safe message for an exception.
 
     A ``ServingError`` keeps its message; anything else is a real fault: 500 with a generic
-    message (the exception is logged, never sent). Client errors (4xx) are not logged as errors.
+    message (the exception is logged, never sent). Client errors (4xx) are not logged as errors;
+    ``log=False`` keeps a 5xx that is an answer by design (a readiness probe's 503) out of the log.
     """
     exc = unwrap(exc)
     if isinstance(exc, ServingError):
@@ -55,7 +56,7 @@ def error_status(exc: BaseException) -> tuple[int, str]:
                 break
         else:
             status = 500
-        if status >= 500:
+        if status >= 500 and log:
             logger.warning("serving error %d: %s", status, exc.message)
         return status, exc.message
     logger.error("internal error", exc_info=exc)

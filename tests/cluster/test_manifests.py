@@ -192,3 +192,62 @@ def test_cluster_launcher_installs_the_project_on_every_node(launcher):
             assert command.startswith("cd ~/trt-serve &&"), "relative `repository: engines` resolves there"
     image = launcher["docker"]["image"]
     assert image.startswith(f"rayproject/ray:{ray.__version__}-") and image.endswith("-gpu")
+
+
+# Dockerfile ----------------------------------------------------------------------------------
+
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def _dockerfile() -> dict[str, list[str]]:
+    """Instruction -> its arguments, in order (comments and continuation-free lines only)."""
+    out: dict[str, list[str]] = {}
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            instruction, _, rest = line.strip().partition(" ")
+            out.setdefault(instruction.upper(), []).append(rest.strip())
+    return out
+
+
+def _pyproject() -> dict[str, Any]:
+    """``version`` and ``dependencies`` of pyproject.toml's [project] (tomllib is 3.11+)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', text, re.M).group(1)
+    deps = re.search(r"^dependencies = \[(.*?)^\]", text, re.M | re.S).group(1)
+    return {"version": version, "dependencies": re.findall(r'"([^"]+)"', deps)}
+
+
+def test_the_image_recipe_builds_on_the_ray_image_of_the_pinned_ray(launcher):
+    [base] = _dockerfile()["FROM"]
+    pins = [d for d in _pyproject()["dependencies"] if d.startswith("ray[")]
+    assert pins == [f"ray[serve]=={ray.__version__}"], "pyproject.toml pins the Ray the tests run"
+    assert base == f"rayproject/ray:{ray.__version__}-py311-gpu"
+    assert launcher["docker"]["image"] == base, "cluster.yaml's nodes run the same base image"
+
+
+def test_the_image_recipe_installs_the_project_and_prepares_the_repository_the_rayservice_serves(
+        rayservice, launcher):
+    steps = _dockerfile()
+    [workdir] = steps["WORKDIR"]
+    assert IMAGE_REPOSITORY == f"{workdir}/engines"
+    assert f"pip install --no-cache-dir {workdir}" in steps["RUN"]
+    # `make models` with the image's repository (the Makefile's command, its root moved).
+    makefile_models = next(line.strip() for line in (ROOT / "Makefile").read_text().splitlines()
+                           if "tools.prepare --root engines" in line)
+    assert makefile_models.replace("$(PY)", "python").replace("--root engines", f"--root {IMAGE_REPOSITORY}") \
+        in steps["RUN"]
+    # cluster.yaml's setup commands are the same two steps on its own checkout.
+    assert any("deployments.runtime.tools.prepare --root engines" in c for c in launcher["setup_commands"])
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    containers = [c for g in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+                  for c in g["template"]["spec"]["containers"]]
+    assert {c["workingDir"] for c in containers} == {workdir}
+    version = _pyproject()["version"]
+    assert {c["image"] for c in containers} == {f"trt-serve:{version}"}
+    assert f"docker build -t trt-serve:{version} ." in DOCKERFILE.read_text()
+    assert "../Dockerfile" in RAYSERVICE.read_text() and "../Dockerfile" in CLUSTER.read_text()
+
+
+def test_the_image_build_context_leaves_out_local_models_and_the_venv():
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "engines/*/[0-9]*/", "engines/.cache"} <= set(ignored)

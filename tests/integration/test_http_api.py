@@ -74,11 +74,11 @@ def test_requested_outputs_only(server):
     assert [o["name"] for o in r.json()["outputs"]] == ["logits"]
 
 
-def test_repository_index_lists_every_model_ready(server):
+def test_repository_index_lists_every_model_and_its_version(server):
     index = requests.post(f"{server}/v2/repository/index").json()
     names = sorted(i["name"] for i in index)
     assert names == ["mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "tiny_cnn"]
-    assert all(i["state"] == "READY" and i["version"] == "1" for i in index)
+    assert all(i["version"] == "1" for i in index)  # states: test_model_config_and_states.py
 
 
 def test_tritonclient_http_infer_equals_onnxruntime(server):

@@ -32,7 +32,7 @@ def tensor(**changes: Any) -> dict[str, Any]:
 
 class FakeModelClient:
     """``ModelClient``'s interface: ``dedicated``, ``pool``, ``pool_models``, ``infer``,
-    ``backend``, ``memory``, ``pool_memory``. ``infer`` answers ``logits`` = the first 1000
+    ``backend``, ``memory``, ``pool_memory``, ``pool_states``. ``infer`` answers ``logits`` = the first 1000
     input values per row, x 2 (so a test can check what arrived), or raises ``raises``."""
 
     def __init__(self, repo: ModelRepository, not_ready: set[str] = frozenset()) -> None:
@@ -65,12 +65,14 @@ class FakeModelClient:
     async def pool_memory(self) -> dict[str, Any]:
         return {"replica": "r1", "load_policy": "lru"}
 
+    async def pool_states(self) -> dict[str, dict[str, Any]]:
+        return {name: {"state": "absent", "evictions": 0, "backend": "onnxruntime"} for name in self.pool_models}
+
 
 def make_router(repo: ModelRepository, not_ready: set[str] = frozenset(),
                 timeout_s: float = 60.0) -> tuple[TestClient, FakeModelClient]:
     client = FakeModelClient(repo, not_ready)
-    router = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=timeout_s,
-                                                   backend="auto"))
+    router = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=timeout_s))
     try:  # one pass marks every model that answers ready; the rest stay loading
         asyncio.run(asyncio.wait_for(router.poll_ready(), 0.2 if not_ready else 5.0))
     except asyncio.TimeoutError:
@@ -237,7 +239,7 @@ def test_wrong_method_is_405_naming_the_allowed_one(router):
 
 def test_trailing_slash_is_404_not_a_redirect(router):
     r = post(router, "/v2/models/tiny_cnn/infer/", {"inputs": [GOOD]}, follow_redirects=False)
-    assert_error(r, 404, "unknown model")
+    assert_error(r, 404, "no route POST /v2/models/tiny_cnn/infer/")
 
 
 def test_body_over_limit_is_413(router):  # by its declared Content-Length

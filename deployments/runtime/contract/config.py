@@ -11,7 +11,7 @@ A bad config fails at start with ``ConfigError`` naming the file and the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -245,13 +245,45 @@ def _check_extra_profile(inputs: tuple[TensorSpec, ...], index: int, profile: di
                     f"{shapes.max[axis]}] is outside profile 0's [{lo[axis]}, {hi[axis]}]")
 
 
-def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """Every error of a pydantic validation as ``field.path: message``, joined by ``; ``;
-    ``prefix`` (e.g. ``parameters``) is put before each field path."""
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field's annotation (``Optional[X]``, ``tuple[X, ...]``...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str] | None:
+    """Field names of the model that holds the last element of ``loc`` (None if not a model)."""
+    current: type[BaseModel] | None = model
+    for step in loc[:-1]:
+        if isinstance(step, int):
+            continue  # an item of a sequence: the element model was found at the field
+        if current is None or step not in current.model_fields:
+            return None
+        current = _model_in(current.model_fields[step].annotation)
+    return None if current is None else list(current.model_fields)
+
+
+def describe_validation_error(err: ValidationError, model: type[BaseModel] | None = None,
+                              prefix: str = "") -> str:
+    """One line for a pydantic error: ``field.path: what is wrong`` per error, joined by "; ".
+
+    ``model`` (the validated class) lets an unknown field list the allowed ones (pydantic only
+    says "Extra inputs are not permitted"); a wrong choice already names the choices in
+    pydantic's message. ``prefix`` (e.g. ``parameters``) is put before each field path.
+    """
     parts = []
     for e in err.errors():
         loc = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "(top level)"
-        parts.append(f"{loc}: {e['msg']}")
+        message = e["msg"]
+        if e["type"] == "extra_forbidden" and model is not None:
+            allowed = _fields_at(model, tuple(e["loc"]))
+            message = "unknown field" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        parts.append(f"{loc}: {message}")
     return "; ".join(parts)
 
 
@@ -271,7 +303,7 @@ def load_model_config(path: Path) -> ModelConfig:
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {describe_validation_error(e)}") from None
+        raise ConfigError(f"{path}: {describe_validation_error(e, ModelConfig)}") from None
     if config.name != path.parent.name:
         raise ConfigError(f"{path}: name: '{config.name}' must equal its folder name '{path.parent.name}'")
     return config

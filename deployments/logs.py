@@ -1,0 +1,68 @@
+"""What a developer sees on the ``serve run`` terminal, in every Serve mode.
+
+Ray Serve writes each replica's log to its own file under
+``/tmp/ray/session_latest/logs/serve/`` (``replica_<app>_<deployment>_<id>.log``). With
+``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` (``make serve``'s default) it no longer copies them to
+stderr, so the terminal goes silent after "Submitted deploy config successfully".
+``show_on_terminal()``, called first in every deployment's constructor, puts back the lines
+that matter, on the replica process's own stderr (which Ray streams to the driver's terminal,
+prefixed with the replica's name and pid):
+
+* the ``deployments`` loggers at INFO and above: the router's ready line (``ready_logger``),
+  model loads and unloads, the pool cache's loads, evictions and refusals. These records also
+  go to the replica's Serve log file.
+* ``ray.serve`` at WARNING and above: failed requests (5xx, with the error; internal errors
+  with their traceback), replicas lost mid-request.
+
+Where Serve already copies its log to stderr (``RAY_SERVE_LOG_TO_STDERR`` on, e.g.
+``make serve FAST=0``), the ``deployments`` records go through Serve's handlers only, so no
+line shows twice. Per-request access lines stay in the files.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+SERVE_LOGGER = "ray.serve"
+APP_LOGGER = "deployments"
+ready_logger = logging.getLogger(f"{APP_LOGGER}.ready")  # the router's "ready: ... at URL" line
+
+_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+class _TerminalHandler(logging.StreamHandler):
+    """A handler on the process's original stderr (Ray streams it to the driver)."""
+
+
+class _ToServeLog(logging.Handler):
+    """Hands a record to the ``ray.serve`` logger's own handlers (the replica's log file, and
+    stderr where Serve streams), skipping ours so a line never prints twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger(SERVE_LOGGER).handlers:
+            if not isinstance(handler, _TerminalHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _serve_streams(serve: logging.Logger) -> bool:
+    """Whether Serve copies its log to stderr itself (a plain StreamHandler of its own)."""
+    return any(type(h) is logging.StreamHandler for h in serve.handlers)
+
+
+def show_on_terminal() -> None:
+    """Route the application's log lines as the module docstring says. Idempotent per process."""
+    app = logging.getLogger(APP_LOGGER)
+    if any(isinstance(h, _ToServeLog) for h in app.handlers):
+        return
+    serve = logging.getLogger(SERVE_LOGGER)
+    app.setLevel(logging.INFO)
+    app.propagate = False
+    app.addHandler(_ToServeLog())
+    if _serve_streams(serve):
+        return
+    for logger, level in ((app, logging.INFO), (serve, logging.WARNING)):
+        terminal = _TerminalHandler(sys.__stderr__)
+        terminal.setLevel(level)
+        terminal.setFormatter(logging.Formatter(_FORMAT))
+        logger.addHandler(terminal)

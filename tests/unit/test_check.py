@@ -1,0 +1,117 @@
+"""`make serve`'s start: a bad config stops before Ray with one line; Ray's CLI gets the auth mode;
+Ctrl-C does not wait out a load-balancer drain; the builder's config errors are not retried."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.exceptions import RayServeException
+
+from deployments.app import AppConfigError, build_app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def repository(prepared_engines, tmp_path) -> Path:
+    """A copy of two models of the real repository (ONNX files linked)."""
+    root = tmp_path / "engines"
+    for name in ("tiny_cnn", "mid_cnn"):
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(prepared_engines / name / "config.yaml", root / name / "config.yaml")
+        (root / name / "1" / "model.onnx").symlink_to(prepared_engines / name / "1" / "model.onnx")
+    return root
+
+
+def serve_config(tmp_path: Path, repository: Path, **args) -> Path:
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["applications"][0]["args"].update(repository=str(repository), **args)
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_check(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deployments.check", str(path)], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+
+
+def test_a_misspelled_model_field_exits_2_with_one_line_naming_file_field_and_allowed(repository, tmp_path):
+    config_path = repository / "tiny_cnn" / "config.yaml"
+    config_path.write_text(config_path.read_text().replace("max_batch_size:", "max_batch_sise:"))
+    result = run_check(serve_config(tmp_path, repository))
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"config error: {config_path}: max_batch_sise: ")
+    assert "unknown field" in line and "max_batch_size" in line.split("allowed:")[1], line
+
+
+def test_a_bad_application_arg_exits_2_naming_the_field_and_the_choices(repository, tmp_path):
+    path = serve_config(tmp_path, repository, pool={"load_policy": "fifo"})
+    result = run_check(path)
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"config error: {path} application args: pool.load_policy: ")
+    assert "'eager', 'lazy' or 'lru'" in line
+
+
+def test_a_good_config_prints_its_models_and_url(repository, tmp_path):
+    result = run_check(serve_config(tmp_path, repository))
+    assert result.returncode == 0, result.stderr
+    assert "2 models ['mid_cnn', 'tiny_cnn']" in result.stdout and "http://127.0.0.1:8000/v2" in result.stdout
+
+
+def test_the_builders_config_error_is_a_ray_serve_exception_so_serve_does_not_retry_it(repository):
+    # Serve's build task returns a RayServeException's message as DEPLOY_FAILED at once; it
+    # retries any other exception (ray.serve._private.application_state.build_serve_application).
+    with pytest.raises(AppConfigError) as raised:
+        build_app({"repository": str(repository), "models": ["nope"]})
+    assert isinstance(raised.value, RayServeException) and "['nope']" in str(raised.value)
+
+
+def make_dry_run(target: str) -> list[str]:
+    return subprocess.run(["make", "-n", "-s", target], capture_output=True, text=True, cwd=ROOT,
+                          check=True).stdout.splitlines()
+
+
+def test_make_serve_runs_the_checking_runner_with_token_auth_and_no_drain_wait():
+    lines = make_dry_run("serve")
+    [run] = [i for i, line in enumerate(lines) if "-m deployments.run serve_config.yaml" in line]
+    env = lines[run].split()
+    assert "RAY_AUTH_MODE=token" in env and "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0" in env
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in env and "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in env
+
+
+def test_make_status_runs_rays_tools_with_the_auth_mode_make_serve_sets():
+    lines = make_dry_run("status")
+    assert any(line.split()[-2:] == [".venv/bin/ray", "status"] for line in lines)
+    assert any(line.split()[-2:] == [".venv/bin/serve", "status"] for line in lines)
+    assert all(line.startswith("RAY_AUTH_MODE=token ") for line in lines)
+
+
+def test_make_serves_runner_stops_on_a_bad_config_before_ray_starts(repository, tmp_path):
+    config_path = repository / "mid_cnn" / "config.yaml"
+    config_path.write_text(config_path.read_text().replace("mode: pool", "mode: shared"))
+    result = subprocess.run([sys.executable, "-m", "deployments.run", str(serve_config(tmp_path, repository))],
+                            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"config error: {config_path}: deployment.mode: Input should be 'dedicated' or 'pool'"]
+
+
+def test_deployments_stop_promptly_the_router_within_its_bound(repository):
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from deployments.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
+
+    built = {d.name: d._deployment_config for d in
+             serve_build_app(build_app({"repository": str(repository)}), name="models").deployments}
+    assert {c.graceful_shutdown_wait_loop_s for c in built.values()} == {GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+    assert built["router"].graceful_shutdown_timeout_s == ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S

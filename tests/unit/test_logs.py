@@ -1,0 +1,58 @@
+"""deployments.logs: the lines a developer needs reach the terminal once, and Serve's log file."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from deployments.logs import APP_LOGGER, SERVE_LOGGER, show_on_terminal
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def loggers():
+    """``ray.serve`` set up as in a replica (one handler standing for its log file), restored after."""
+    app, serve = logging.getLogger(APP_LOGGER), logging.getLogger(SERVE_LOGGER)
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (app, serve)]
+    app.handlers.clear()
+    serve.handlers.clear()
+    serve.setLevel(logging.INFO)
+    serve.propagate = False
+    log_file = Records()
+    serve.addHandler(log_file)
+    yield serve, log_file
+    for lg, handlers, level, propagate in saved:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+
+
+def test_throughput_mode_shows_app_info_and_serve_warnings_on_stderr_once(loggers, capfd):
+    serve, log_file = loggers
+    show_on_terminal()
+    show_on_terminal()  # idempotent
+    logging.getLogger("deployments.runtime.residency.cache").info("model cache: evict tiny_cnn")
+    serve.info("access line")
+    serve.warning("serving error 503: no room")
+    err = capfd.readouterr().err.splitlines()
+    assert err == ["INFO deployments.runtime.residency.cache: model cache: evict tiny_cnn",
+                   "WARNING ray.serve: serving error 503: no room"]
+    assert log_file.messages == ["model cache: evict tiny_cnn", "access line", "serving error 503: no room"]
+
+
+def test_where_serve_streams_itself_app_lines_go_through_serves_handlers_only(loggers, capfd):
+    serve, log_file = loggers
+    serve.addHandler(logging.StreamHandler())  # RAY_SERVE_LOG_TO_STDERR on (make serve FAST=0)
+    show_on_terminal()
+    logging.getLogger("deployments.ready").info("ready: 7 models")
+    assert capfd.readouterr().err.splitlines() == ["ready: 7 models"]
+    assert log_file.messages == ["ready: 7 models"]
