@@ -34,7 +34,7 @@ from starlette.routing import Route
 from . import __version__
 from .client import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
-from .protocol.errors import error_status
+from .protocol.errors import error_status, retry_after_headers
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -63,11 +63,11 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
 
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None) -> Response:
-    """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
-    message quoting any client text always renders."""
+    """``{"error": ...}`` with the status from the one error table (and ``Retry-After`` for a
+    shed request); ASCII-escaped JSON, so a message quoting any client text always renders."""
     status, message = error_status(exc)
     return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
-                    headers=headers)
+                    headers={**retry_after_headers(exc), **(headers or {})})
 
 
 @dataclass(frozen=True)
