@@ -3,9 +3,13 @@
 Each of ``concurrency`` workers sends one request, waits for the answer, and sends the next:
 the offered load follows the server's speed (closed loop). Requests are built once and
 replayed, so the client spends its time on HTTP, not on encoding. A run warms up for
-``warmup_s``, then counts the requests that complete within the next ``duration_s``:
+``warmup_s``, then counts the requests that complete within the next ``duration_s``, whenever
+they were sent (with a queue of seconds, requests sent in the warm-up complete in the window;
+counting only those sent and completed inside it would under-count by latency / window):
 QPS = completed / duration_s; latency percentiles are over those requests (successes only;
-errors are counted apart by status).
+errors are counted apart by status: ``503`` is a request shed as it should be, with
+``Retry-After`` and a ``{"error": ...}`` body, after which the worker waits ``Retry-After``
+seconds as a polite client does; a bare 503 is counted apart).
 
 Several workloads can run at once (``run``), e.g. two models together; ``processes > 1``
 splits every workload's workers across that many client processes (one event loop each) so
@@ -77,6 +81,14 @@ class Result:
     error_statuses: dict[str, int] = field(default_factory=dict)
 
 
+def is_shed(headers, body: bytes) -> bool:
+    """A 503 as the server sheds load: a ``Retry-After`` header and a ``{"error": ...}`` body."""
+    try:
+        return "Retry-After" in headers and "error" in json.loads(body)
+    except ValueError:
+        return False
+
+
 @dataclass
 class _Samples:
     latencies_s: list[float] = field(default_factory=list)
@@ -87,22 +99,28 @@ async def _worker(session, workload: Workload, start: float, stop: float, sample
     import aiohttp
 
     while True:
+        retry_after_s = None
         sent = time.perf_counter()
         if sent >= stop:
             return
         try:
             async with session.post(workload.url, data=workload.body, headers=workload.headers) as response:
-                await response.read()
+                body = await response.read()
                 status = str(response.status)
+                if status == "503" and is_shed(response.headers, body):
+                    retry_after_s = float(response.headers["Retry-After"])
+                elif status == "503":
+                    status = "503 without Retry-After or error body"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             status = type(e).__name__
         done = time.perf_counter()
-        if sent < start or done > stop:
-            continue  # warm-up, or finishing after the window: not counted
-        if status == "200":
-            samples.latencies_s.append(done - sent)
-        else:
-            samples.errors[status] = samples.errors.get(status, 0) + 1
+        if start <= done <= stop:  # completed in the window (sent before it, too, under a long queue)
+            if status == "200":
+                samples.latencies_s.append(done - sent)
+            else:
+                samples.errors[status] = samples.errors.get(status, 0) + 1
+        if retry_after_s is not None:  # a polite client waits as told (never past the window)
+            await asyncio.sleep(max(0.0, min(retry_after_s, stop - done)))
 
 
 async def _closed_loop(plan: Sequence[tuple[Workload, int]], warmup_s: float,

@@ -139,7 +139,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
-        app_args = {"repository": args.repository, "router": router}
+        app_args = json.loads(args.app_args) if args.app_args else {"repository": args.repository, "router": router}
         if args.models:
             app_args["models"] = args.models.split(",")
         serve.run(build_app(app_args), name="models", route_prefix="/")
@@ -223,7 +223,10 @@ class Server:
     """A server subprocess: the Ray app (``kind='ray'``) or the single process."""
 
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
-                 models: Sequence[str] = (), direct: Sequence[str] = ()) -> None:
+                 models: Sequence[str] = (), direct: Sequence[str] = (),
+                 app_args: dict[str, Any] | None = None) -> None:
+        """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
+        instead of ``repository`` with ``replicas`` router replicas."""
         self.kind, self.ray_config = kind, ray_config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -232,6 +235,7 @@ class Server:
                    "--port", str(self.port), "--ray-config", ray_config, "--replicas", str(replicas)]
             cmd += ["--models", ",".join(models)] if models else []
             cmd += ["--direct", ",".join(direct)] if direct else []
+            cmd += ["--app-args", json.dumps(app_args)] if app_args else []
             self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             text=True, start_new_session=True)
             if self._reply() != "READY":
@@ -584,7 +588,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
     if argv[:1] == ["_serve-ray"]:
         p = argparse.ArgumentParser()
-        for flag in ("--repository", "--ray-config", "--direct", "--models"):
+        for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args"):
             p.add_argument(flag)
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)

@@ -19,7 +19,8 @@ Ray starts), which prints the one line and exits non-zero.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Optional, Union
+import os
+from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
@@ -31,10 +32,20 @@ from .pipeline import PipelineDeployment
 from .pool import PoolDeployment
 from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
-from .runtime.contract.repository import ModelRepository
+from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.units import mib_to_bytes
 
 logger = logging.getLogger("ray.serve")
+
+# Seconds a shed request is told to wait (``Retry-After`` of its 503).
+RETRY_AFTER_S = 1.0
+
+# Replicas whose deployment handles call other deployments (router, pipelines) retry a full
+# replica every 25 ms, 50 ms, then every 50 ms, not up to Ray's default 0.5 s: a retry that
+# sleeps longer than the replica takes to drain its queue leaves it idle (bench/README.md,
+# "Overload"). A value in the environment wins.
+HANDLE_ENV = {name: os.environ.get(name, default) for name, default in (
+    ("RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S", "0.05"),)}
 
 # Replicas that are not the ingress wait this long between checks for their last requests when
 # stopping (Serve's default is 2 s, paid once per tier of the graph on every Ctrl-C).
@@ -73,7 +84,9 @@ class AppArgs(BaseModel):
     use_gpus: Union[Literal["auto"], bool] = "auto"
     max_body_mib: float = Field(64.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
-    router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=256)
+    # The router only decodes and awaits model calls: it takes every request the models' queues
+    # can hold, so that shedding happens at the model handles, with this app's error body.
+    router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=1024, max_queued_requests=1024)
     pool: PoolOptions = PoolOptions()
     models: Optional[list[str]] = None  # serve only these models (default: all in the repository)
 
@@ -84,13 +97,48 @@ def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def ray_options(options: DeploymentOptions, use_gpus: bool) -> dict[str, Any]:
-    """Deployment options for ``.options(...)`` from a model's (or the pool's) config."""
-    actor = {"num_cpus": options.num_cpus}
+def cores() -> int:
+    """CPU cores this process may run on (the node building the app)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def execution_contexts(app_args: AppArgs, entries: Iterable[ModelEntry]) -> int:
+    """Execution contexts that can run at once: per dedicated model, replicas (the autoscaling
+    maximum) x ``instances``; for the pool, replicas x the ``instances`` of the
+    ``max_num_models_per_replica`` pool models with the most."""
+    def replicas(options: DeploymentOptions) -> int:
+        return options.autoscaling.max_replicas if options.autoscaling else options.num_replicas
+
+    entries = [e for e in entries if not e.config.pipeline]
+    pooled = sorted((e.config.instances for e in entries if e.config.deployment.mode == "pool"), reverse=True)
+    dedicated = sum(replicas(e.config.deployment) * e.config.instances
+                    for e in entries if e.config.deployment.mode == "dedicated")
+    return dedicated + replicas(app_args.pool) * sum(pooled[:app_args.pool.max_num_models_per_replica])
+
+
+def intra_op_threads(cores: int, app_args: AppArgs, entries: Iterable[ModelEntry]) -> int:
+    """ONNX Runtime intra-op threads per execution context, so that every context of the app
+    (``execution_contexts``) busy at once keeps to ``cores``: ``max(1, cores // contexts)``.
+    ``ORT_INTRA_OP_THREADS`` in the environment wins. ``cores`` are the building node's (on a
+    cluster, the head's: set ``ORT_INTRA_OP_THREADS`` there when workers differ)."""
+    if os.environ.get("ORT_INTRA_OP_THREADS"):
+        return int(os.environ["ORT_INTRA_OP_THREADS"])
+    return max(1, cores // max(1, execution_contexts(app_args, entries)))
+
+
+def ray_options(options: DeploymentOptions, use_gpus: bool, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Deployment options for ``.options(...)`` from a model's (or the pool's) config;
+    ``env``: environment variables of its replicas."""
+    actor: dict[str, Any] = {"num_cpus": options.num_cpus}
     if use_gpus and options.num_gpus:
         actor["num_gpus"] = options.num_gpus
-    out: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests,
-                           "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
+    if env:
+        actor["runtime_env"] = {"env_vars": env}
+    out: dict[str, Any] = {
+        "ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests,
+        "max_queued_requests": options.max_queued_requests,
+        "backpressure_config": {"retry_after_s": RETRY_AFTER_S},
+        "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
     if options.autoscaling is not None:
         out["autoscaling_config"] = options.autoscaling.model_dump(exclude_none=True)
     else:
@@ -120,26 +168,30 @@ def _build(args: dict[str, Any] | None) -> Application:
     if not use_gpus:
         logger.info("no GPU resources in the cluster: models' num_gpus are not reserved")
 
+    threads = intra_op_threads(cores(), app_args, entries)
+    env = {"ORT_INTRA_OP_THREADS": str(threads), **HANDLE_ENV}
+    logger.info("ONNX Runtime: %d intra-op thread(s) per execution context on %d cores", threads, cores())
+
     pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
-        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus)).bind(
+        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
             app_args.repository, pool_models, app_args.backend, app_args.pool)
     dedicated: dict[str, Any] = {}
     for e in entries:
         if e.name in pool_models or e.config.pipeline:
             continue
         dedicated[e.name] = ModelDeployment.options(
-            name=f"model-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+            name=f"model-{e.name}", **ray_options(e.config.deployment, use_gpus, env)).bind(
             app_args.repository, e.name, app_args.backend)
     steps = dict(dedicated)
     for e in entries:
         if e.config.pipeline:
             dedicated[e.name] = PipelineDeployment.options(
-                name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+                name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus, HANDLE_ENV)).bind(
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                          **ray_options(app_args.router, False)).bind(
+                          **ray_options(app_args.router, False, HANDLE_ENV)).bind(
         app_args.repository, dedicated, pool, pool_models,
         RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                       request_timeout_s=app_args.request_timeout_s),

@@ -36,7 +36,7 @@ from . import __version__
 from .client import ModelClient
 from .logs import ready_logger, show_on_terminal
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
-from .protocol.errors import error_status
+from .protocol.errors import error_status, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
@@ -69,11 +69,12 @@ def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., 
 
 
 def error_response(exc: BaseException, headers: dict[str, str] | None = None, log: bool = True) -> Response:
-    """``{"error": ...}`` with the status from the one error table; ASCII-escaped JSON, so a
-    message quoting any client text always renders. ``log``: as in ``error_status``."""
+    """``{"error": ...}`` with the status from the one error table (and ``Retry-After`` for a
+    shed request); ASCII-escaped JSON, so a message quoting any client text always renders.
+    ``log``: as in ``error_status``."""
     status, message = error_status(exc, log)
     return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
-                    headers=headers)
+                    headers={**retry_after_headers(exc), **(headers or {})})
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,16 @@
-"""The one error table: typed serving errors -> HTTP status, and the ``{"error": ...}`` body."""
+"""The one error table: typed serving errors -> HTTP status, and the ``{"error": ...}`` body.
+
+Ray Serve's ``BackPressureError`` (a deployment handle refused a call because the model's
+``max_queued_requests`` callers already wait) is translated to ``Overloaded`` here: 503 with
+``Retry-After`` (``retry_after_headers``), in the same body shape as every other error.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+
+from ray.serve.exceptions import BackPressureError
 
 from ..runtime.contract.errors import (
     ConfigError,
@@ -13,6 +21,7 @@ from ..runtime.contract.errors import (
     ModelNotFound,
     ModelNotReady,
     OverBudget,
+    Overloaded,
     PayloadTooLarge,
     ServingError,
 )
@@ -26,6 +35,7 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     PayloadTooLarge: 413,
     ModelNotReady: 503,
     OverBudget: 503,
+    Overloaded: 503,
     InferenceTimeout: 504,
     InferenceError: 500,
     ConfigError: 500,
@@ -41,6 +51,27 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def _serving_error(exc: BaseException) -> BaseException:
+    """``exc`` unwrapped; Ray's ``BackPressureError`` becomes ``Overloaded``."""
+    exc = unwrap(exc)
+    if isinstance(exc, BackPressureError):
+        queued, limit = exc.args[:2]  # BackPressureError(num_queued_requests, max_queued_requests, ...)
+        retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
+        return Overloaded(
+            f"server overloaded: {queued} requests already wait for this model (limit {limit}); "
+            f"retry after {math.ceil(retry_after_s)} s", retry_after_s)
+    return exc
+
+
+def retry_after_headers(exc: BaseException) -> dict[str, str]:
+    """``{"Retry-After": seconds}`` (RFC 9110 delay-seconds, rounded up) for a shed request
+    (``Overloaded`` or Ray's ``BackPressureError``); empty for any other error."""
+    exc = _serving_error(exc)
+    if isinstance(exc, Overloaded):
+        return {"Retry-After": str(max(0, math.ceil(exc.retry_after_s)))}
+    return {}
+
+
 def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     """HTTP status and client-safe message for an exception.
 
@@ -48,7 +79,7 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     message (the exception is logged, never sent). Client errors (4xx) are not logged as errors;
     ``log=False`` keeps a 5xx that is an answer by design (a readiness probe's 503) out of the log.
     """
-    exc = unwrap(exc)
+    exc = _serving_error(exc)
     if isinstance(exc, ServingError):
         for cls in type(exc).__mro__:
             if cls in STATUS_BY_ERROR:
@@ -56,7 +87,7 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
                 break
         else:
             status = 500
-        if status >= 500 and log:
+        if status >= 500 and log and not isinstance(exc, Overloaded):  # shedding is the plan, not a fault
             logger.warning("serving error %d: %s", status, exc.message)
         return status, exc.message
     logger.error("internal error", exc_info=exc)

@@ -50,6 +50,7 @@ def test_good_config_parses_into_frozen_typed_objects(tmp_path):
     (("mode: dedicated", "mode: hot"), "deployment.mode"),
     (("max_replicas: 4}", "max_replicas: 4, initial_replicas: 5}"), "need min_replicas <= initial_replicas"),
     (("instances: 2", "instanses: 2"), "instanses"),
+    (("mode: dedicated", "mode: dedicated, max_queued_requests: 0"), "max_queued_requests must be -1"),
     (("dims: [-1, 4]", "dims: [-1, 0]"), "inputs.0"),
     (("dims: [-1, 4]", "dims: [-1, 4]\n    multiple_of: [1]"), "multiple_of needs one positive integer per axis"),
     (("min: [1, 4], opt: [2, 4], max: [8, 4]", "min: [1, 5], opt: [2, 5], max: [8, 5]"), "fixed dim 4"),

@@ -8,11 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from deployments.protocol.errors import error_status
+from deployments.protocol.errors import error_status, retry_after_headers
 from deployments.protocol.v2 import decode_infer_request, encode_infer_response, parse_json
 from deployments.runtime.contract.datatypes import NUMPY_BY_DATATYPE
 from deployments.runtime.contract.errors import (
-    ConfigError, InferenceError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, OverBudget, PayloadTooLarge)
+    ConfigError, InferenceError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, OverBudget, Overloaded,
+    PayloadTooLarge)
 
 
 def decode(tensor: dict, **request) -> dict[str, np.ndarray]:
@@ -125,7 +126,7 @@ def test_nan_output_is_a_400_suggesting_binary_not_invalid_json():
 @pytest.mark.parametrize("exc,status", [
     (InvalidInput("x"), 400), (ModelNotFound("x"), 404), (PayloadTooLarge("x"), 413), (ModelNotReady("x"), 503),
     (OverBudget("x"), 503), (InferenceTimeout("x"), 504), (InferenceError("x"), 500),
-    (MethodNotAllowed("x"), 405), (ConfigError("x"), 500),
+    (MethodNotAllowed("x"), 405), (ConfigError("x"), 500), (Overloaded("x"), 503),
 ])
 def test_error_table(exc, status):
     assert error_status(exc) == (status, "x")
@@ -141,3 +142,20 @@ def test_ray_wrapped_errors_keep_their_status():
 
     wrapped = RayTaskError("infer", "traceback text", InvalidInput("bad axis")).as_instanceof_cause()
     assert error_status(wrapped) == (400, "bad axis")
+
+
+def test_ray_backpressure_is_a_503_with_retry_after_naming_the_queue_limit():
+    from ray.exceptions import RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    exc = BackPressureError(num_queued_requests=64, max_queued_requests=64, retry_after_s=1.5)
+    status, message = error_status(exc)
+    assert status == 503 and "64 requests already wait" in message and "limit 64" in message
+    assert retry_after_headers(exc) == {"Retry-After": "2"}  # delay-seconds, rounded up
+    wrapped = RayTaskError("infer", "traceback text", exc).as_instanceof_cause()  # from a pipeline step
+    assert error_status(wrapped)[0] == 503 and retry_after_headers(wrapped) == {"Retry-After": "2"}
+
+
+def test_only_shed_requests_carry_retry_after():
+    assert retry_after_headers(Overloaded("full", retry_after_s=1.0)) == {"Retry-After": "1"}
+    assert retry_after_headers(ModelNotReady("loading")) == {} and retry_after_headers(KeyError("x")) == {}

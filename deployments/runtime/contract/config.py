@@ -137,14 +137,31 @@ class DynamicBatching(_Frozen):
 
 
 class DeploymentOptions(_Frozen):
-    """How the model is placed: its own deployment (``dedicated``) or the multiplexed ``pool``."""
+    """How the model is placed: its own deployment (``dedicated``) or the multiplexed ``pool``.
+
+    The two bounded queues in front of a model (Ray Serve's own limits):
+    ``max_ongoing_requests`` requests are handed to each replica, where they wait in the replica
+    for a free execution context (or in the batcher); ``max_queued_requests`` more may wait in
+    each caller's handle (the router) for a replica to take them. A request beyond both is shed
+    at once with 503 and ``Retry-After`` (``-1``: no handle limit). Keep the replica's share
+    large: a handle whose replicas are all full re-tries with exponential back-off (Ray 2.60: 25 ms
+    doubling to 0.5 s; the app caps it at 50 ms), and a replica holding too few requests to
+    cover one back-off runs dry while the handle sleeps (bench/README.md, "Overload").
+    """
 
     mode: Literal["dedicated", "pool"] = "pool"
     num_replicas: int = Field(1, ge=1)
     autoscaling: Optional[Autoscaling] = None
     num_gpus: float = Field(0.0, ge=0)
     num_cpus: float = Field(0.1, ge=0)
-    max_ongoing_requests: int = Field(16, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(256, ge=-1)
+
+    @model_validator(mode="after")
+    def _queue_limit(self) -> "DeploymentOptions":
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests must be -1 (no limit) or a positive integer")
+        return self
 
 
 class CacheOptions(_Frozen):

@@ -43,6 +43,18 @@ class OverBudget(ServingError):
     """Loading the model would exceed the memory budget (HTTP 503)."""
 
 
+class Overloaded(ServingError):
+    """The model's bounded queue is full: the request is shed at once, before any work (HTTP 503
+    with a ``Retry-After`` header of ``retry_after_s`` seconds)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.retry_after_s))
+
+
 class InferenceTimeout(ServingError):
     """No execution context or answer within the deadline (HTTP 504)."""
 
