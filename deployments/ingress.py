@@ -136,6 +136,32 @@ class RouterApp:
             if pending:
                 await asyncio.sleep(_READY_POLL_S)
 
+    async def watch_replicas(self) -> None:
+        """Every ``_READY_POLL_S``, ``refresh_ready`` from the client's replica counts (runs forever)."""
+        while True:
+            try:
+                self.refresh_ready(await self.client.running_replicas())
+            except Exception:  # the controller did not answer: keep what we know
+                logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
+            await asyncio.sleep(_READY_POLL_S)
+
+    def refresh_ready(self, running: dict[str, int]) -> None:
+        """Readiness after first load follows the replicas: a model (dedicated once it answered
+        ``poll_ready``, or pooled) is ready while its deployment has a RUNNING replica, so ready
+        routes and requests answer 503 when it lost them and 200 again once a replacement runs.
+
+        Args:
+            running: model name -> RUNNING replicas (``ModelClient.running_replicas``).
+        """
+        for name, count in running.items():
+            if name in self.client.dedicated and name not in self.platforms:
+                continue  # never answered yet: poll_ready decides
+            if count:
+                self.ready_models.add(name)
+            elif name in self.ready_models:
+                logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
+                self.ready_models.discard(name)
+
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
         return self.repo.get(params["name"], params.get("version"))
@@ -233,6 +259,8 @@ class RouterApp:
         try:
             return await asyncio.wait_for(self.client.infer(name, inputs, outputs), self.request_timeout_s)
         except asyncio.TimeoutError:
+            if name not in self.ready_models:  # it lost its replicas while the request waited
+                self._require_ready(self.repo.get(name))
             raise InferenceTimeout(f"model '{name}' did not answer within {self.request_timeout_s:g} s") from None
 
     @_answers_errors
@@ -263,7 +291,9 @@ class Router(RouterApp):
     def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None) -> None:
         super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
-        self._poller = asyncio.get_running_loop().create_task(self.poll_ready())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self.poll_ready())
+        self._watcher = loop.create_task(self.watch_replicas())
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.build_app()

@@ -332,3 +332,28 @@ def test_header_length_beyond_the_body_is_400(router):
                           "parameters": {"binary_data_size": 602112}}]}
     r = post_binary(router, "tiny_cnn", header, bytes(16), header_length=10_000)
     assert_error(r, 400, "Inference-Header-Content-Length is 10000 bytes")
+
+
+def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(repo):
+    client = FakeModelClient(repo)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+    app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0, "ocr": 1})  # a dedicated and a pooled model lost theirs
+    for name in ("ocr_det", "tiny_cnn"):
+        assert_error(router.get(f"/v2/models/{name}/ready"), 503, f"model '{name}' is not ready")
+    assert_error(router.get("/v2/health/ready"), 503, "ocr_det", "tiny_cnn")
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    assert_error(post(router, "/v2/models/ocr_det/infer", body), 503, "model 'ocr_det' is not ready")
+    assert client.calls == []
+    app.refresh_ready({"ocr_det": 1, "tiny_cnn": 2})
+    assert router.get("/v2/health/ready").status_code == 200
+
+
+def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(repo):
+    client = FakeModelClient(repo, not_ready={"ocr_det"})
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    app.refresh_ready({"ocr_det": 1})
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
