@@ -35,6 +35,7 @@ from . import __version__
 from .client import ModelClient
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.errors import error_status
+from .protocol.parameters import apply_classification
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -42,7 +43,7 @@ from .runtime.contract.repository import ModelEntry, ModelRepository
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository", "binary_tensor_data"]
+EXTENSIONS = ["model_repository", "binary_tensor_data", "classification"]
 _READY_POLL_S = 1.0
 _MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
 # KServe / Triton platform names by backend.
@@ -255,13 +256,15 @@ class RouterApp:
             raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
         return chunks
 
-    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
+    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
+                          timeout_s: float | None = None) -> dict:
+        timeout_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         try:
-            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), self.request_timeout_s)
+            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), timeout_s)
         except asyncio.TimeoutError:
             if name not in self.ready_models:  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
-            raise InferenceTimeout(f"model '{name}' did not answer within {self.request_timeout_s:g} s") from None
+            raise InferenceTimeout(f"model '{name}' did not answer within {timeout_s:g} s") from None
 
     @_answers_errors
     async def infer(self, request: Request) -> Response:
@@ -269,7 +272,10 @@ class RouterApp:
         chunks = await self._read_body(request)
         infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
         self._require_ready(entry)
-        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
+        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
+                                         infer_request.timeout_s)
+        outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
+                                       infer_request.output_parameters, outputs)
         content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
         return Response(content, headers=headers)
 
