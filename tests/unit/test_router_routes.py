@@ -110,7 +110,7 @@ def test_live_ready_and_server_metadata(router):
     assert router.get("/v2/health/live").json() == {"live": True}
     assert router.get("/v2/health/ready").json() == {"ready": True}
     meta = router.get("/v2").json()
-    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data"]
+    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data", "classification"]
 
 
 def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):
@@ -357,3 +357,16 @@ def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(re
     app.refresh_ready({"ocr_det": 1})
     router = TestClient(app.build_app(), raise_server_exceptions=False)
     assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
+
+
+def test_class_count_answers_the_top_k_as_bytes_and_the_extension_is_advertised(router, repo):
+    x = np.zeros((2, 3, 224, 224), np.float32)
+    x[0, 0, 0, 7], x[0, 0, 0, 3], x[1, 0, 0, 9] = 5.0, 4.0, 1.0  # logits = 2 x the first 1000 values
+    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [{"name": "logits", "parameters": {"classification": 2}}]}
+    r = post(router, "/v2/models/tiny_cnn/infer", body)
+    assert r.status_code == 200, r.text
+    (out,) = r.json()["outputs"]
+    assert out == {"name": "logits", "datatype": "BYTES", "shape": [2, 2],
+                   "data": ["10.000000:7", "8.000000:3", "2.000000:9", "0.000000:0"]}
+    assert "classification" in router.get("/v2").json()["extensions"]
