@@ -5,10 +5,12 @@ The router and the pipelines use it; it knows handles, not HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Iterable
 
 import numpy as np
+from ray import serve
 from ray.exceptions import RayActorError
 
 from .runtime.contract.errors import ModelNotFound, ModelNotReady
@@ -95,6 +97,28 @@ class ModelClient:
             KeyError: ``name`` has no dedicated deployment.
         """
         return await self.dedicated[name].memory.remote()
+
+    async def running_replicas(self) -> dict[str, int]:
+        """Model name -> RUNNING replicas of the deployment serving it (pool models: the pool's),
+        from ``serve.status()`` (a call to Serve's controller, made in a worker thread).
+
+        Raises:
+            Exception: the controller did not answer (Ray's own exceptions).
+        """
+        handles = dict(self.dedicated)
+        if self.pool is not None:
+            handles.update((name, self.pool) for name in self.pool_models)
+
+        def count() -> dict[str, int]:
+            applications = serve.status().applications
+            counts = {}
+            for name, handle in handles.items():
+                app = applications.get(handle.app_name)
+                deployment = app.deployments.get(handle.deployment_name) if app is not None else None
+                counts[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+            return counts
+
+        return await asyncio.to_thread(count)
 
     async def pool_memory(self) -> dict[str, Any]:
         """``PoolDeployment.memory`` of one pool replica (the pool must exist)."""

@@ -37,6 +37,7 @@ from .client import ModelClient
 from .logs import ready_logger, show_on_terminal
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.errors import error_status, retry_after_headers
+from .protocol.parameters import apply_classification
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
 from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
@@ -45,7 +46,7 @@ from .runtime.contract.repository import ModelEntry, ModelRepository
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification"]
 _READY_POLL_S = 1.0
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
@@ -183,6 +184,32 @@ class RouterApp:
         except asyncio.TimeoutError:
             raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
+    async def watch_replicas(self) -> None:
+        """Every ``_READY_POLL_S``, ``refresh_ready`` from the client's replica counts (runs forever)."""
+        while True:
+            try:
+                self.refresh_ready(await self.client.running_replicas())
+            except Exception:  # the controller did not answer: keep what we know
+                logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
+            await asyncio.sleep(_READY_POLL_S)
+
+    def refresh_ready(self, running: dict[str, int]) -> None:
+        """Readiness after first load follows the replicas: a model (dedicated once it answered
+        ``poll_ready``, or pooled) is ready while its deployment has a RUNNING replica, so ready
+        routes and requests answer 503 when it lost them and 200 again once a replacement runs.
+
+        Args:
+            running: model name -> RUNNING replicas (``ModelClient.running_replicas``).
+        """
+        for name, count in running.items():
+            if name in self.client.dedicated and name not in self.backends:
+                continue  # never answered yet: poll_ready decides
+            if count:
+                self.ready_models.add(name)
+            elif name in self.ready_models:
+                logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
+                self.ready_models.discard(name)
+
     def _entry(self, request: Request) -> ModelEntry:
         params = request.path_params
         return self.repo.get(params["name"], params.get("version"))
@@ -306,11 +333,15 @@ class RouterApp:
             raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
         return chunks
 
-    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None) -> dict:
+    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
+                          timeout_s: float | None = None) -> dict:
+        timeout_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         try:
-            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), self.request_timeout_s)
+            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), timeout_s)
         except asyncio.TimeoutError:
-            raise InferenceTimeout(f"model '{name}' did not answer within {self.request_timeout_s:g} s") from None
+            if name not in self.ready_models:  # it lost its replicas while the request waited
+                self._require_ready(self.repo.get(name))
+            raise InferenceTimeout(f"model '{name}' did not answer within {timeout_s:g} s") from None
 
     @_answers_errors
     async def infer(self, request: Request) -> Response:
@@ -318,7 +349,10 @@ class RouterApp:
         chunks = await self._read_body(request)
         infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
         self._require_ready(entry)
-        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs)
+        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
+                                         infer_request.timeout_s)
+        outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
+                                       infer_request.output_parameters, outputs)
         content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
         return Response(content, headers=headers)
 
@@ -341,7 +375,9 @@ class Router(RouterApp):
                  pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None) -> None:
         super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
         show_on_terminal()
-        self._poller = asyncio.get_running_loop().create_task(self.poll_ready())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self.poll_ready())
+        self._watcher = loop.create_task(self.watch_replicas())
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.build_app()

@@ -40,6 +40,12 @@ Differences from rapidocr, each forced by the serving contract:
   background), where the alpha channel is the ink, giving dark text on white; rapidocr inverts some RGBA
   images only and erases white text in grey + alpha images. Palette PNGs are expanded to colour
   (rapidocr reads their palette indices as grey levels).
+* Long strips (one line of text in 1600x60, 2100x60, or the same turned upright): the angle
+  classifier sees a line more than 16 times as wide as high as up to 8 windows of its own 4:1
+  aspect and averages them (rapidocr squeezes the whole line into 192 pixels, reads it as upside
+  down and turns it: 1600x60 then gave no sensible text here, 2100x60 none in rapidocr); a tall
+  strip gets left and right margins as rapidocr gives a wide one top and bottom ones (without
+  them its letters came apart, in rapidocr too).
 * EXIF orientation is honoured (``apply_exif_orientation``, default true; rapidocr ignores it):
   the image is turned as a viewer displays it (all eight orientations, mirrored ones included,
   as ``PIL.ImageOps.exif_transpose``), and ``boxes`` are in that displayed frame.
@@ -66,7 +72,7 @@ from rapidocr_onnxruntime.ch_ppocr_det.utils import DBPostProcess, DetPreProcess
 from rapidocr_onnxruntime.ch_ppocr_rec.text_recognize import TextRecognizer
 from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import RapidOCR
-from rapidocr_onnxruntime.utils.process_img import ResizeImgError
+from rapidocr_onnxruntime.utils.process_img import ResizeImgError, add_round_letterbox
 
 from ..runtime.contract.config import ModelConfig, TensorSpec, describe_validation_error
 from ..runtime.contract.errors import ConfigError, InferenceError, InvalidInput
@@ -76,6 +82,8 @@ InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]
 """``await infer(model_name, {input_name: array}) -> {output_name: array}``."""
 
 T = TypeVar("T")
+_CLS_MAX_WINDOWS = 8  # angle-classifier windows per long line (``OcrPipeline._cls_windows``)
+_CLS_SQUEEZE_MAX = 4  # a line up to 4x the classifier's aspect is classified whole, as rapidocr does
 CHARACTER_METADATA_KEY = "character"
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # Pillow names camera JPEGs with a preview "MPO"
 
@@ -443,6 +451,11 @@ class OcrPipeline:
                 f"scaled to {p.max_side_len} pixels its shorter side vanishes") from None
         record: dict[str, Any] = {"preprocess": {"ratio_h": ratio_h, "ratio_w": ratio_w}}
         image, record = self._ocr.maybe_add_letterbox(image, record)
+        h, w = image.shape[:2]
+        if h / w > p.width_height_ratio:  # a tall strip: pad its width as rapidocr pads a wide one's height
+            pad = self._ocr._get_padding_h(w, h)
+            image = add_round_letterbox(image, (0, 0, pad, pad))
+            record["padding_2"] = {"top": 0, "left": pad}
         return image, record, (raw_h, raw_w)
 
     @staticmethod
@@ -473,19 +486,37 @@ class OcrPipeline:
         boxes, _ = await asyncio.to_thread(self._det_post, prob, (h, w))
         return self._det_filter.filter_tag_det_res(boxes, (h, w))
 
+    def _cls_windows(self, crop: np.ndarray) -> list[np.ndarray]:
+        """The pieces of ``crop`` the angle classifier sees: the crop itself, or, for a line more
+        than ``_CLS_SQUEEZE_MAX`` times as elongated as the classifier's input (48 x 192: aspect
+        4), up to
+        ``_CLS_MAX_WINDOWS`` evenly spaced windows of the classifier's aspect. Squeezed whole
+        into 192 pixels, a 1,500-pixel line becomes unreadable and was taken for upside down."""
+        _, cls_h, cls_w = self.parameters.cls_image_shape
+        h, w = crop.shape[:2]
+        win = math.ceil(h * cls_w / cls_h)
+        if w <= _CLS_SQUEEZE_MAX * win:  # as rapidocr: the whole crop, squeezed into 192 pixels
+            return [crop]
+        count = min(_CLS_MAX_WINDOWS, math.ceil(w / win))
+        return [crop[:, int(x):int(x) + win] for x in np.linspace(0, w - win, count)]
+
     async def _classify(self, crops: list[np.ndarray]) -> list[np.ndarray]:
-        """Rotate by 180 degrees the crops classified '180' with a score above ``cls_thresh``."""
+        """Rotate by 180 degrees the crops classified '180' with a score above ``cls_thresh``
+        (a long line's score: the mean of its windows' probabilities, ``_cls_windows``)."""
         order = np.argsort([c.shape[1] / float(c.shape[0]) for c in crops])  # as rapidocr
-        groups = _batches(order, self._cls_batch)
-        batches = [np.stack([self._cls_steps.resize_norm_img(crops[i]) for i in g]).astype(np.float32)
+        pieces = [(int(i), window) for i in order for window in self._cls_windows(crops[i])]
+        groups = _batches(np.arange(len(pieces)), self._cls_batch)
+        batches = [np.stack([self._cls_steps.resize_norm_img(pieces[j][1]) for j in g]).astype(np.float32)
                    for g in groups]
-        probs = await asyncio.gather(*(
-            self._call(self.cls, self._cls_in.name, self._cls_out, b) for b in batches))
+        probs = np.concatenate(await asyncio.gather(*(
+            self._call(self.cls, self._cls_in.name, self._cls_out, b) for b in batches)))
+        owners = np.array([i for i, _ in pieces])
         crops = list(crops)
-        for group, prob in zip(groups, probs):
-            for i, (label, score) in zip(group, self._cls_post(prob)):
-                if "180" in label and score > self.parameters.cls_thresh:
-                    crops[i] = cv2.rotate(crops[i], cv2.ROTATE_180)
+        for i in range(len(crops)):
+            mean = probs[owners == i].mean(axis=0, keepdims=True)
+            ((label, score),) = self._cls_post(mean)
+            if "180" in label and score > self.parameters.cls_thresh:
+                crops[i] = cv2.rotate(crops[i], cv2.ROTATE_180)
         return crops
 
     def _rec_ratio(self, ratios: Sequence[float]) -> float:

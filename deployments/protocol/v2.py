@@ -20,6 +20,7 @@ import numpy as np
 from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.errors import InvalidInput
+from .parameters import INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, check_parameters, class_count, timeout_s
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -33,6 +34,7 @@ class InferRequest:
     outputs: list[str] | None = None
     output_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     parameters: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None  # Triton's ``timeout`` request parameter
 
 
 MAX_RANK = 32
@@ -182,6 +184,7 @@ def tensor_header(obj: Any, index: int) -> tuple[str, str, str, tuple[int, ...],
     params = obj.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidInput(f"{where}: 'parameters' must be an object")
+    check_parameters(where, params, INPUT_PARAMETERS)
     return name, where, datatype, shape, params
 
 
@@ -248,12 +251,15 @@ def decode_infer_request(payload: Any,
             params = o.get("parameters") or {}
             if not isinstance(params, dict):
                 raise InvalidInput(f"outputs[{i}]: 'parameters' must be an object")
+            check_parameters(f"output '{_text(f'outputs[{i}] name', o['name'])}'", params, OUTPUT_PARAMETERS)
+            class_count(f"output '{o['name']}'", params)
             outputs.append(_text(f"outputs[{i}] name", o["name"]))
             output_parameters[o["name"]] = params
     parameters = payload.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")
-    return InferRequest(request_id, inputs, outputs, output_parameters, parameters)
+    check_parameters("request", parameters, REQUEST_PARAMETERS)
+    return InferRequest(request_id, inputs, outputs, output_parameters, parameters, timeout_s(parameters))
 
 
 def check_finite(model_name: str, outputs: Mapping[str, np.ndarray]) -> None:

@@ -93,3 +93,26 @@ def test_binary_data_size_past_the_body_is_400_and_the_server_keeps_serving(serv
     x = np.zeros((1, 3, 224, 224), np.float32)
     np.testing.assert_allclose(client.infer("tiny_cnn", [binary_input("input", x)]).as_numpy("logits"),
                                reference("tiny_cnn", x), rtol=1e-5, atol=1e-5)
+
+
+def test_tritonclient_class_count_gives_the_top_k_as_triton_does_and_the_extension_is_advertised(client, server):
+    import tritonclient.http as httpclient
+
+    x = np.random.default_rng(8).standard_normal((2, 3, 224, 224), dtype=np.float32)
+    result = client.infer("tiny_cnn", [binary_input("input", x)],
+                          outputs=[httpclient.InferRequestedOutput("logits", class_count=3)])
+    top = result.as_numpy("logits")
+    assert top.shape == (2, 3) and top.dtype == object
+    logits = reference("tiny_cnn", x)
+    for row, entries in zip(logits, top):
+        indices = [int(e.split(b":")[1]) for e in entries]
+        assert indices == list(np.argsort(-row, kind="stable")[:3])
+        np.testing.assert_allclose([float(e.split(b":")[0]) for e in entries], row[indices], atol=1e-5)
+    assert "classification" in requests.get(f"{server}/v2").json()["extensions"]
+
+
+def test_shared_memory_parameters_are_400_naming_the_parameter(server):
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                        "parameters": {"shared_memory_region": "in0", "shared_memory_byte_size": 602112}}]}
+    r = requests.post(f"{server}/v2/models/tiny_cnn/infer", json=body)
+    assert r.status_code == 400 and "shared_memory_region" in r.json()["error"]

@@ -159,3 +159,70 @@ def test_ray_backpressure_is_a_503_with_retry_after_naming_the_queue_limit():
 def test_only_shed_requests_carry_retry_after():
     assert retry_after_headers(Overloaded("full", retry_after_s=1.0)) == {"Retry-After": "1"}
     assert retry_after_headers(ModelNotReady("loading")) == {} and retry_after_headers(KeyError("x")) == {}
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+from deployments.protocol.parameters import apply_classification, classify  # noqa: E402
+
+X = {"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}
+
+
+def test_classification_gives_top_k_value_index_strings_per_row_as_triton_does():
+    logits = np.array([[0.1, 3.5, -2.0, 3.5, 0.7], [5.0, 4.0, 3.0, 2.0, 1.0]], np.float32)
+    top = classify("m", logits, 3, batched=True)
+    assert top.shape == (2, 3) and top.dtype == object
+    assert top.tolist() == [[b"3.500000:1", b"3.500000:3", b"0.700000:4"],
+                            [b"5.000000:0", b"4.000000:1", b"3.000000:2"]]
+    assert classify("m", logits[0], 9, batched=False).tolist()[-1] == b"-2.000000:2"  # k over the classes: all
+
+
+def test_requested_output_with_class_count_is_replaced_by_its_top_k_and_others_are_untouched():
+    request = decode_infer_request({"inputs": [X], "outputs": [
+        {"name": "logits", "parameters": {"classification": 2}}, {"name": "raw"}]})
+    outputs = {"logits": np.array([[1.0, 9.0, 5.0]], np.float32), "raw": np.array([[1.0]], np.float32)}
+    result = apply_classification("m", True, request.output_parameters, outputs)
+    assert result["logits"].tolist() == [[b"9.000000:1", b"5.000000:2"]]
+    np.testing.assert_array_equal(result["raw"], outputs["raw"])
+    body = json.loads(encode_infer_response("m", "1", None, result))
+    assert body["outputs"][0] == {"name": "logits", "datatype": "BYTES", "shape": [1, 2],
+                                  "data": ["9.000000:1", "5.000000:2"]}
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "3", True])
+def test_a_class_count_that_is_not_a_positive_integer_is_400(value):
+    with pytest.raises(InvalidInput, match=r"output 'logits': parameters.classification \(class_count\) must be"):
+        decode_infer_request({"inputs": [X], "outputs": [{"name": "logits", "parameters": {"classification": value}}]})
+
+
+def test_classification_of_a_bytes_output_is_400():
+    with pytest.raises(InvalidInput, match="classification needs a numeric output"):
+        apply_classification("ocr", True, {"text": {"classification": 1}}, {"text": np.array([b"a"], dtype=object)})
+
+
+@pytest.mark.parametrize("request_json,message", [
+    ({"inputs": [{**X, "parameters": {"shared_memory_region": "r"}}]},
+     "input 'x': parameters.\"shared_memory_region\": the shared-memory extension is not supported"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},
+     "output 'y': parameters.\"shared_memory_region\": the shared-memory extension is not supported"),
+    ({"inputs": [X], "parameters": {"sequence_id": 7}},
+     "request: parameters.\"sequence_id\": the sequence extension is not supported"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"top_k": 3}}]},
+     "output 'y': parameters.\"top_k\": not a parameter this server knows; allowed here: ['binary_data', 'classification']"),
+    ({"inputs": [{**X, "parameters": {"scale": 2}}]}, "input 'x': parameters.\"scale\": not a parameter this server knows"),
+    ({"inputs": [X], "parameters": {"temperature": 0.1}}, "request: parameters.\"temperature\": not a parameter"),
+    ({"inputs": [X], "parameters": {"timeout": -5}}, "parameters.timeout must be a positive integer of microseconds"),
+])
+def test_parameters_that_would_change_the_answer_and_are_not_implemented_are_400_naming_them(request_json, message):
+    with pytest.raises(InvalidInput) as raised:
+        decode_infer_request(request_json)
+    assert message in raised.value.message
+
+
+def test_parameters_the_server_implements_or_that_change_no_answer_are_accepted():
+    request = decode_infer_request({
+        "inputs": [{**X, "parameters": {"content_type": "str"}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True, "classification": 1}}],
+        "parameters": {"binary_data_output": False, "priority": 1, "timeout": 250000}})
+    assert request.timeout_s == 0.25

@@ -112,7 +112,7 @@ def test_live_ready_and_server_metadata(router):
     assert router.get("/v2/health/live").json() == {"live": True}
     assert router.get("/v2/health/ready").json() == {"ready": True}
     meta = router.get("/v2").json()
-    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data"]
+    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data", "classification"]
 
 
 def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):
@@ -334,3 +334,41 @@ def test_header_length_beyond_the_body_is_400(router):
                           "parameters": {"binary_data_size": 602112}}]}
     r = post_binary(router, "tiny_cnn", header, bytes(16), header_length=10_000)
     assert_error(r, 400, "Inference-Header-Content-Length is 10000 bytes")
+
+
+def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(repo):
+    client = FakeModelClient(repo)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+    app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0, "ocr": 1})  # a dedicated and a pooled model lost theirs
+    for name in ("ocr_det", "tiny_cnn"):
+        assert_error(router.get(f"/v2/models/{name}/ready"), 503, f"model '{name}' is not ready")
+    assert_error(router.get("/v2/health/ready"), 503, "ocr_det", "tiny_cnn")
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    assert_error(post(router, "/v2/models/ocr_det/infer", body), 503, "model 'ocr_det' is not ready")
+    assert client.calls == []
+    app.refresh_ready({"ocr_det": 1, "tiny_cnn": 2})
+    assert router.get("/v2/health/ready").status_code == 200
+
+
+def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(repo):
+    client = FakeModelClient(repo, not_ready={"ocr_det"})
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    app.refresh_ready({"ocr_det": 1})
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
+
+
+def test_class_count_answers_the_top_k_as_bytes_and_the_extension_is_advertised(router, repo):
+    x = np.zeros((2, 3, 224, 224), np.float32)
+    x[0, 0, 0, 7], x[0, 0, 0, 3], x[1, 0, 0, 9] = 5.0, 4.0, 1.0  # logits = 2 x the first 1000 values
+    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}],
+            "outputs": [{"name": "logits", "parameters": {"classification": 2}}]}
+    r = post(router, "/v2/models/tiny_cnn/infer", body)
+    assert r.status_code == 200, r.text
+    (out,) = r.json()["outputs"]
+    assert out == {"name": "logits", "datatype": "BYTES", "shape": [2, 2],
+                   "data": ["10.000000:7", "8.000000:3", "2.000000:9", "0.000000:0"]}
+    assert "classification" in router.get("/v2").json()["extensions"]

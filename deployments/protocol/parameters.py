@@ -1,0 +1,130 @@
+"""The ``parameters`` of an infer request, its inputs and its outputs: what this server does with
+each one that Triton's HTTP/REST protocol and its extensions define, and Triton's classification
+extension.
+
+Sources: Triton Inference Server, docs/protocol/extension_binary_data.md (``binary_data``,
+``binary_data_size``, ``binary_data_output``), extension_classification.md (``classification``),
+extension_shared_memory.md (``shared_memory_region``, ``shared_memory_byte_size``,
+``shared_memory_offset``), extension_sequence.md (``sequence_id``, ``sequence_start``,
+``sequence_end``), extension_schedule_policy.md (``priority``, ``timeout``); MLServer's
+``content_type``.
+
+A parameter that would change the answer and that this server does not implement (shared memory,
+sequences) is refused with 400 naming it, never ignored; so is a parameter no one defines (it
+can only be a mistake or a feature this server lacks). ``priority`` is accepted and has no
+effect: requests are served in arrival order, which changes no answer. ``timeout`` (microseconds)
+shortens the router's wait for the model (``InferRequest.timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..runtime.contract.errors import InvalidInput
+
+REQUEST_PARAMETERS = ("binary_data_output", "priority", "timeout")
+INPUT_PARAMETERS = ("binary_data_size", "content_type")
+OUTPUT_PARAMETERS = ("binary_data", "classification")
+
+_NOT_IMPLEMENTED = {
+    "shared_memory_region": "the shared-memory extension is not supported: send the data in the body "
+                            "(JSON 'data' or binary_data_size)",
+    "shared_memory_byte_size": "the shared-memory extension is not supported",
+    "shared_memory_offset": "the shared-memory extension is not supported",
+    "sequence_id": "the sequence extension is not supported: models here are stateless",
+    "sequence_start": "the sequence extension is not supported: models here are stateless",
+    "sequence_end": "the sequence extension is not supported: models here are stateless",
+}
+
+
+def check_parameters(where: str, params: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    """Raises InvalidInput naming the first parameter in ``params`` not in ``allowed``.
+
+    Args:
+        where: ``request``, ``input 'x'`` or ``output 'y'`` for the message.
+        params: the object's ``parameters``.
+        allowed: the keys this object may carry (``REQUEST_PARAMETERS`` ...).
+    """
+    for key in params:
+        if key in allowed:
+            continue
+        reason = _NOT_IMPLEMENTED.get(key, "not a parameter this server knows")
+        raise InvalidInput(f"{where}: parameters.{json.dumps(key)[:60]}: {reason}; allowed here: {list(allowed)}")
+
+
+def timeout_s(params: Mapping[str, Any]) -> float | None:
+    """The request's ``timeout`` parameter (microseconds, Triton's unit) in seconds, or None.
+
+    Raises:
+        InvalidInput: not a positive integer.
+    """
+    value = params.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"request: parameters.timeout must be a positive integer of microseconds, "
+                           f"got {json.dumps(value)[:40]}")
+    return value / 1e6
+
+
+def class_count(where: str, params: Mapping[str, Any]) -> int | None:
+    """The output's ``classification`` parameter (top-k), or None.
+
+    Raises:
+        InvalidInput: not a positive integer.
+    """
+    value = params.get("classification")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"{where}: parameters.classification (class_count) must be a positive integer, "
+                           f"got {json.dumps(value)[:40]}")
+    return value
+
+
+def classify(where: str, array: np.ndarray, k: int, batched: bool) -> np.ndarray:
+    """Triton's classification extension: the top ``k`` classes of a numeric output.
+
+    Args:
+        where: ``model 'm' output 'o'`` for messages.
+        array: the output, ``(N, ...)`` when ``batched`` (one ranking per row over the rest,
+            flattened), else any shape (one ranking over all of it).
+        k: classes wanted; more than there are gives them all (as Triton does).
+        batched: the model has a batch axis (``max_batch_size > 0``).
+
+    Returns:
+        BYTES (object array of bytes) ``(N, k)`` when batched, else ``(k,)``; each element
+        ``b"<value>:<index>"``, value as C's ``%f`` (Triton's ``std::to_string``), highest first,
+        ties by lower index.
+
+    Raises:
+        InvalidInput: the output is not numeric (BYTES or BOOL).
+    """
+    if array.dtype.kind not in "iuf":
+        raise InvalidInput(f"{where}: classification needs a numeric output, this one is {array.dtype}")
+    rows = array.reshape(array.shape[0] if batched and array.ndim else 1, -1)
+    k = min(k, rows.shape[1])
+    order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty(order.shape, dtype=object)
+    for r, row in enumerate(order):
+        for j, index in enumerate(row):
+            out[r, j] = f"{float(rows[r, index]):f}:{int(index)}".encode()
+    return out if batched else out.reshape(k)
+
+
+def apply_classification(model_name: str, batched: bool, output_parameters: Mapping[str, Mapping[str, Any]],
+                         outputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``outputs`` with every output that asked for ``classification`` replaced by its top-k.
+
+    Raises:
+        InvalidInput: a bad ``classification`` value, or a non-numeric output.
+    """
+    result = dict(outputs)
+    for name, params in output_parameters.items():
+        k = class_count(f"output '{name}'", params)
+        if k is not None and name in result:
+            result[name] = classify(f"model '{model_name}' output '{name}'", result[name], k, batched)
+    return result
