@@ -131,8 +131,7 @@ class RouterApp:
 
     # --- readiness -------------------------------------------------------------------------
     async def poll_ready(self) -> None:
-        """Mark each dedicated model ready once a replica answers, then log the ready line
-        (``deployments.logs``: it reaches the ``serve run`` terminal)."""
+        """Mark each dedicated model ready once a replica answers; returns when all have."""
         pending = set(self.client.dedicated)
         while pending:
             for name in sorted(pending):
@@ -144,19 +143,6 @@ class RouterApp:
                     pass
             if pending:
                 await asyncio.sleep(_READY_POLL_S)
-        url = await self._base_url()
-        ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
-                          len(self.repo.names()), self.repo.names(), url, url)
-
-    async def _base_url(self) -> str:
-        """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
-        try:  # the controller's HTTP options; Serve has no public getter for them
-            from ray.serve.context import _get_global_client
-
-            options = await asyncio.to_thread(lambda: _get_global_client().http_config)
-            return f"http://{options.host}:{options.port}"
-        except Exception:
-            return "http://<http_options.host>:<http_options.port>"
 
     async def _backend(self, entry: ModelEntry) -> str:
         """The backend serving ``entry``: ``pipeline``, the one a dedicated replica loaded
@@ -376,8 +362,26 @@ class Router(RouterApp):
         super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
         show_on_terminal()
         loop = asyncio.get_running_loop()
-        self._poller = loop.create_task(self.poll_ready())
+        self._poller = loop.create_task(self._announce_when_ready())
         self._watcher = loop.create_task(self.watch_replicas())
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.build_app()
+
+    async def _announce_when_ready(self) -> None:
+        """``poll_ready``, then the ready line (``deployments.logs``: it reaches the ``serve run``
+        terminal)."""
+        await self.poll_ready()
+        url = await self._base_url()
+        ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
+                          len(self.repo.names()), self.repo.names(), url, url)
+
+    async def _base_url(self) -> str:
+        """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
+        try:  # the controller's HTTP options; Serve has no public getter for them
+            from ray.serve.context import _get_global_client
+
+            options = await asyncio.to_thread(lambda: _get_global_client().http_config)
+            return f"http://{options.host}:{options.port}"
+        except Exception:
+            return "http://<http_options.host>:<http_options.port>"

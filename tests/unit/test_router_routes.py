@@ -112,7 +112,7 @@ def test_live_ready_and_server_metadata(router):
     assert router.get("/v2/health/live").json() == {"live": True}
     assert router.get("/v2/health/ready").json() == {"ready": True}
     meta = router.get("/v2").json()
-    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "binary_tensor_data", "classification"]
+    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "model_configuration", "binary_tensor_data", "classification"]
 
 
 def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):
@@ -125,9 +125,10 @@ def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router
 def test_repository_index_says_which_models_load_on_first_request(router, repo):
     index = {i["name"]: i for i in router.post("/v2/repository/index").json()}
     assert sorted(index) == repo.names()
-    assert all(i["state"] == "READY" for i in index.values())
-    assert index["tiny_cnn"]["reason"] == "multiplexed pool: loads on first request"
-    assert "reason" not in index["ocr_det"]
+    pooled = {n for n in repo.names() if repo.get(n).config.deployment.mode == "pool" and not repo.get(n).config.pipeline}
+    assert all(index[n]["state"] == "READY" and "reason" not in index[n] for n in set(index) - pooled)
+    assert index["tiny_cnn"] == {"name": "tiny_cnn", "version": "1", "state": "UNAVAILABLE",
+                                 "reason": "not loaded yet; loads on first request"}
 
 
 def test_memory_gathers_dedicated_engines_and_the_pool(router):
@@ -338,7 +339,7 @@ def test_header_length_beyond_the_body_is_400(router):
 
 def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(repo):
     client = FakeModelClient(repo)
-    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
     asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
     router = TestClient(app.build_app(), raise_server_exceptions=False)
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
@@ -355,7 +356,7 @@ def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(re
 
 def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(repo):
     client = FakeModelClient(repo, not_ready={"ocr_det"})
-    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0, backend="auto"))
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
     app.refresh_ready({"ocr_det": 1})
     router = TestClient(app.build_app(), raise_server_exceptions=False)
     assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
