@@ -155,9 +155,10 @@ class RouterApp:
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         # A model name holding '/' (e.g. "../x" sent as "..%2Fx") matches no route: answer it
-        # exactly as any unknown model name, without touching the filesystem.
+        # exactly as any unknown model name, without touching the filesystem. A known model
+        # followed by a route this server lacks (".../simple/stats") is an unknown route.
         match = _MODEL_PATH.match(request.url.path)
-        if match:
+        if match and match.group("name").partition("/")[0] not in self.repo.names():
             return error_response(unknown_model(match.group("name"), f"available models: {self.repo.names()}"))
         return error_response(ModelNotFound(
             f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))

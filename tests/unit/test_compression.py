@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import zlib
 
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.testclient import TestClient
 
 from deployments.protocol.compression import CompressionMiddleware, decompress, preferred_coding
 from deployments.protocol.errors import error_status
@@ -74,37 +75,40 @@ def test_response_coding_follows_accept_encoding_weights(header, coding):
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
+def app() -> Starlette:
     async def big(request):
         return Response(BODY, media_type="application/json")
 
     async def small(request):
         return Response(b'{"live":true}', media_type="application/json")
 
-    app = Starlette(routes=[Route("/big", big), Route("/small", small)],
-                    middleware=[Middleware(CompressionMiddleware)])
-    return TestClient(app)
+    return Starlette(routes=[Route("/big", big), Route("/small", small)],
+                     middleware=[Middleware(CompressionMiddleware)])
 
 
-def raw_get(client: TestClient, path: str, accept: str) -> tuple[dict, bytes]:
-    """Status headers and the body exactly as sent (no client-side decoding)."""
-    with client.stream("GET", path, headers={"Accept-Encoding": accept}) as r:
-        return dict(r.headers), b"".join(r.iter_raw())
+def raw_get(app: Starlette, path: str, accept: str) -> tuple[dict, bytes]:
+    """Headers and the body exactly as the app sent them (no client-side decoding)."""
+    async def get() -> tuple[dict, bytes]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async with client.stream("GET", path, headers={"Accept-Encoding": accept}) as r:
+                return dict(r.headers), b"".join([chunk async for chunk in r.aiter_raw()])
+
+    return asyncio.run(get())
 
 
 @pytest.mark.parametrize("accept, coding, decode", [
     ("deflate", "deflate", zlib.decompress), ("gzip", "gzip", gzip.decompress),
     ("gzip;q=0.1, deflate", "deflate", zlib.decompress),
 ])
-def test_responses_are_compressed_as_asked(client, accept, coding, decode):
-    headers, body = raw_get(client, "/big", accept)
+def test_responses_are_compressed_as_asked(app, accept, coding, decode):
+    headers, body = raw_get(app, "/big", accept)
     assert headers["content-encoding"] == coding and headers["vary"] == "Accept-Encoding"
     assert int(headers["content-length"]) == len(body) < len(BODY)
     assert decode(body) == BODY
 
 
 @pytest.mark.parametrize("path, accept", [("/big", "br"), ("/big", "identity"), ("/small", "deflate")])
-def test_responses_stay_plain_when_no_coding_fits_or_the_body_is_small(client, path, accept):
-    headers, body = raw_get(client, path, accept)
+def test_responses_stay_plain_when_no_coding_fits_or_the_body_is_small(app, path, accept):
+    headers, body = raw_get(app, path, accept)
     assert "content-encoding" not in headers
     assert body in (BODY, b'{"live":true}')
