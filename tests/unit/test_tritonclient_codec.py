@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from deployments.protocol.binary import HEADER_LENGTH, decode_request, encode_response
+from deployments.protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.contract.validation import validate_inputs, validate_outputs
 
@@ -18,7 +18,7 @@ Client = httpclient.InferenceServerClient
 def request_of(inputs, outputs=None):
     """tritonclient's request body -> our ``InferRequest``."""
     body, json_size = Client.generate_request_body(inputs, outputs=outputs)
-    return decode_request(body, None if json_size is None else str(json_size))
+    return decode_body([body], None if json_size is None else str(json_size))
 
 
 def result_of(request, outputs: dict[str, np.ndarray]):
