@@ -26,7 +26,7 @@ from deployments.ingress import PLATFORMS
 from deployments.protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import model_metadata
-from deployments.runtime.contract.errors import ModelNotFound
+from deployments.runtime.contract.errors import ModelNotFound, unknown_model
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelRepository
 
@@ -44,7 +44,7 @@ def create_app(repository: str, models: Sequence[str] | None = None, backend: st
     def host_of(request: Request) -> ModelHost:
         name = request.path_params["name"]
         if name not in hosts:
-            raise ModelNotFound(f"unknown model '{name}'; available models: {sorted(hosts)}")
+            raise unknown_model(name, f"available models: {sorted(hosts)}")
         return hosts[name]
 
     async def infer(request: Request) -> Response:

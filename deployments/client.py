@@ -13,7 +13,7 @@ import numpy as np
 from ray import serve
 from ray.exceptions import RayActorError
 
-from .runtime.contract.errors import ModelNotFound, ModelNotReady
+from .runtime.contract.errors import ModelNotReady, unknown_model
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,7 +54,7 @@ class ModelClient:
             return self.dedicated[name]
         if name in self.pool_models and self.pool is not None:
             return self.pool.options(multiplexed_model_id=name)
-        raise ModelNotFound(f"unknown model '{name}'")
+        raise unknown_model(name, "no deployment serves it")
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray],
                     outputs: list[str] | None = None) -> dict[str, np.ndarray]:

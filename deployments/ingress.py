@@ -6,7 +6,8 @@ Routes (Open Inference Protocol, plus Triton's repository index):
     POST /v2/models/{name}[/versions/{version}]/infer
     POST /v2/repository/index
     GET  /v2/memory
-Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``).
+Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
+bodies may be gzip/deflate compressed and responses are, as Accept-Encoding asks (``protocol.compression``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
 
 ``RouterApp`` holds the routes and builds the Starlette app from a repository and a
@@ -28,6 +29,7 @@ from urllib.parse import unquote
 
 from ray import serve
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,11 +38,13 @@ from . import __version__
 from .client import ModelClient
 from .logs import ready_logger, show_on_terminal
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
+from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import error_status, retry_after_headers
 from .protocol.parameters import apply_classification
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
-from .runtime.contract.errors import InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady, PayloadTooLarge
+from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady,
+                                      PayloadTooLarge, unknown_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
@@ -125,7 +129,8 @@ class RouterApp:
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
             Route("/v2/memory", self.memory, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed},
+            middleware=[Middleware(CompressionMiddleware)])
         app.router.redirect_slashes = False  # a trailing slash is an unknown route (404), not a redirect
         return app
 
@@ -225,8 +230,7 @@ class RouterApp:
         if raw.startswith("/v2/models/"):
             name = unquote(raw[len("/v2/models/"):].split("/")[0])
             if name not in self.repo.names():
-                return error_response(ModelNotFound(
-                    f"unknown model '{name}'; available models: {self.repo.names()}"))
+                return error_response(unknown_model(name, f"available models: {self.repo.names()}"))
             return error_response(ModelNotFound(
                 f"no route {request.method} {request.url.path}; model routes: {_MODEL_ROUTES}"))
         return error_response(ModelNotFound(
@@ -317,6 +321,9 @@ class RouterApp:
                 chunks.append(chunk)
         except ClientDisconnect:  # a client mistake, not a server fault: no 5xx, no error log
             raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None:
+            chunks = [decompress(b"".join(chunks), encoding, self.max_body_bytes)]
         return chunks
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,

@@ -159,8 +159,8 @@ def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, 
     expected = count * dtype.itemsize
     if len(raw) != expected:
         raise InvalidInput(
-            f"{where}: shape {list(shape)} x {datatype} needs {expected} bytes, binary_data_size "
-            f"gives {len(raw)} bytes")
+            f"input byte size mismatch for {where}. Expected {expected}, got {len(raw)}; {where}: shape "
+            f"{list(shape)} x {datatype} needs {expected} bytes, binary_data_size gives {len(raw)} bytes")
     if datatype == "BOOL":
         _check_bool_bytes(where, raw)
     array = np.frombuffer(raw, dtype=dtype, count=count)

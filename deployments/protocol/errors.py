@@ -24,6 +24,7 @@ from ..runtime.contract.errors import (
     Overloaded,
     PayloadTooLarge,
     ServingError,
+    UnsupportedMediaType,
 )
 
 logger = logging.getLogger("ray.serve")  # a name only: lands in the replica's Serve log
@@ -33,6 +34,7 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     ModelNotFound: 404,
     MethodNotAllowed: 405,
     PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
     ModelNotReady: 503,
     OverBudget: 503,
     Overloaded: 503,

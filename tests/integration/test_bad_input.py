@@ -54,8 +54,9 @@ def test_malformed_json_is_400(server):
 
 
 def test_unknown_model_and_version_are_404(server):
-    assert_error(post(server, "/v2/models/nope/infer", {"inputs": [GOOD]}), 404, "unknown model 'nope'")
-    assert_error(requests.get(f"{server}/v2/models/nope"), 404, "unknown model 'nope'")
+    assert_error(post(server, "/v2/models/nope/infer", {"inputs": [GOOD]}), 404,
+                 "Request for unknown model: 'nope' is not found")
+    assert_error(requests.get(f"{server}/v2/models/nope"), 404, "Request for unknown model: 'nope' is not found")
     assert_error(post(server, "/v2/models/tiny_cnn/versions/7/infer", {"inputs": [GOOD]}), 404,
                  "no version '7'", "versions: [1]")
     assert_error(requests.get(f"{server}/v2/models/tiny_cnn/versions/x"), 404, "no version 'x'")
@@ -65,7 +66,7 @@ def test_unknown_model_and_version_are_404(server):
 def test_path_like_model_names_are_404_like_any_unknown_name(server, path):
     status, body = raw_get(server, path)
     assert status == 404
-    assert body["error"].startswith("unknown model '"), body
+    assert body["error"].startswith("Request for unknown model: '"), body
 
 
 def test_wrong_datatype_is_400_naming_the_input(server):

@@ -9,7 +9,9 @@ Ray Serve stays in ``tests/integration``.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from typing import Any
 
 import numpy as np
@@ -211,8 +213,9 @@ def test_model_slower_than_the_request_timeout_is_504(repo):
 # --- moved from tests/integration/test_bad_input.py (HTTP-level cases) -------------------------
 
 def test_unknown_model_and_version_are_404(router):
-    assert_error(post(router, "/v2/models/nope/infer", {"inputs": [GOOD]}), 404, "unknown model 'nope'")
-    assert_error(router.get("/v2/models/nope"), 404, "unknown model 'nope'")
+    assert_error(post(router, "/v2/models/nope/infer", {"inputs": [GOOD]}), 404,
+                 "Request for unknown model: 'nope' is not found; available models: [")
+    assert_error(router.get("/v2/models/nope"), 404, "Request for unknown model: 'nope' is not found")
     assert_error(post(router, "/v2/models/tiny_cnn/versions/7/infer", {"inputs": [GOOD]}), 404,
                  "no version '7'", "versions: [1]")
     assert_error(router.get("/v2/models/tiny_cnn/versions/x"), 404, "no version 'x'")
@@ -225,7 +228,7 @@ def test_unknown_model_and_version_are_404(router):
 def test_path_like_model_names_are_404_like_any_unknown_name(router, path):
     r = router.get(path)
     assert r.status_code == 404
-    assert r.json()["error"].startswith("unknown model '"), r.json()
+    assert r.json()["error"].startswith("Request for unknown model: '"), r.json()
 
 
 def test_unknown_route_is_404_naming_it(router):
@@ -240,7 +243,11 @@ def test_wrong_method_is_405_naming_the_allowed_one(router):
 
 def test_trailing_slash_is_404_not_a_redirect(router):
     r = post(router, "/v2/models/tiny_cnn/infer/", {"inputs": [GOOD]}, follow_redirects=False)
-    assert_error(r, 404, "no route POST /v2/models/tiny_cnn/infer/")
+    assert_error(r, 404, "no route POST /v2/models/tiny_cnn/infer/")  # tiny_cnn exists: the route does not
+
+
+def test_a_known_model_with_a_route_this_server_lacks_is_an_unknown_route(router):
+    assert_error(router.get("/v2/models/simple/stats"), 404, "no route GET /v2/models/simple/stats")
 
 
 def test_body_over_limit_is_413(router):  # by its declared Content-Length
@@ -373,3 +380,46 @@ def test_class_count_answers_the_top_k_as_bytes_and_the_extension_is_advertised(
     assert out == {"name": "logits", "datatype": "BYTES", "shape": [2, 2],
                    "data": ["10.000000:7", "8.000000:3", "2.000000:9", "0.000000:0"]}
     assert "classification" in router.get("/v2").json()["extensions"]
+
+
+# --- compressed bodies (protocol.compression) ------------------------------------------------
+
+@pytest.mark.parametrize("coding, encode", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+def test_a_compressed_request_reaches_the_model_decoded(repo, coding, encode):
+    router, client = make_router(repo)
+    r = router.post("/v2/models/tiny_cnn/infer", content=encode(json.dumps({"inputs": [GOOD]}).encode()),
+                    headers={"Content-Encoding": coding, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    ((name, inputs, _),) = client.calls
+    assert name == "tiny_cnn" and inputs["input"].shape == (1, 3, 224, 224)
+
+
+def test_a_compressed_binary_request_keeps_its_header_length(repo):
+    router, client = make_router(repo)
+    x = np.arange(3 * 224 * 224, dtype=np.float32).reshape(1, 3, 224, 224)
+    head = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    r = router.post("/v2/models/tiny_cnn/infer", content=gzip.compress(head + x.tobytes()),
+                    headers={"Content-Encoding": "gzip", "Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(client.calls[0][1]["input"], x)
+
+
+def test_an_unknown_content_encoding_is_415(router):
+    r = router.post("/v2/models/tiny_cnn/infer", content=b"{}", headers={"Content-Encoding": "br"})
+    assert_error(r, 415, "Content-Encoding 'br' is not supported; supported: ['deflate', 'gzip', 'identity']")
+
+
+def test_a_body_decompressing_over_the_limit_is_413(router):
+    r = router.post("/v2/models/tiny_cnn/infer", content=gzip.compress(b" " * (LIMIT_BYTES + 1)),
+                    headers={"Content-Encoding": "gzip"})
+    assert_error(r, 413, f"to more than the limit of {LIMIT_BYTES} bytes")
+
+
+@pytest.mark.parametrize("coding, decode", [("deflate", zlib.decompress), ("gzip", gzip.decompress)])
+def test_the_response_is_compressed_as_accept_encoding_asks(router, coding, decode):
+    with router.stream("POST", "/v2/models/tiny_cnn/infer", content=json.dumps({"inputs": [GOOD]}),
+                       headers={"Accept-Encoding": coding}) as r:
+        raw = b"".join(r.iter_raw())
+    assert r.status_code == 200 and r.headers["content-encoding"] == coding
+    assert json.loads(decode(raw))["outputs"][0]["shape"] == [1, 1000]

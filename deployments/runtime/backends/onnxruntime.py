@@ -1,4 +1,10 @@
-"""ONNX Runtime backend (CPU): the default on machines without a TensorRT GPU."""
+"""ONNX Runtime backend (CPU): the default on machines without a TensorRT GPU.
+
+BYTES tensors are ONNX ``tensor(string)``: ONNX Runtime takes numpy object arrays of ``str`` (it
+would turn a ``bytes`` element into the text ``"b'...'"``) and returns ``str`` elements. The
+context decodes BYTES inputs as UTF-8 (strictly: other bytes are a client error) and encodes
+string outputs back to UTF-8 ``bytes``, so the protocol layer sees bytes both ways.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,41 @@ from ..contract.config import ModelConfig
 from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
 from .base import Footprint
 from .process import measured_rss_bytes
-from ..contract.errors import ConfigError, InferenceError
+from ..contract.errors import ConfigError, InferenceError, InvalidInput
 from ..contract.repository import MODEL_FILENAME
+
+
+def _text_array(model: str, name: str, array: np.ndarray) -> np.ndarray:
+    """A BYTES input (object array of ``bytes``, or a numpy ``S``/``U`` array) -> object array of
+    ``str``, same shape, for a ``tensor(string)`` input.
+
+    Raises:
+        InvalidInput: an element is not valid UTF-8; the message names the input, the element's
+            flat index and the first bad byte.
+    """
+    flat = array.reshape(-1)
+    text = np.empty(flat.shape, dtype=object)
+    for i, item in enumerate(flat):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            try:
+                text[i] = bytes(item).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InvalidInput(
+                    f"model '{model}' input '{name}': element {i} is not valid UTF-8 (byte {e.start} is "
+                    f"0x{bytes(item)[e.start]:02x}); this model's BYTES inputs are ONNX strings, which hold "
+                    "UTF-8 text") from None
+        else:
+            text[i] = str(item)
+    return text.reshape(array.shape)
+
+
+def _bytes_array(array: np.ndarray) -> np.ndarray:
+    """A ``tensor(string)`` output (object array of ``str``) -> object array of UTF-8 ``bytes``."""
+    flat = array.reshape(-1)
+    out = np.empty(flat.shape, dtype=object)
+    for i, item in enumerate(flat):
+        out[i] = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+    return out.reshape(array.shape)
 
 
 class OnnxRuntimeContext:
@@ -24,14 +63,22 @@ class OnnxRuntimeContext:
         self._engine = engine
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        session = self._engine.session
-        feeds = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
+        """Run one request: input name -> array; returns every output by name (BYTES as bytes).
+
+        Raises:
+            InvalidInput: a BYTES element is not valid UTF-8 (names input, element and byte).
+            InferenceError: ONNX Runtime's run failed.
+        """
+        engine = self._engine
+        model = engine.config.name
+        feeds = {name: _text_array(model, name, a) if name in engine.string_inputs else np.ascontiguousarray(a)
+                 for name, a in inputs.items()}
         try:
-            values = session.run(self._engine.output_names, feeds)
+            values = engine.session.run(engine.output_names, feeds)
         except Exception as e:  # ORT raises its own types for shape/runtime faults
-            raise InferenceError(
-                f"model '{self._engine.config.name}': ONNX Runtime run failed ({type(e).__name__})") from e
-        return dict(zip(self._engine.output_names, values))
+            raise InferenceError(f"model '{model}': ONNX Runtime run failed ({type(e).__name__})") from e
+        return {name: _bytes_array(v) if name in engine.string_outputs else v
+                for name, v in zip(engine.output_names, values)}
 
     def close(self) -> None:
         pass
@@ -67,6 +114,8 @@ class OnnxRuntimeEngine:
         self._engine_bytes = max(0, measured_rss_bytes() - before)
         self._check_signature()
         self.output_names = [t.name for t in config.outputs]
+        self.string_inputs = frozenset(t.name for t in config.inputs if t.datatype == "BYTES")
+        self.string_outputs = frozenset(t.name for t in config.outputs if t.datatype == "BYTES")
 
     def _check_signature(self) -> None:
         where = f"model '{self.config.name}'"

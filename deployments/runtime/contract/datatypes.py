@@ -60,3 +60,11 @@ def datatype_of(array: np.ndarray) -> str:
         if dtype == array.dtype:
             return name
     raise KeyError(f"numpy dtype {array.dtype} has no KServe v2 datatype")
+
+
+def zeros(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of ``shape`` holding zero of ``datatype``: numeric zeros, or for BYTES the text
+    ``b"0"`` in every element (an object array), which a model parsing numbers from strings accepts."""
+    if datatype == "BYTES":
+        return np.full(shape, b"0", dtype=object)
+    return np.zeros(shape, dtype=NUMPY_BY_DATATYPE[datatype])

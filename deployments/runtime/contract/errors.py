@@ -35,6 +35,11 @@ class PayloadTooLarge(ServingError):
     """The request body is over the configured limit (HTTP 413)."""
 
 
+class UnsupportedMediaType(ServingError):
+    """The request body uses an encoding the server cannot decode, e.g. ``Content-Encoding: br``
+    (HTTP 415)."""
+
+
 class ModelNotReady(ServingError):
     """The model exists but is not loaded or still loading (HTTP 503)."""
 
@@ -70,3 +75,14 @@ class EngineFault(InferenceError):
 
 class ConfigError(ServingError):
     """A model repository or application config is invalid; raised at start, names file and field."""
+
+
+def unknown_model(name: str, detail: str, version: str | None = None) -> ModelNotFound:
+    """``ModelNotFound`` worded as Triton words it, our detail after it:
+    ``Request for unknown model: 'name' [version V ]is not found; <detail>``.
+
+    Triton's example clients check ``message().startswith("Request for unknown model")``
+    (source: Triton core, ``ModelRepositoryManager::GetModel`` / ``FindModelIdentifier``).
+    """
+    what = f"'{name}'" if version is None else f"'{name}' version {version}"
+    return ModelNotFound(f"Request for unknown model: {what} is not found; {detail}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelConfig, load_model_config
-from .errors import ConfigError, ModelNotFound
+from .errors import ConfigError, unknown_model
 
 MODEL_FILENAME = "model.onnx"
 _VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
@@ -98,12 +98,12 @@ class ModelRepository:
         """
         entry = self._entries.get(name)
         if entry is None:
-            raise ModelNotFound(f"unknown model '{name}'; available models: {self.names()}")
+            raise unknown_model(name, f"available models: {self.names()}")
         if version is not None:
             if not _VERSION.fullmatch(version) or int(version) not in entry.versions:
-                raise ModelNotFound(
-                    f"model '{name}' has no version '{version}'; versions: {list(entry.versions)}")
+                raise unknown_model(name, f"model '{name}' has no version '{version}'; versions: "
+                                    f"{list(entry.versions)}", version)
             if int(version) != entry.latest:
-                raise ModelNotFound(
-                    f"version {version} of model '{name}' is not served; served version: {entry.latest}")
+                raise unknown_model(name, f"version {version} of model '{name}' is not served; served "
+                                    f"version: {entry.latest}", version)
         return entry

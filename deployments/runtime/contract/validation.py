@@ -7,38 +7,75 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from .config import ModelConfig
-from .datatypes import NUMPY_BY_DATATYPE
+from .datatypes import NUMPY_BY_DATATYPE, datatype_of
 from .errors import InvalidInput
 
 
+def _dims_text(dims: Iterable[int]) -> str:
+    """Dims as Triton prints them (``DimsListToString``): ``[-1,16]``."""
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def _datatype_text(array: np.ndarray) -> str:
+    try:
+        return datatype_of(array)
+    except KeyError:
+        return str(array.dtype)
+
+
 def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> None:
-    """Check names, dtypes, ranks and every axis against the optimization profile.
+    """Check names, dtypes, ranks, the batch size and every axis against the optimization profile.
+
+    Each message starts with Triton's wording for the same fault (source: Triton core,
+    ``InferenceRequest::Normalize`` and ``Model::GetInput``), then names the model, the input,
+    the axis and the allowed range.
 
     Args:
         config: the model's contract.
         inputs: input name -> array; shapes include the batch axis when ``max_batch_size > 0``.
 
     Raises:
-        InvalidInput: naming the model, the input, the axis and the allowed range.
+        InvalidInput: see above.
     """
+    model = config.name
     expected = {t.name for t in config.inputs}
     missing = sorted(expected - inputs.keys())
     unknown = sorted(inputs.keys() - expected)
     if missing or unknown:
+        if unknown:
+            triton = f"unexpected inference input '{unknown[0]}' for model '{model}'"
+        else:
+            triton = (f"expected {len(expected)} inputs but got {len(inputs)} inputs for model '{model}'. "
+                      f"Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
+                      "Please provide all required input(s)")
         raise InvalidInput(
-            f"model '{config.name}' expects inputs {sorted(expected)}; "
-            f"missing {missing}, unknown {unknown}")
+            f"{triton}; model '{model}' expects inputs {sorted(expected)}; missing {missing}, unknown {unknown}")
     batch = None
     for spec in config.inputs:
         array = inputs[spec.name]
+        where = f"model '{model}' input '{spec.name}'"
         want = NUMPY_BY_DATATYPE[spec.datatype]
         if array.dtype != want and not (spec.datatype == "BYTES" and array.dtype.kind in "OSU"):
             raise InvalidInput(
-                f"model '{config.name}' input '{spec.name}': datatype must be {spec.datatype}")
+                f"inference input '{spec.name}' data-type is '{_datatype_text(array)}', but model "
+                f"'{model}' expects '{spec.datatype}'; {where}: datatype must be {spec.datatype}")
+        shape_fault = (f"unexpected shape for input '{spec.name}' for model '{model}'. Expected "
+                       f"{_dims_text(spec.dims)}, got {_dims_text(array.shape)}")
         if array.ndim != len(spec.dims):
             raise InvalidInput(
-                f"model '{config.name}' input '{spec.name}': expected rank {len(spec.dims)} "
-                f"(dims {list(spec.dims)}), got shape {list(array.shape)}")
+                f"{shape_fault}; {where}: expected rank {len(spec.dims)} (dims {list(spec.dims)}), "
+                f"got shape {list(array.shape)}")
+        if config.max_batch_size:
+            if array.shape[0] > config.max_batch_size:
+                raise InvalidInput(
+                    f"inference request batch-size must be <= {config.max_batch_size} for '{model}'; "
+                    f"{where}: axis 0 is {array.shape[0]}, allowed [1, {config.max_batch_size}] "
+                    "(max_batch_size)")
+            if batch is not None and array.shape[0] != batch:
+                raise InvalidInput(
+                    f"input '{spec.name}' batch size does not match other inputs for '{model}'; "
+                    f"model '{model}': inputs disagree on batch size (axis 0): {batch} and {array.shape[0]}")
+            batch = array.shape[0]
         lo, hi = spec.bounds()
         for axis, size in enumerate(array.shape):
             step = spec.multiple_of[axis] if spec.multiple_of else 1
@@ -47,25 +84,16 @@ def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> No
                 if step > 1:
                     allowed += f" and a multiple of {step}"
                 raise InvalidInput(
-                    f"model '{config.name}' input '{spec.name}': axis {axis} is {size}, "
-                    f"allowed {allowed} (shape {list(array.shape)})")
-        if config.max_batch_size:
-            if array.shape[0] > config.max_batch_size:
-                raise InvalidInput(
-                    f"model '{config.name}' input '{spec.name}': batch (axis 0) is "
-                    f"{array.shape[0]}, allowed [1, {config.max_batch_size}] (max_batch_size)")
-            if batch is not None and array.shape[0] != batch:
-                raise InvalidInput(
-                    f"model '{config.name}': inputs disagree on batch size (axis 0): "
-                    f"{batch} and {array.shape[0]}")
-            batch = array.shape[0]
+                    f"{shape_fault}; {where}: axis {axis} is {size}, allowed {allowed} "
+                    f"(shape {list(array.shape)})")
 
 
 def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list[str]:
     """The output names to return: all declared ones when ``outputs`` is None.
 
     Raises:
-        InvalidInput: a requested output the model does not declare, naming the declared ones.
+        InvalidInput: a requested output the model does not declare, naming the declared ones
+            (Triton's "unexpected inference output" first).
     """
     declared = [t.name for t in config.outputs]
     if outputs is None:
@@ -73,7 +101,9 @@ def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list
     wanted = list(outputs)
     unknown = [n for n in wanted if n not in declared]
     if unknown:
-        raise InvalidInput(f"model '{config.name}' has no outputs {unknown}; outputs: {declared}")
+        raise InvalidInput(
+            f"unexpected inference output '{unknown[0]}' for model '{config.name}'; model "
+            f"'{config.name}' has no outputs {unknown}; outputs: {declared}")
     return wanted
 
 

@@ -66,7 +66,7 @@ from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
 from ..contract.config import CacheOptions
-from ..contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
+from ..contract.errors import ConfigError, ModelNotReady, OverBudget, ServingError, unknown_model
 from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
@@ -200,7 +200,7 @@ class ModelCache:
             ConfigError, InferenceError: this request's load of the model failed.
         """
         if name not in self._slots:
-            raise ModelNotFound(f"unknown model '{name}'; this replica serves {self.names}")
+            raise unknown_model(name, f"this replica serves {self.names}")
         return Lease(self, name)
 
     def infer(self, name: str, inputs: Mapping[str, np.ndarray],
@@ -299,7 +299,7 @@ class ModelCache:
     def _slot(self, name: str) -> _Slot:
         slot = self._slots.get(name)
         if slot is None:
-            raise ModelNotFound(f"unknown model '{name}'; this replica serves {self.names}")
+            raise unknown_model(name, f"this replica serves {self.names}")
         return slot
 
     def _try_checkout(self, name: str) -> ModelHost | None:

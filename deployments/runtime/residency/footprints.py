@@ -33,7 +33,7 @@ from ..backends.base import Footprint
 from ..backends.select import requested_backend, resolve_backend
 from ..contract.files import write_atomic
 from ..contract.config import ModelConfig
-from ..contract.datatypes import NUMPY_BY_DATATYPE
+from ..contract.datatypes import zeros
 from ..contract.repository import ModelEntry
 from ..contract.shapes import batch_of, max_profile_shapes
 from .host import ModelHost
@@ -87,8 +87,8 @@ def measure_context_bytes(host: ModelHost, measure_elements: int | None = MEASUR
             by ``max_batch / batch``. None runs the full max batch.
         runs: requests to run; the second captures the arena's fragmentation (module docstring).
 
-    The inputs are zeros of the declared dtypes; they exist before the first reading and the
-    outputs are dropped before the last, so neither is counted.
+    The inputs are zeros of the declared datatypes (BYTES: the text "0", ``datatypes.zeros``); they
+    exist before the first reading and the outputs are dropped before the last, so neither is counted.
 
     Raises:
         InferenceError, InvalidInput: from ``host.infer``.
@@ -96,7 +96,7 @@ def measure_context_bytes(host: ModelHost, measure_elements: int | None = MEASUR
     config = host.config
     full = batch_of(config)
     batch = measure_batch_of(config, measure_elements)
-    feeds = {name: np.zeros(shape, dtype=NUMPY_BY_DATATYPE[config.input(name).datatype])
+    feeds = {name: zeros(config.input(name).datatype, shape)
              for name, shape in max_profile_shapes(config, batch if config.max_batch_size else None).items()}
     before = measured_rss_bytes()
     for _ in range(runs):

@@ -501,7 +501,8 @@ def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget,
 
 def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[ModelSource], list[BuildResult]]:
     """Non-pipeline models under ``root`` (only ``names`` when given), latest version each,
-    as ``ModelRepository`` indexes them.
+    as ``ModelRepository`` indexes them; models whose config says ``backend: onnxruntime``
+    (string tensors, which TensorRT lacks) are skipped.
 
     Returns:
         ``(sources, failures)``: a model with no ``<version>/model.onnx`` or an unknown name
@@ -516,6 +517,8 @@ def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[M
     sources = []
     for entry in repo.entries():
         if (names and entry.name not in names) or entry.config.pipeline:
+            continue
+        if entry.config.backend == "onnxruntime":  # pinned to ONNX Runtime: no plan to build
             continue
         if not entry.versions:
             failures.append(BuildResult(entry.name, "failed", error=BuildError(

@@ -1,6 +1,6 @@
 """Prepare the model repository on a fresh machine: ``python -m deployments.runtime.tools.prepare [--root engines]``.
 
-Two kinds of models land in ``<root>/<model>/1/model.onnx`` (ignored by git):
+Three kinds of models land in ``<root>/<model>/1/model.onnx`` (ignored by git):
 
 * **OCR models**, fetched: ``pip download --no-deps rapidocr-onnxruntime==1.4.4`` into
   ``<root>/.cache`` and the three PP-OCR ONNX files extracted from that wheel (Apache-2.0,
@@ -22,6 +22,10 @@ Two kinds of models land in ``<root>/<model>/1/model.onnx`` (ignored by git):
                         kept (conv weights + 9,600 BN gamma/beta); folding replaces gamma/beta
                         by one bias per conv output channel (4,800), hence 4,800 fewer.
   ========  ==========  ==============================================================
+
+* **Triton's quickstart models** ``simple``, ``simple_string``, ``simple_identity``, generated
+  by ``triton_models`` (no weights; the graphs and their tensors are described there), so
+  Triton's example clients run unmodified.
 
 Weights are He-normal (std ``sqrt(2 / fan_in)``, He et al. 2015) from ``numpy.random.RandomState``
 (whose streams numpy keeps stable across versions); the FC layer uses ``sqrt(1 / fan_in)`` and
@@ -48,6 +52,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..contract.files import file_sha256, write_atomic
+from .triton_models import build_simple, build_simple_identity, build_simple_string
 
 MODEL_FILENAME = "model.onnx"  # same as deployments.runtime.repository.MODEL_FILENAME
 VERSION = "1"
@@ -314,9 +319,13 @@ GENERATORS: dict[str, Callable[[], onnx.ModelProto]] = {
     "tiny_cnn": build_tiny_cnn,
     "mid_cnn": build_mid_cnn,
     "resnet18": build_resnet18,
+    "simple": build_simple,
+    "simple_string": build_simple_string,
+    "simple_identity": build_simple_identity,
 }
 
-PARAMETER_COUNTS = {"tiny_cnn": 90_539, "mid_cnn": 4_570_792, "resnet18": 11_684_712}
+PARAMETER_COUNTS = {"tiny_cnn": 90_539, "mid_cnn": 4_570_792, "resnet18": 11_684_712,
+                    "simple": 0, "simple_string": 0, "simple_identity": 0}
 
 # SHA-256 of the serialized models (numpy RandomState streams and protobuf serialization are
 # stable); a fast path for the up-to-date check. A mismatch only costs a regeneration.
@@ -324,6 +333,9 @@ GENERATED_SHA256 = {
     "tiny_cnn": "45f67d977809b8b3cf7c53e61ab014f76ddfe78322af436f0128e06da62d4dd7",
     "mid_cnn": "848d5d9d077f43535b74bc5754bd0cbc05b1d456acd72ec05d102f8d8ddd86c0",
     "resnet18": "588cf66c4f3a09599c1f0748b812c46d9f5c0da9552afef919a9384fed238eba",
+    "simple": "5cd578056d6c3c8b91d93c453d12217b71db9ffc713dbee33d8f3e31192204b4",
+    "simple_string": "02103683c21962d9760ec7a5cf002e3ed60eb21435f3912a8bb42e6a147e2d27",
+    "simple_identity": "d1e77d4d209d93df32fd65a2d2ce78e8f1870b1c66059667d42c75309f2943c8",
 }
 
 
@@ -338,7 +350,8 @@ def generated_model_bytes(name: str) -> bytes:
 
 
 def prepare_generated(root: Path, names: Sequence[str] | None = None, progress: Progress = print) -> list[Path]:
-    """Write the synthetic CNNs to ``<root>/<name>/1/model.onnx``; skip files already correct.
+    """Write the generated models (synthetic CNNs, Triton's quickstart models) to
+    ``<root>/<name>/1/model.onnx``; skip files already correct.
 
     Returns the paths written (empty when everything was up to date).
     """
@@ -360,7 +373,8 @@ def prepare_generated(root: Path, names: Sequence[str] | None = None, progress: 
 
 
 def prepare(root: Path, cache_dir: Path | None = None, progress: Progress = print) -> list[Path]:
-    """Fetch the OCR models and generate the synthetic CNNs under ``root``; idempotent.
+    """Fetch the OCR models and generate the synthetic CNNs and Triton's quickstart models under
+    ``root``; idempotent.
 
     Returns the paths written.
 
@@ -376,7 +390,8 @@ def prepare(root: Path, cache_dir: Path | None = None, progress: Progress = prin
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.runtime.tools.prepare",
-        description="Fetch the OCR models and generate the synthetic CNNs into the model repository.")
+        description="Fetch the OCR models and generate the synthetic CNNs and Triton's quickstart "
+                    "models into the model repository.")
     parser.add_argument("--root", type=Path, default=Path("engines"), help="model repository (default: engines)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the rapidocr wheel is downloaded (default: <root>/.cache)")
