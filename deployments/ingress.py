@@ -46,7 +46,9 @@ EXTENSIONS = ["model_repository", "binary_tensor_data"]
 _READY_POLL_S = 1.0
 _MODEL_PATH = re.compile(r"^/v2/models/(?P<name>.+?)(?:/versions/[^/]*)?(?:/ready|/infer)?/?$")
 # KServe / Triton platform names by backend.
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
+# ONNX Runtime on CPU and on CUDA share Triton's platform name; metadata's ``backend`` tells them apart.
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "onnxruntime_cuda": "onnxruntime_onnx",
+             "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
 
 
 def _answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -100,6 +102,7 @@ class RouterApp:
         self.request_timeout_s = options.request_timeout_s
         # Platform per model for metadata; dedicated replicas report theirs when ready.
         self.platforms = {name: PLATFORMS.get(options.backend, options.backend) for name in self.client.pool_models}
+        self.backends: dict[str, str] = {}  # dedicated models: the backend their replica runs
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
 
@@ -129,6 +132,7 @@ class RouterApp:
                 try:
                     backend = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
                     self.platforms[name] = PLATFORMS.get(backend, backend)
+                    self.backends[name] = backend
                     self.ready_models.add(name)
                     pending.discard(name)
                 except Exception:  # no replica yet, or still loading: poll again
@@ -179,7 +183,8 @@ class RouterApp:
     @_answers_errors
     async def metadata(self, request: Request) -> JSONResponse:
         entry = self._entry(request)
-        return JSONResponse(model_metadata(entry.config, (entry.latest,), self.platforms.get(entry.name, "")))
+        return JSONResponse(model_metadata(entry.config, (entry.latest,), self.platforms.get(entry.name, ""),
+                                           self.backends.get(entry.name)))
 
     @_answers_errors
     async def model_ready(self, request: Request) -> JSONResponse:
