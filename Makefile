@@ -4,6 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= test,bench,tensorrt
+# GPU=1: ONNX Runtime's CUDA build (onnxruntime-gpu, CUDA 12/13 per its version) INSTEAD of the
+# CPU one; both install the module `onnxruntime`, so never both in one environment.
+GPU ?= 0
+ORT_GPU ?= onnxruntime-gpu==1.31.1
+ifeq ($(GPU),1)
+EXTRAS := $(EXTRAS),gpu
+STAMP := $(VENV)/.installed-stamp-gpu
+endif
 
 .PHONY: serve bench test unit integration models engines plan venv clean
 
@@ -12,10 +20,18 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(filter 1,$(GPU)),,$(PY) -m pip uninstall --quiet --yes onnxruntime-gpu)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	# Type stubs for the TensorRT adapter's mypy check; --no-deps because they pin `tensorrt`,
 	# which PyPI only serves from NVIDIA's own index.
 	$(PY) -m pip install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
+ifeq ($(GPU),1)
+	# Swap the CPU build for the CUDA one (uninstall first: they share files of one module).
+	$(PY) -m pip uninstall --quiet --yes onnxruntime onnxruntime-gpu
+	$(PY) -m pip install --quiet --no-deps --force-reinstall '$(ORT_GPU)'
+	$(PY) -c 'import onnxruntime as o; assert "CUDAExecutionProvider" in o.get_available_providers(), o.get_available_providers()'
+endif
+	rm -f $(VENV)/.installed-stamp $(VENV)/.installed-stamp-gpu
 	touch $(STAMP)
 
 # Fetch the OCR models from the rapidocr-onnxruntime wheel and generate the CNNs into engines/.
@@ -27,11 +43,12 @@ models: $(STAMP)
 # routers on the replica's event loop), and gRPC messages up to 2 GiB (the 4 MiB default
 # refuses a (1, 3, 640, 640) FP32 tensor). On a running cluster set them in its environment.
 FAST ?= 1
+CONFIG ?= serve_config.yaml
 FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
 
 # Serve every model in engines/ on 127.0.0.1:8000 (KServe v2 REST).
 serve: models
-	$(if $(filter 1,$(FAST)),$(FAST_ENV)) $(VENV)/bin/serve run serve_config.yaml
+	$(if $(filter 1,$(FAST)),$(FAST_ENV)) $(VENV)/bin/serve run $(CONFIG)
 
 # Ray Serve app vs the single-process baseline (bench/README.md); results in bench/results/.
 bench: models

@@ -53,6 +53,9 @@ class AppArgs(BaseModel):
     router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=256)
     pool: PoolOptions = PoolOptions()
     models: Optional[list[str]] = None  # serve only these models (default: all in the repository)
+    # Per model, fields of its config's `deployment:` section to override for this cluster
+    # (e.g. {ocr_cls: {num_replicas: 4, num_gpus: 0.125}}), without editing the repository.
+    deployments: dict[str, dict[str, Any]] = {}
 
 
 def _cluster_has_gpus() -> bool:
@@ -63,14 +66,43 @@ def _cluster_has_gpus() -> bool:
 
 def ray_options(options: DeploymentOptions, use_gpus: bool) -> dict[str, Any]:
     """Deployment options for ``.options(...)`` from a model's (or the pool's) config."""
-    actor = {"num_cpus": options.num_cpus}
+    actor: dict[str, Any] = {"num_cpus": options.num_cpus}
     if use_gpus and options.num_gpus:
         actor["num_gpus"] = options.num_gpus
+    else:
+        # Ray (since 2.4x) leaves CUDA_VISIBLE_DEVICES alone for actors without GPUs, so such a
+        # replica would see every GPU and `backend: auto` would run on one it never reserved.
+        actor["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
     out: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests}
     if options.autoscaling is not None:
         out["autoscaling_config"] = options.autoscaling.model_dump(exclude_none=True)
     else:
         out["num_replicas"] = options.num_replicas
+    return out
+
+
+def deployment_options(entries: list[Any], overrides: dict[str, dict[str, Any]]) -> dict[str, DeploymentOptions]:
+    """Each model's ``deployment`` section with ``overrides[model]``'s fields put over it.
+
+    Raises:
+        ConfigError: an override names a model not served, or makes an invalid section.
+    """
+    names = {e.name for e in entries}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(f"serve_config.yaml application args: deployments: {unknown} are not served "
+                          f"models; served: {sorted(names)}")
+    out = {}
+    for e in entries:
+        if e.name not in overrides:
+            out[e.name] = e.config.deployment
+            continue
+        try:
+            out[e.name] = DeploymentOptions.model_validate(
+                {**e.config.deployment.model_dump(exclude_unset=True), **overrides[e.name]})
+        except ValidationError as err:
+            fields = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in err.errors())
+            raise ConfigError(f"serve_config.yaml application args: deployments.{e.name}: {fields}") from None
     return out
 
 
@@ -85,11 +117,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     except ValidationError as e:
         raise ConfigError(f"serve_config.yaml application args: {describe_validation_error(e)}") from None
     entries = ModelRepository(app_args.repository, app_args.models).entries()
+    placement = deployment_options(entries, app_args.deployments)
     use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
     if not use_gpus:
         logger.info("no GPU resources in the cluster: models' num_gpus are not reserved")
 
-    pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
+    pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
         pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus)).bind(
@@ -99,13 +132,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         if e.name in pool_models or e.config.pipeline:
             continue
         dedicated[e.name] = ModelDeployment.options(
-            name=f"model-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+            name=f"model-{e.name}", **ray_options(placement[e.name], use_gpus)).bind(
             app_args.repository, e.name, app_args.backend)
     steps = dict(dedicated)
     for e in entries:
         if e.config.pipeline:
             dedicated[e.name] = PipelineDeployment.options(
-                name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus)).bind(
+                name=f"pipeline-{e.name}", **ray_options(placement[e.name], use_gpus)).bind(
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", **ray_options(app_args.router, False)).bind(
         app_args.repository, dedicated, pool, pool_models,

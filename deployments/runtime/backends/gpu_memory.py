@@ -21,6 +21,9 @@ from typing import Any
 from . import cuda
 
 _NVML_LOCK = threading.Lock()
+# This process's GPU bytes once its CUDA context and the provider's libraries were loaded
+# (set by ``onnxruntime_cuda.prime``): what no model accounts for; None before.
+baseline: "GpuReading | None" = None
 _NVML: Any = None  # the pynvml module once nvmlInit succeeded; False once it failed
 
 

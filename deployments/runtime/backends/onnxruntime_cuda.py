@@ -56,6 +56,7 @@ from ..contract.repository import MODEL_FILENAME
 from ..contract.shapes import max_profile_shapes
 from . import cuda
 from .base import Footprint
+from . import gpu_memory
 from .gpu_memory import process_gpu_bytes
 from .onnxruntime import check_signature, session_options
 
@@ -123,6 +124,9 @@ def prime() -> None:
         session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDER])
         session.run(None, {"x": np.ones((1, 1, 8, 8), np.float32)})
         del session
+        gpu_memory.baseline = process_gpu_bytes()
+        logger.info("CUDA provider primed: this process holds %s GPU bytes before any model (%s)",
+                    gpu_memory.baseline.bytes, gpu_memory.baseline.source)
         _PRIMED = True
 
 

@@ -62,6 +62,7 @@ import numpy as np
 
 from ..backends.base import GPU_BACKENDS, Footprint
 from ..backends.process import process_rss_bytes
+from ..backends import gpu_memory
 from ..backends.gpu_memory import process_gpu_bytes
 from ..backends.select import requested_backend, resolve_backend
 from . import footprints
@@ -246,7 +247,9 @@ class ModelCache:
         ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
         ``budget_bytes``; ``max_models``; ``process_rss_bytes`` (the process's resident set
         after the event, for comparison); ``process_gpu_bytes`` and ``gpu_source`` (models on a
-        GPU backend: this process's GPU bytes, ``backends.gpu_memory.process_gpu_bytes``); ``detail`` (refusals: the message).
+        GPU backend: this process's GPU bytes, ``backends.gpu_memory.process_gpu_bytes``);
+        ``gpu_over_baseline_bytes`` (that reading less the process's bytes before any model:
+        what the budget bounds); ``detail`` (refusals: the message).
         """
         with self._cond:
             return [dict(e) for e in self._events]
@@ -262,6 +265,7 @@ class ModelCache:
                 "models": {s.name: {"state": s.state, "bytes": s.bytes, "in_use": s.refcount,
                                     "loads": s.loads, "evictions": s.evictions,
                                     "footprint_source": s.footprint_source, "backend": s.backend,
+                                    "backend_reason": s.host.backend_reason if s.host.ready else "",
                                     "device": s.footprint.device if s.footprint is not None else ""}
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }
@@ -589,6 +593,8 @@ class ModelCache:
         if slot.backend in GPU_BACKENDS:  # the per-process GPU reading beside the accounting
             reading = process_gpu_bytes()
             record["process_gpu_bytes"], record["gpu_source"] = reading.bytes, reading.source
+            if gpu_memory.baseline is not None:  # the models' share: over the CUDA context's bytes
+                record["gpu_over_baseline_bytes"] = reading.bytes - gpu_memory.baseline.bytes
         self._events.append(record)
         budget = format_mib(self.budget_bytes) if self.budget_bytes is not None else "no budget"
         if event == "refused":
