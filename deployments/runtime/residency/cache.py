@@ -408,6 +408,11 @@ class ModelCache:
             if source != "predicted":
                 self._refuse_if_alone_over_budget(slot, estimate, source)
             need = estimate.total(instances)
+            if source == "predicted" and slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
+                # The graph prediction is host-side; on a GPU a first load could overshoot it and,
+                # until the evictions after it, the budget (seen on the H200: +10 MB). Make room
+                # for the whole budget instead; reloads use the measured footprint.
+                need = self.budget_bytes
             reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
             self._reserve(slot, reserved, deadline, adds_model=True)
             try:
