@@ -11,7 +11,7 @@ Starts ``serve run CONFIG`` (Ray's fast paths on), waits for ready, then records
 * an LRU churn over the pool's models (each request a different model than the last), reading
   the pool's ``/v2/memory`` after every request: ``resident_bytes`` (the accounting) and
   ``gpu_over_baseline_bytes`` of every load/evict event (the replica's own NVML reading less
-  its bytes before any model), both against ``memory_budget_mb``.
+  its bytes before any model), both against ``memory_budget_mib``.
 
     python -m bench.gpu_serve_check --config serve_config.gpu.yaml [--churn 30] [--out DIR]
 
@@ -79,7 +79,8 @@ def main(argv: Sequence[str]) -> None:
     config = yaml.safe_load(Path(a.config).read_text())
     app = config["applications"][0]["args"]
     base = f"http://{config['http_options']['host']}:{config['http_options']['port']}"
-    budget = app["pool"].get("memory_budget_mb")
+    budget_mib = app["pool"].get("memory_budget_mib")
+    budget = None if budget_mib is None else round(budget_mib * 2**20 / 1e6, 1)  # in MB, as printed
     env = {**os.environ, **FAST_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # `serve run` through this interpreter (Ray may be on PYTHONPATH without its console scripts)
     server = subprocess.Popen([sys.executable, "-c", CLI.format(module="ray.serve.scripts", func="cli", name="serve"),
