@@ -129,6 +129,7 @@ def test_footprint_is_gpu_bytes_and_unload_returns_them(model_repository):
     footprint = host.footprint()
     print(f"resnet18 x{entry.config.instances}: before {before}, loaded {loaded}, footprint {footprint}")
     assert footprint.device == "gpu" and footprint.context_bytes > 10 * MB  # weights alone: 47 MB
+    host.check_health()  # the device probe passes on a healthy GPU
     grown = loaded.bytes - before.bytes  # the footprint bounds it (each context's max growth x instances)
     assert 0.5 * footprint.total(entry.config.instances) <= grown <= footprint.total(entry.config.instances) + 32 * MB
     host.unload()

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..contract.errors import InferenceError
+from ..contract.errors import EngineFault, InferenceError
 
 # Allocations are rounded up to this many bytes (cudaMalloc itself aligns to 256).
 ALIGN_BYTES = 256
@@ -349,3 +349,18 @@ class CudaMemory:
 
     def mem_get_info(self) -> tuple[int, int]:
         return mem_get_info()
+
+
+def check_device(memory: MemoryApi, where: str) -> None:
+    """Probe the device with one CUDA call (``cudaMemGetInfo``): after a sticky error
+    (``cudaErrorIllegalAddress``, ``cudaErrorLaunchFailure``, ...) every CUDA call in the process
+    fails until it restarts, so a failing probe means no request can succeed here.
+
+    Raises:
+        EngineFault: the probe failed; the message starts with ``where`` and names the CUDA error.
+    """
+    try:
+        memory.mem_get_info()
+    except InferenceError as e:  # CudaError
+        raise EngineFault(f"{where}: the CUDA device is unusable ({e.message}); "
+                          "the process must restart") from None

@@ -325,5 +325,13 @@ class OnnxRuntimeCudaEngine:
         return Footprint(engine_bytes=0, context_bytes=max(self._context_bytes, default=0),
                          measured=bool(self._context_bytes), device="gpu")
 
+    def check_health(self) -> None:
+        """Probe the device (``cuda.check_device``), as the TensorRT engine does.
+
+        Raises:
+            EngineFault: the CUDA device is unusable (a sticky error); the process must restart.
+        """
+        cuda.check_device(self.memory, f"model '{self.config.name}'")
+
     def close(self) -> None:
         pass
