@@ -167,7 +167,7 @@ def memory_facts(repo: Any, models: Sequence[str]) -> dict[str, Any]:
                           "process_growth_mb": round((loaded - before) / MB, 1),
                           "device_growth_mb": round((dev_before - dev_loaded) / MB, 1),
                           "left_after_unload_mb": round((after - before) / MB, 1),
-                          "gpu_mem_limit_mb": entry.config.onnxruntime_cuda.gpu_mem_limit_mb})
+                          "gpu_mem_limit_mib": entry.config.onnxruntime_cuda.gpu_mem_limit_mib})
         print("memory", per_model[-1], flush=True)
     facts["models"] = per_model
     return facts
@@ -242,7 +242,7 @@ def markdown(results: dict[str, Any]) -> str:
                 _table(["model", "instances", "context MB", "footprint MB", "process growth MB",
                         "device growth MB", "left after unload MB", "arena cap MB"],
                        [[r["model"], r["instances"], r["context_mb"], r["footprint_total_mb"], r["process_growth_mb"],
-                         r["device_growth_mb"], r["left_after_unload_mb"], r["gpu_mem_limit_mb"]] for r in m["models"]]), ""]
+                         r["device_growth_mb"], r["left_after_unload_mb"], r["gpu_mem_limit_mib"]] for r in m["models"]]), ""]
     return "\n".join(out)
 
 

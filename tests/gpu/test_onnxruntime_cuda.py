@@ -139,8 +139,8 @@ def test_footprint_is_gpu_bytes_and_unload_returns_them(model_repository):
 
 
 def test_a_profile_over_the_arena_cap_fails_at_load_naming_the_cap(model_repository):
-    entry = with_cuda_options(model_repository.get("resnet18"), gpu_mem_limit_mb=20)
-    with pytest.raises(ConfigError, match="gpu_mem_limit_mb 20"):
+    entry = with_cuda_options(model_repository.get("resnet18"), gpu_mem_limit_mib=20)
+    with pytest.raises(ConfigError, match="gpu_mem_limit_mib 20"):
         ModelHost(entry, "onnxruntime_cuda").load()
 
 

@@ -13,7 +13,7 @@ Each execution context owns:
   copy per output per request, on the context's stream. Outputs with dynamic non-batch dims
   (``ocr_det``'s map, ``ocr_rec``'s sequence) are allocated by ONNX Runtime from the context's
   arena for each run and copied back once;
-* a capped CUDA arena (``gpu_mem_limit`` = ``onnxruntime_cuda.gpu_mem_limit_mb`` of the model's
+* a capped CUDA arena (``gpu_mem_limit`` = ``onnxruntime_cuda.gpu_mem_limit_mib`` of the model's
   config, ``arena_extend_strategy: kSameAsRequested``), warmed by one run at the max profile
   when the context is made, so later requests find their memory there and the footprint is
   bounded by the profile, not by the request history. A profile whose run needs more than the
@@ -54,6 +54,7 @@ from ..contract.datatypes import NUMPY_BY_DATATYPE
 from ..contract.errors import ConfigError, InferenceError
 from ..contract.repository import MODEL_FILENAME
 from ..contract.shapes import max_profile_shapes
+from ..contract.units import mib_to_bytes
 from . import cuda
 from .base import Footprint
 from . import gpu_memory
@@ -63,11 +64,9 @@ from .onnxruntime import check_signature, session_options
 logger = logging.getLogger(__name__)
 
 PROVIDER = "CUDAExecutionProvider"
-MB = 1_000_000
 
-# Largest |GPU - CPU provider| seen over the repository's models on the H200 (bench/README.md,
-# "GPU accuracy"), with margin: absolute, relative to max(1, |CPU output|).
-# Measured (bench/gpu_engine.py, H200): TF32 up to 4.2e-3 (ocr_rec), FP32 up to 1.9e-6 (resnet18).
+# |GPU - CPU provider| <= TOLERANCE x max(1, |CPU output|). Measured on the H200 (bench/README.md,
+# "Accuracy against the CPU provider"): TF32 up to 4.2e-3 (ocr_rec), FP32 up to 1.9e-6 (resnet18).
 TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
 
 _PRIME_LOCK = threading.Lock()
@@ -144,7 +143,7 @@ class OnnxRuntimeCudaContext:
 
     Raises:
         ConfigError: at creation, when the provider did not come up or the warm-up run at the
-            max profile failed (e.g. over ``gpu_mem_limit_mb``).
+            max profile failed (e.g. over ``gpu_mem_limit_mib``).
         CudaError: a CUDA call failed (stream, allocation, copy).
     """
 
@@ -164,7 +163,7 @@ class OnnxRuntimeCudaContext:
             except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
                 raise ConfigError(
                     f"model '{config.name}': ONNX Runtime could not create a {PROVIDER} session with "
-                    f"gpu_mem_limit_mb {config.onnxruntime_cuda.gpu_mem_limit_mb} ({str(e)[-200:]})") from e
+                    f"gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} ({str(e)[-200:]})") from e
             if PROVIDER not in self.session.get_providers():
                 raise ConfigError(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
                                   f"(session providers: {self.session.get_providers()}); see its log")
@@ -202,8 +201,8 @@ class OnnxRuntimeCudaContext:
         except InferenceError as e:
             raise ConfigError(
                 f"model '{config.name}': a run at the max profile {dict(max_shapes)} failed on "
-                f"{PROVIDER} with gpu_mem_limit_mb {config.onnxruntime_cuda.gpu_mem_limit_mb} "
-                f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mb or lower the profile") from e
+                f"{PROVIDER} with gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} "
+                f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mib or lower the profile") from e
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         engine = self._engine
@@ -304,7 +303,7 @@ class OnnxRuntimeCudaEngine:
             "device_id": str(self.device_id),
             "user_compute_stream": str(stream_handle),
             "has_user_compute_stream": "1",
-            "gpu_mem_limit": str(int(opts.gpu_mem_limit_mb * MB)),
+            "gpu_mem_limit": str(mib_to_bytes(opts.gpu_mem_limit_mib)),
             "arena_extend_strategy": "kSameAsRequested",
             "cudnn_conv_algo_search": opts.cudnn_conv_algo_search,
             "use_tf32": "1" if opts.use_tf32 else "0",

@@ -107,8 +107,8 @@ class OnnxRuntimeCudaOptions(_Frozen):
 
     ``use_tf32``: TF32 tensor cores for FP32 convolutions/matmuls (ONNX Runtime's default; outputs
     differ from the CPU provider within ``backends.onnxruntime_cuda.TOLERANCE``); false keeps full
-    FP32. ``gpu_mem_limit_mb``: cap of each execution context's CUDA arena (MB, 10^6 bytes); the
-    max profile's run must fit in it. ``cudnn_conv_algo_search``: ``HEURISTIC`` (default: no
+    FP32. ``gpu_mem_limit_mib``: cap of each execution context's CUDA arena (MiB); the max
+    profile's run must fit in it. ``cudnn_conv_algo_search``: ``HEURISTIC`` (default: no
     per-shape benchmarking, so a new batch size costs nothing extra), ``EXHAUSTIVE`` (benchmarks
     each new input shape once, allocating workspaces while it does) or ``DEFAULT``.
     ``cudnn_conv_use_max_workspace``: let cuDNN take workspaces as large as the arena allows
@@ -118,7 +118,7 @@ class OnnxRuntimeCudaOptions(_Frozen):
     """
 
     use_tf32: bool = True
-    gpu_mem_limit_mb: float = Field(4000.0, gt=0)
+    gpu_mem_limit_mib: float = Field(4096.0, gt=0)
     cudnn_conv_algo_search: Literal["HEURISTIC", "EXHAUSTIVE", "DEFAULT"] = "HEURISTIC"
     cudnn_conv_use_max_workspace: bool = True
     device_id: int = Field(0, ge=0)
