@@ -4,6 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= test,bench,tensorrt
+# GPU=1: ONNX Runtime's CUDA build (onnxruntime-gpu, CUDA 12/13 per its version) INSTEAD of the
+# CPU one; both install the module `onnxruntime`, so never both in one environment.
+GPU ?= 0
+ORT_GPU ?= onnxruntime-gpu==1.31.1
+ifeq ($(GPU),1)
+EXTRAS := $(EXTRAS),gpu
+STAMP := $(VENV)/.installed-stamp-gpu
+endif
 
 .PHONY: serve check status print-serve-env bench test unit integration models engines plan venv clean
 
@@ -12,10 +20,18 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(filter 1,$(GPU)),,$(PY) -m pip uninstall --quiet --yes onnxruntime-gpu)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	# Type stubs for the TensorRT adapter's mypy check; --no-deps because they pin `tensorrt`,
 	# which PyPI only serves from NVIDIA's own index.
 	$(PY) -m pip install --quiet --no-deps tensorrt-stubs==10.13.0.35.1
+ifeq ($(GPU),1)
+	# Swap the CPU build for the CUDA one (uninstall first: they share files of one module).
+	$(PY) -m pip uninstall --quiet --yes onnxruntime onnxruntime-gpu
+	$(PY) -m pip install --quiet --no-deps --force-reinstall '$(ORT_GPU)'
+	$(PY) -c 'import onnxruntime as o; assert "CUDAExecutionProvider" in o.get_available_providers(), o.get_available_providers()'
+endif
+	rm -f $(VENV)/.installed-stamp $(VENV)/.installed-stamp-gpu
 	touch $(STAMP)
 
 # Fetch the OCR models from the rapidocr-onnxruntime wheel and generate the CNNs into engines/.
@@ -30,6 +46,7 @@ models: $(STAMP)
 # load balancers can deregister it (Serve's default drain with HAProxy; there is none here):
 # DRAINING_PERIOD 0 stops in seconds; replicas still finish their requests (README, "Stopping").
 FAST ?= 1
+CONFIG ?= serve_config.yaml
 FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
 	RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
 # The local cluster `serve run` starts has token authentication on (Ray's default for a new
@@ -42,10 +59,10 @@ SERVE_ENV := $(RAY_ENV) $(if $(filter 1,$(FAST)),$(FAST_ENV))
 # after checking the config and every model's config.yaml (a bad one stops there: one line
 # naming file and field, exit 2), with a Ctrl-C that answers requests in flight (deployments/run.py).
 serve: models
-	$(SERVE_ENV) $(PY) -m deployments.run serve_config.yaml
+	$(SERVE_ENV) $(PY) -m deployments.run $(CONFIG)
 
 check: models
-	@$(PY) -m deployments.check serve_config.yaml
+	@$(PY) -m deployments.check $(CONFIG)
 
 # Ray's and Serve's view of what `make serve` runs (from another terminal).
 status:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -56,11 +57,14 @@ from bench.loadgen import Result, Workload, make_workload, run, sweep
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
     "ocr_cls": (1, 3, 48, 192),
+    "ocr_rec": (1, 3, 48, 320),
     "tiny_cnn": (1, 3, 224, 224),
     "mid_cnn": (1, 3, 224, 224),
     "resnet18": (1, 3, 224, 224),
     "ocr_det": (1, 3, 640, 640),
 }
+# The OCR pipeline's input: a real PNG (3 lines of text), sent as JSON base64 BYTES.
+OCR_IMAGE = ROOT / "tests" / "data" / "ocr_sample.png"
 BATCHED_SUFFIX = "_batched"
 RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
 SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout")
@@ -75,23 +79,37 @@ def free_port() -> int:
 # --- the model repository the servers share --------------------------------------------------
 
 def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched: Sequence[str],
-                       replicas: int, max_queue_delay_ms: float) -> Path:
+                       replicas: int, max_queue_delay_ms: float, gpu_fraction: float = 0.0,
+                       preferred_batch_size: Sequence[int] = ()) -> Path:
     """``dest`` with each model as a dedicated deployment of ``replicas`` replicas, batching
-    off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched``.
+    off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched``; a pipeline
+    model brings its steps. ``gpu_fraction``: each model replica's ``num_gpus`` (0: none).
     Version folders are symlinks to ``source``'s."""
-    for name in list(models) + [m + BATCHED_SUFFIX for m in batched]:
+    names = list(models)
+    for name in models:
+        steps = yaml.safe_load((source / name / "config.yaml").read_text()).get("parameters", {}).get("steps", [])
+        names += [s for s in steps if s not in names]
+    for name in names + [m + BATCHED_SUFFIX for m in batched]:
         base = name.removesuffix(BATCHED_SUFFIX)
+        if (dest / name).exists():
+            continue
         raw = yaml.safe_load((source / base / "config.yaml").read_text())
         raw.pop("name", None)
         raw.pop("dynamic_batching", None)
         raw["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
                              "max_ongoing_requests": 64}
+        if gpu_fraction and not raw.get("pipeline"):
+            raw["deployment"]["num_gpus"] = gpu_fraction
         if name != base:
             raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms}
+            if preferred_batch_size:
+                raw["dynamic_batching"]["preferred_batch_size"] = [
+                    b for b in preferred_batch_size if b <= raw.get("max_batch_size", 0)]
         folder = dest / name
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-        (folder / "1").symlink_to((source / base / "1").resolve())
+        if (source / base / "1").exists():
+            (folder / "1").symlink_to((source / base / "1").resolve())
     return dest
 
 
@@ -140,6 +158,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
         app_args = json.loads(args.app_args) if args.app_args else {"repository": args.repository, "router": router}
+        app_args.setdefault("backend", args.backend)
         if args.models:
             app_args["models"] = args.models.split(",")
         serve.run(build_app(app_args), name="models", route_prefix="/")
@@ -224,7 +243,7 @@ class Server:
 
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
                  models: Sequence[str] = (), direct: Sequence[str] = (),
-                 app_args: dict[str, Any] | None = None) -> None:
+                 app_args: dict[str, Any] | None = None, backend: str = "auto") -> None:
         """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
         instead of ``repository`` with ``replicas`` router replicas."""
         self.kind, self.ray_config = kind, ray_config
@@ -232,7 +251,8 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         if kind == "ray":
             cmd = [sys.executable, "-m", "bench.throughput", "_serve-ray", "--repository", str(repository),
-                   "--port", str(self.port), "--ray-config", ray_config, "--replicas", str(replicas)]
+                   "--port", str(self.port), "--ray-config", ray_config, "--replicas", str(replicas),
+                   "--backend", backend]
             cmd += ["--models", ",".join(models)] if models else []
             cmd += ["--direct", ",".join(direct)] if direct else []
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
@@ -243,7 +263,7 @@ class Server:
                 raise RuntimeError("the Ray server did not start; its stderr is above")
         else:
             cmd = [sys.executable, "-m", "bench.single_process", "--repository", str(repository),
-                   "--port", str(self.port)] + (["--models", ",".join(models)] if models else [])
+                   "--port", str(self.port), "--backend", backend] + (["--models", ",".join(models)] if models else [])
             self.process = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
             _wait_ready(f"{self.url}/v2/health/ready", process=self.process)
 
@@ -280,6 +300,15 @@ class Server:
         self.close()
 
 
+def ocr_workload(label: str, base_url: str) -> Workload:
+    """The OCR pipeline on ``OCR_IMAGE``: one PNG per request (JSON, base64 BYTES), text out."""
+    data = base64.b64encode(OCR_IMAGE.read_bytes()).decode()
+    body = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                                   "parameters": {"content_type": "base64"}, "data": [data]}],
+                       "outputs": [{"name": "text"}]}).encode()
+    return Workload(label, f"{base_url.rstrip('/')}/v2/models/ocr/infer", body, {"Content-Type": "application/json"})
+
+
 # --- scenarios -------------------------------------------------------------------------------
 
 class Bench:
@@ -290,10 +319,13 @@ class Bench:
         configs = {m: yaml.safe_load((repository / m / "config.yaml").read_text())
                    for m in os.listdir(repository)}
         self.input_names = {m: c["inputs"][0]["name"] for m, c in configs.items()}
+        self.backend = args.backend
 
     def workload(self, server: Server, model: str, binary: bool = True, prefix: str = "",
                  label: str | None = None) -> Workload:
         base = model.removesuffix(BATCHED_SUFFIX)
+        if base == "ocr":
+            return ocr_workload(label or f"{server.kind}:{model}", server.url + prefix)
         return make_workload(label or f"{server.kind}:{model}", server.url + prefix, model,
                              self.input_names[model], self.inputs[base], binary)
 
@@ -400,8 +432,8 @@ class Bench:
             rows += self._scaleout_row(single, "single", 1, models, c)
         for k in self.args.replicas:
             repo = prepare_repository(self.repository.parent / f"engines-k{k}", Path(self.args.repository),
-                                      models, (), k, 0)
-            with Server("ray", repo, self.args.ray_config, replicas=k) as server:
+                                      models, (), k, 0, self.args.gpu_fraction)
+            with Server("ray", repo, self.args.ray_config, replicas=k, backend=self.backend) as server:
                 rows += self._scaleout_row(server, "ray", k, models, c)
         ones = {(r["server"], r["models"]): r["qps_total"] for r in rows if r["replicas"] == 1}
         for row in rows:
@@ -552,6 +584,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float)
     p.add_argument("--warmup-s", type=float)
     p.add_argument("--processes", type=int, default=1, help="load generator processes")
+    p.add_argument("--backend", default="auto", help="every server's backend: auto | onnxruntime | onnxruntime_cuda")
+    p.add_argument("--gpu-fraction", type=float, default=0.0,
+                   help="num_gpus of each model replica (0: none reserved; e.g. 0.04 for 8 replicas of 3 models on one GPU)")
+    p.add_argument("--batch-levels", help="concurrencies of 'batching' (default 1 and --together-concurrency)")
+    p.add_argument("--preferred-batch-size", default="", help="preferred_batch_size of the batched copies")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     a.command = "python -m bench.throughput " + " ".join(argv)
@@ -566,7 +603,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         a.levels = sorted(set(a.levels) | {a.together_concurrency})
     a.duration_s = a.duration_s or (2.0 if a.quick else 10.0)
     a.warmup_s = a.warmup_s if a.warmup_s is not None else (1.0 if a.quick else 2.0)
-    a.batch_levels = [1, a.together_concurrency]
+    a.batch_levels = _ints(a.batch_levels) if a.batch_levels else [1, a.together_concurrency]
+    a.preferred_batch_size = _ints(a.preferred_batch_size) if a.preferred_batch_size else []
     a.payload_concurrency = 2
     a.payload_duration_s = max(a.duration_s, 4.0)
     a.hop_models = [m for m in ("ocr_cls", "tiny_cnn") if m in a.models][: 1 if a.quick else 2] or a.models[:1]
@@ -581,7 +619,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
                platform.processor())
     return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
-            "ray_config": a.ray_config, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
+            "ray_config": a.ray_config, "backend": a.backend, "gpu_fraction": a.gpu_fraction, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
             "processes": a.processes, "scenarios": a.scenarios, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -590,6 +628,7 @@ def main(argv: Sequence[str]) -> None:
         p = argparse.ArgumentParser()
         for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args"):
             p.add_argument(flag)
+        p.add_argument("--backend", default="auto")
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)
         _serve_ray(p.parse_args(argv[1:]))
@@ -602,15 +641,16 @@ def main(argv: Sequence[str]) -> None:
     models = list(dict.fromkeys(a.models + a.batched + (["ocr_det"] if "payload" in a.scenarios else [])
                                 + a.hop_models))
     repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, 1,
-                                    a.max_queue_delay_ms)
+                                    a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size)
     bench = Bench(a, repository)
     results: dict[str, Any] = {"meta": _meta(a)}
     try:
         with contextlib.ExitStack() as stack:
-            single = stack.enter_context(Server("single", repository, models=a.models + (
+            single = stack.enter_context(Server("single", repository, backend=a.backend, models=a.models + (
                 ["ocr_det"] if "payload" in a.scenarios else []))) if (needs_main or "scaleout" in a.scenarios) else None
             if needs_main:
-                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, direct=a.hop_models))
+                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, direct=a.hop_models,
+                                                        backend=a.backend))
                 servers = {"ray": ray_server, "single": single}
                 for scenario in ("alone", "together", "payload"):
                     if scenario in a.scenarios:

@@ -89,6 +89,9 @@ class AppArgs(BaseModel):
     router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=1024, max_queued_requests=1024)
     pool: PoolOptions = PoolOptions()
     models: Optional[list[str]] = None  # serve only these models (default: all in the repository)
+    # Per model, fields of its config's `deployment:` section to override for this cluster
+    # (e.g. {ocr_cls: {num_replicas: 4, num_gpus: 0.125}}), without editing the repository.
+    deployments: dict[str, dict[str, Any]] = {}
 
 
 def _cluster_has_gpus() -> bool:
@@ -132,8 +135,12 @@ def ray_options(options: DeploymentOptions, use_gpus: bool, env: dict[str, str] 
     actor: dict[str, Any] = {"num_cpus": options.num_cpus}
     if use_gpus and options.num_gpus:
         actor["num_gpus"] = options.num_gpus
-    if env:
-        actor["runtime_env"] = {"env_vars": env}
+    env_vars = dict(env or {})
+    if not (use_gpus and options.num_gpus):
+        # Ray (since 2.4x) leaves CUDA_VISIBLE_DEVICES alone for actors without GPUs, so such a
+        # replica would see every GPU and `backend: auto` would run on one it never reserved.
+        env_vars["CUDA_VISIBLE_DEVICES"] = ""
+    actor["runtime_env"] = {"env_vars": env_vars}
     out: dict[str, Any] = {
         "ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,
@@ -143,6 +150,31 @@ def ray_options(options: DeploymentOptions, use_gpus: bool, env: dict[str, str] 
         out["autoscaling_config"] = options.autoscaling.model_dump(exclude_none=True)
     else:
         out["num_replicas"] = options.num_replicas
+    return out
+
+
+def deployment_options(entries: list[Any], overrides: dict[str, dict[str, Any]]) -> dict[str, DeploymentOptions]:
+    """Each model's ``deployment`` section with ``overrides[model]``'s fields put over it.
+
+    Raises:
+        ConfigError: an override names a model not served, or makes an invalid section.
+    """
+    names = {e.name for e in entries}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ConfigError(f"serve_config.yaml application args: deployments: {unknown} are not served "
+                          f"models; served: {sorted(names)}")
+    out = {}
+    for e in entries:
+        if e.name not in overrides:
+            out[e.name] = e.config.deployment
+            continue
+        try:
+            out[e.name] = DeploymentOptions.model_validate(
+                {**e.config.deployment.model_dump(exclude_unset=True), **overrides[e.name]})
+        except ValidationError as err:
+            fields = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in err.errors())
+            raise ConfigError(f"serve_config.yaml application args: deployments.{e.name}: {fields}") from None
     return out
 
 
@@ -164,6 +196,7 @@ def _build(args: dict[str, Any] | None) -> Application:
     except ValidationError as e:
         raise ConfigError(f"serve_config.yaml application args: {describe_validation_error(e, AppArgs)}") from None
     entries = ModelRepository(app_args.repository, app_args.models).entries()
+    placement = deployment_options(entries, app_args.deployments)
     use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
     if not use_gpus:
         logger.info("no GPU resources in the cluster: models' num_gpus are not reserved")
@@ -172,7 +205,7 @@ def _build(args: dict[str, Any] | None) -> Application:
     env = {"ORT_INTRA_OP_THREADS": str(threads), **HANDLE_ENV}
     logger.info("ONNX Runtime: %d intra-op thread(s) per execution context on %d cores", threads, cores())
 
-    pool_models = [e.name for e in entries if e.config.deployment.mode == "pool" and not e.config.pipeline]
+    pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
         pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
@@ -182,13 +215,13 @@ def _build(args: dict[str, Any] | None) -> Application:
         if e.name in pool_models or e.config.pipeline:
             continue
         dedicated[e.name] = ModelDeployment.options(
-            name=f"model-{e.name}", **ray_options(e.config.deployment, use_gpus, env)).bind(
+            name=f"model-{e.name}", **ray_options(placement[e.name], use_gpus, env)).bind(
             app_args.repository, e.name, app_args.backend)
     steps = dict(dedicated)
     for e in entries:
         if e.config.pipeline:
             dedicated[e.name] = PipelineDeployment.options(
-                name=f"pipeline-{e.name}", **ray_options(e.config.deployment, use_gpus, HANDLE_ENV)).bind(
+                name=f"pipeline-{e.name}", **ray_options(placement[e.name], use_gpus, HANDLE_ENV)).bind(
                 app_args.repository, e.name, steps, pool, pool_models)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(

@@ -257,7 +257,8 @@ class RouterApp:
     @_answers_errors
     async def metadata(self, request: Request) -> JSONResponse:
         entry = self._entry(request)
-        return JSONResponse(model_metadata(entry.config, (entry.latest,), platform_of(await self._backend(entry))))
+        backend = await self._backend(entry)
+        return JSONResponse(model_metadata(entry.config, (entry.latest,), platform_of(backend), backend or None))
 
     @_answers_errors
     async def model_config(self, request: Request) -> JSONResponse:

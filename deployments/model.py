@@ -8,6 +8,7 @@ the replica that runs it (the router only routes).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from ray import serve
 
 from .logs import show_on_terminal
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
+from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.repository import ModelRepository
 from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
@@ -66,7 +68,7 @@ class ModelDeployment:
         return {"enabled": self._batched is not None, **self.batch_stats.as_dict()}
 
     def backend(self) -> str:
-        """The backend serving the model: ``onnxruntime`` or ``tensorrt``.
+        """The backend serving the model: ``onnxruntime``, ``onnxruntime_cuda`` or ``tensorrt``.
 
         The model loads in ``__init__``, so a replica that answers at all has it loaded: the
         router polls this to learn both that the model is ready and its platform.
@@ -85,9 +87,14 @@ class ModelDeployment:
         if not context:
             context, source = predict(self.host.entry).context_bytes, "predicted"
         instances = self.host.config.instances
-        return {"backend": self.host.backend, "engine_bytes": footprint.engine_bytes,
-                "context_bytes": context, "context_source": source, "instances": instances,
-                "total_bytes": footprint.engine_bytes + instances * context}
+        out = {"backend": self.host.backend, "backend_reason": self.host.backend_reason,
+               "device": footprint.device, "engine_bytes": footprint.engine_bytes,
+               "context_bytes": context, "context_source": source, "instances": instances,
+               "total_bytes": footprint.engine_bytes + instances * context}
+        if footprint.device == "gpu":  # this replica's own GPU bytes (CUDA context included)
+            reading = process_gpu_bytes()
+            out.update(pid=os.getpid(), process_gpu_bytes=reading.bytes, gpu_source=reading.source)
+        return out
 
     def check_health(self) -> None:
         """Ray's periodic probe: failing it makes Serve replace this replica.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import numpy as np
@@ -9,6 +10,7 @@ from ray import serve
 
 from .logs import show_on_terminal
 from .runtime.backends.select import requested_backend, resolve_backend
+from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
 from .runtime.contract.errors import ConfigError, ModelNotFound
 from .runtime.contract.repository import ModelRepository
@@ -81,4 +83,8 @@ class PoolDeployment:
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready)."""
         context = serve.get_replica_context()
-        return {"replica": context.replica_id.unique_id, **self.cache.status(), "events": self.cache.timeline()}
+        status = {"replica": context.replica_id.unique_id, "pid": os.getpid(), **self.cache.status()}
+        if any(m["device"] == "gpu" for m in status["models"].values()):
+            reading = process_gpu_bytes()  # this replica's own GPU bytes (CUDA context included)
+            status.update(process_gpu_bytes=reading.bytes, gpu_source=reading.source)
+        return {**status, "events": self.cache.timeline()}

@@ -13,14 +13,16 @@ from typing import Any
 from ..runtime.contract.config import ModelConfig
 
 # KServe / Triton platform names by backend (what metadata's ``platform`` reports).
-PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
+# ONNX Runtime on CPU and on CUDA share Triton's platform name; metadata's ``backend`` tells them apart.
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "onnxruntime_cuda": "onnxruntime_onnx",
+             "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
 # Triton's DataType enum names by KServe v2 datatype (BYTES is Triton's TYPE_STRING).
 TRITON_TYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
                 "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",
                 "INT64": "TYPE_INT64", "FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "FP64": "TYPE_FP64",
                 "BYTES": "TYPE_STRING"}
-# Where a backend's execution contexts live (ONNX Runtime here runs on the CPU).
-INSTANCE_KINDS = {"tensorrt": "KIND_GPU", "onnxruntime": "KIND_CPU"}
+# Where a backend's execution contexts live.
+INSTANCE_KINDS = {"tensorrt": "KIND_GPU", "onnxruntime_cuda": "KIND_GPU", "onnxruntime": "KIND_CPU"}
 
 
 def platform_of(backend: str) -> str:

@@ -304,8 +304,11 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     return json.dumps(body, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
 
 
-def model_metadata(config: ModelConfig, versions: Iterable[int], platform: str) -> dict[str, Any]:
-    """The model metadata response object (``GET /v2/models/{name}``)."""
+def model_metadata(config: ModelConfig, versions: Iterable[int], platform: str,
+                   backend: str | None = None) -> dict[str, Any]:
+    """The model metadata response object (``GET /v2/models/{name}``); ``backend`` (the backend a
+    replica runs, e.g. ``onnxruntime_cuda``, whose platform is Triton's ``onnxruntime_onnx``) is
+    added as an extra field when known."""
     def tensors(specs):
         return [{"name": t.name, "datatype": t.datatype, "shape": list(t.dims)} for t in specs]
 
@@ -315,4 +318,4 @@ def model_metadata(config: ModelConfig, versions: Iterable[int], platform: str) 
         "platform": platform,
         "inputs": tensors(config.inputs),
         "outputs": tensors(config.outputs),
-    }
+    } | ({"backend": backend} if backend else {})

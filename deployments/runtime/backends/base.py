@@ -14,18 +14,24 @@ import numpy as np
 
 
 
+# Backends whose footprints are GPU bytes, measured by the backend itself when it loads.
+GPU_BACKENDS = frozenset({"tensorrt", "onnxruntime_cuda"})
+
+
 @dataclass(frozen=True)
 class Footprint:
     """Memory a loaded model holds, in bytes.
 
     ``engine_bytes``: weights/plan; ``context_bytes``: per execution context (activations,
     I/O buffers); ``measured``: True when taken from the backend or a memory delta, False when
-    predicted.
+    predicted; ``device``: where the bytes live, ``host`` (RAM: ONNX Runtime on CPU) or ``gpu``
+    (device memory: TensorRT, ONNX Runtime's CUDA provider).
     """
 
     engine_bytes: int
     context_bytes: int
     measured: bool = True
+    device: str = "host"
 
     def total(self, instances: int) -> int:
         return self.engine_bytes + instances * self.context_bytes

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..contract.errors import InferenceError
+from ..contract.errors import EngineFault, InferenceError
 
 # Allocations are rounded up to this many bytes (cudaMalloc itself aligns to 256).
 ALIGN_BYTES = 256
@@ -254,6 +254,13 @@ class PinnedBuffer(_Buffer):
         return np.frombuffer(memoryview(raw), dtype=dtype, count=count).reshape(shape)
 
 
+class HostAddress(Protocol):
+    """Host memory a copy reads or writes: an address (a pinned buffer, or a numpy array's data)."""
+
+    @property
+    def ptr(self) -> int: ...
+
+
 class HostBufferLike(Protocol):
     ptr: int
     nbytes: int
@@ -292,10 +299,10 @@ class MemoryApi(Protocol):
 
     def host_buffer(self) -> HostBufferLike: ...
 
-    def copy_to_device(self, dst: DeviceBufferLike, src: HostBufferLike, nbytes: int,
+    def copy_to_device(self, dst: DeviceBufferLike, src: HostAddress, nbytes: int,
                        stream: StreamLike) -> None: ...
 
-    def copy_to_host(self, dst: HostBufferLike, src: DeviceBufferLike, nbytes: int,
+    def copy_to_host(self, dst: HostAddress, src: DeviceBufferLike, nbytes: int,
                      stream: StreamLike) -> None: ...
 
     def mem_get_info(self) -> tuple[int, int]: ...
@@ -317,7 +324,7 @@ class CudaMemory:
     def host_buffer(self) -> PinnedBuffer:
         return PinnedBuffer()
 
-    def copy_to_device(self, dst: DeviceBufferLike, src: HostBufferLike, nbytes: int,
+    def copy_to_device(self, dst: DeviceBufferLike, src: HostAddress, nbytes: int,
                        stream: StreamLike) -> None:
         """Enqueue ``nbytes`` host -> device on ``stream``.
 
@@ -326,7 +333,7 @@ class CudaMemory:
         """
         self._copy_async(dst.ptr, src.ptr, nbytes, "HostToDevice", stream)
 
-    def copy_to_host(self, dst: HostBufferLike, src: DeviceBufferLike, nbytes: int,
+    def copy_to_host(self, dst: HostAddress, src: DeviceBufferLike, nbytes: int,
                      stream: StreamLike) -> None:
         """Enqueue ``nbytes`` device -> host on ``stream``.
 
@@ -342,3 +349,18 @@ class CudaMemory:
 
     def mem_get_info(self) -> tuple[int, int]:
         return mem_get_info()
+
+
+def check_device(memory: MemoryApi, where: str) -> None:
+    """Probe the device with one CUDA call (``cudaMemGetInfo``): after a sticky error
+    (``cudaErrorIllegalAddress``, ``cudaErrorLaunchFailure``, ...) every CUDA call in the process
+    fails until it restarts, so a failing probe means no request can succeed here.
+
+    Raises:
+        EngineFault: the probe failed; the message starts with ``where`` and names the CUDA error.
+    """
+    try:
+        memory.mem_get_info()
+    except InferenceError as e:  # CudaError
+        raise EngineFault(f"{where}: the CUDA device is unusable ({e.message}); "
+                          "the process must restart") from None

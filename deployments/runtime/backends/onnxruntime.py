@@ -1,4 +1,5 @@
-"""ONNX Runtime backend (CPU): the default on machines without a TensorRT GPU.
+"""ONNX Runtime backend (CPU): the default on machines without a CUDA GPU; ``check_signature``
+and ``session_options`` serve the CUDA backend (``onnxruntime_cuda``) too.
 
 BYTES tensors are ONNX ``tensor(string)``: ONNX Runtime takes numpy object arrays of ``str`` (it
 would turn a ``bytes`` element into the text ``"b'...'"``) and returns ``str`` elements. The
@@ -56,6 +57,40 @@ def _bytes_array(array: np.ndarray) -> np.ndarray:
     return out.reshape(array.shape)
 
 
+def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+    """Session options of both ONNX Runtime backends: ``intra_op_threads`` (default: the
+    ``ORT_INTRA_OP_THREADS`` environment variable, 0 = one per core) and the memory pattern off
+    (``OnnxRuntimeEngine``'s docstring gives the measurement)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads or int(os.environ.get("ORT_INTRA_OP_THREADS", "0"))
+    options.enable_mem_pattern = False
+    return options
+
+
+def check_signature(config: ModelConfig, session: ort.InferenceSession) -> None:
+    """Check that every input/output of ``config`` is in the session's graph with its datatype.
+
+    Raises:
+        ConfigError: a tensor is missing or has another type (names both).
+    """
+    where = f"model '{config.name}'"
+    for kind, declared, actual in (
+        ("input", config.inputs, session.get_inputs()),
+        ("output", config.outputs, session.get_outputs()),
+    ):
+        by_name = {a.name: a for a in actual}
+        for spec in declared:
+            arg = by_name.get(spec.name)
+            if arg is None:
+                raise ConfigError(
+                    f"{where}: config {kind} '{spec.name}' is not in the ONNX file; "
+                    f"the file has {sorted(by_name)}")
+            if arg.type != ONNX_TYPE_BY_DATATYPE[spec.datatype]:
+                raise ConfigError(
+                    f"{where}: {kind} '{spec.name}' is {arg.type} in the ONNX file, "
+                    f"config says {spec.datatype}")
+
+
 class OnnxRuntimeContext:
     """One execution slot over a shared ``InferenceSession`` (``run`` is thread-safe)."""
 
@@ -104,36 +139,15 @@ class OnnxRuntimeEngine:
 
     def __init__(self, config: ModelConfig, model_dir: Path, intra_op_threads: int | None = None) -> None:
         self.config = config
-        options = ort.SessionOptions()
-        threads = intra_op_threads or int(os.environ.get("ORT_INTRA_OP_THREADS", "0"))
-        options.intra_op_num_threads = threads
-        options.enable_mem_pattern = False  # see the class docstring
+        options = session_options(intra_op_threads)
         before = measured_rss_bytes()
         self.session = ort.InferenceSession(
             str(Path(model_dir) / MODEL_FILENAME), sess_options=options, providers=["CPUExecutionProvider"])
         self._engine_bytes = max(0, measured_rss_bytes() - before)
-        self._check_signature()
+        check_signature(config, self.session)
         self.output_names = [t.name for t in config.outputs]
         self.string_inputs = frozenset(t.name for t in config.inputs if t.datatype == "BYTES")
         self.string_outputs = frozenset(t.name for t in config.outputs if t.datatype == "BYTES")
-
-    def _check_signature(self) -> None:
-        where = f"model '{self.config.name}'"
-        for kind, declared, actual in (
-            ("input", self.config.inputs, self.session.get_inputs()),
-            ("output", self.config.outputs, self.session.get_outputs()),
-        ):
-            by_name = {a.name: a for a in actual}
-            for spec in declared:
-                arg = by_name.get(spec.name)
-                if arg is None:
-                    raise ConfigError(
-                        f"{where}: config {kind} '{spec.name}' is not in the ONNX file; "
-                        f"the file has {sorted(by_name)}")
-                if arg.type != ONNX_TYPE_BY_DATATYPE[spec.datatype]:
-                    raise ConfigError(
-                        f"{where}: {kind} '{spec.name}' is {arg.type} in the ONNX file, "
-                        f"config says {spec.datatype}")
 
     def create_context(self) -> OnnxRuntimeContext:
         return OnnxRuntimeContext(self)

@@ -428,11 +428,7 @@ class TensorRTEngine:
         where = f"model '{self.config.name}'"
         if self._engine is None:
             raise EngineFault(f"{where}: engine is closed")
-        try:
-            self._memory.mem_get_info()
-        except InferenceError as e:  # CudaError
-            raise EngineFault(f"{where}: the CUDA device is unusable ({e.message}); "
-                              "the process must restart") from None
+        cuda.check_device(self._memory, where)
 
     def close(self) -> None:
         """Close remaining contexts, then destroy the engine; ``released_bytes`` then holds

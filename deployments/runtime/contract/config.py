@@ -20,7 +20,10 @@ from .datatypes import Datatype
 from .errors import ConfigError
 from .units import mib_to_bytes
 
-Backend = Literal["auto", "onnxruntime", "tensorrt"]
+# ``onnxruntime``: ONNX Runtime on CPU; ``onnxruntime_cuda``: ONNX Runtime's CUDA execution
+# provider (the onnxruntime-gpu build); ``tensorrt``: TensorRT plans; ``auto``: the first of
+# tensorrt -> onnxruntime_cuda -> onnxruntime that can run here (``backends.select``).
+Backend = Literal["auto", "onnxruntime", "onnxruntime_cuda", "tensorrt"]
 LoadPolicy = Literal["eager", "lazy", "lru"]
 
 
@@ -96,6 +99,29 @@ class TensorRTOptions(_Frozen):
     precision: Literal["fp32", "fp16", "bf16"] = "fp16"
     workspace_mib: int = Field(1024, ge=1)
     profiles: tuple[dict[str, Profile], ...] = ()
+
+
+class OnnxRuntimeCudaOptions(_Frozen):
+    """ONNX Runtime's CUDA execution provider for this model (the optional ``onnxruntime_cuda:``
+    section; used when the model runs on ``backend: onnxruntime_cuda``, also when ``auto`` picks it).
+
+    ``use_tf32``: TF32 tensor cores for FP32 convolutions/matmuls (ONNX Runtime's default; outputs
+    differ from the CPU provider within ``backends.onnxruntime_cuda.TOLERANCE``); false keeps full
+    FP32. ``gpu_mem_limit_mib``: cap of each execution context's CUDA arena (MiB); the max
+    profile's run must fit in it. ``cudnn_conv_algo_search``: ``HEURISTIC`` (default: no
+    per-shape benchmarking, so a new batch size costs nothing extra), ``EXHAUSTIVE`` (benchmarks
+    each new input shape once, allocating workspaces while it does) or ``DEFAULT``.
+    ``cudnn_conv_use_max_workspace``: let cuDNN take workspaces as large as the arena allows
+    (ONNX Runtime's default: faster convolutions; in FP32 ocr_rec asked for 2.1 GB at batch 6);
+    false caps them (ONNX Runtime's 32 MB limit). ``device_id``: the CUDA device among the
+    visible ones (Ray makes the replica's GPU device 0).
+    """
+
+    use_tf32: bool = True
+    gpu_mem_limit_mib: float = Field(4096.0, gt=0)
+    cudnn_conv_algo_search: Literal["HEURISTIC", "EXHAUSTIVE", "DEFAULT"] = "HEURISTIC"
+    cudnn_conv_use_max_workspace: bool = True
+    device_id: int = Field(0, ge=0)
 
 
 class Autoscaling(_Frozen):
@@ -205,6 +231,7 @@ class ModelConfig(_Frozen):
     pipeline: Optional[str] = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     tensorrt: TensorRTOptions = TensorRTOptions()
+    onnxruntime_cuda: OnnxRuntimeCudaOptions = OnnxRuntimeCudaOptions()
     dynamic_batching: Optional[DynamicBatching] = None
 
     @model_validator(mode="after")

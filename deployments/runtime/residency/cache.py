@@ -60,8 +60,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..backends.base import Footprint
+from ..backends.base import GPU_BACKENDS, Footprint
 from ..backends.process import process_rss_bytes
+from ..backends import gpu_memory
+from ..backends.gpu_memory import process_gpu_bytes
 from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
@@ -244,7 +246,10 @@ class ModelCache:
         footprint); ``footprint_source`` (``measured``, ``given``, ``recorded``, ``predicted``);
         ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
         ``budget_bytes``; ``max_models``; ``process_rss_bytes`` (the process's resident set
-        after the event, for comparison); ``detail`` (refusals: the message).
+        after the event, for comparison); ``process_gpu_bytes`` and ``gpu_source`` (models on a
+        GPU backend: this process's GPU bytes, ``backends.gpu_memory.process_gpu_bytes``);
+        ``gpu_over_baseline_bytes`` (that reading less the process's bytes before any model:
+        what the budget bounds); ``detail`` (refusals: the message).
         """
         with self._cond:
             return [dict(e) for e in self._events]
@@ -259,7 +264,9 @@ class ModelCache:
                 "reserved_bytes": self._reserved_bytes,
                 "models": {s.name: {"state": s.state, "bytes": s.bytes, "in_use": s.refcount,
                                     "loads": s.loads, "evictions": s.evictions,
-                                    "footprint_source": s.footprint_source}
+                                    "footprint_source": s.footprint_source, "backend": s.backend,
+                                    "backend_reason": s.host.backend_reason if s.host.ready else "",
+                                    "device": s.footprint.device if s.footprint is not None else ""}
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }
 
@@ -401,6 +408,11 @@ class ModelCache:
             if source != "predicted":
                 self._refuse_if_alone_over_budget(slot, estimate, source)
             need = estimate.total(instances)
+            if source == "predicted" and slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
+                # The graph prediction is host-side; on a GPU a first load could overshoot it and,
+                # until the evictions after it, the budget (seen on the H200: +10 MB). Make room
+                # for the whole budget instead; reloads use the measured footprint.
+                need = self.budget_bytes
             reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
             self._reserve(slot, reserved, deadline, adds_model=True)
             try:
@@ -442,13 +454,13 @@ class ModelCache:
 
     def _load_host(self, slot: _Slot, estimate: Footprint, source: str) -> tuple[Footprint, str]:
         """Load ``slot``'s host (the load lock is held) and return its real footprint and source:
-        TensorRT's exact figure; on ONNX Runtime the measurement for a predicted model, else
+        a GPU backend's own figure (TensorRT exact, CUDA provider measured); on ONNX Runtime the measurement for a predicted model, else
         ``estimate`` (a measured, given or recorded figure)."""
         if source == "predicted":
             return footprints.load_and_measure(slot.host, self.measure_elements), "measured"
         slot.host.load()
         engine = slot.host.engine
-        if engine is not None and engine.backend == "tensorrt":
+        if engine is not None and engine.backend in GPU_BACKENDS:  # they measure their own, at load
             return slot.host.footprint(), "measured"
         return estimate, source
 
@@ -583,6 +595,11 @@ class ModelCache:
             "resident_models": resident, "budget_bytes": self.budget_bytes, "max_models": self.max_models,
             "process_rss_bytes": process_rss_bytes(), "detail": detail,
         }
+        if slot.backend in GPU_BACKENDS:  # the per-process GPU reading beside the accounting
+            reading = process_gpu_bytes()
+            record["process_gpu_bytes"], record["gpu_source"] = reading.bytes, reading.source
+            if gpu_memory.baseline is not None:  # the models' share: over the CUDA context's bytes
+                record["gpu_over_baseline_bytes"] = reading.bytes - gpu_memory.baseline.bytes
         self._events.append(record)
         budget = format_mib(self.budget_bytes) if self.budget_bytes is not None else "no budget"
         if event == "refused":

@@ -158,7 +158,7 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
 
 
 def _runtime_version(backend: str) -> str:
-    if backend == "onnxruntime":
+    if backend in ("onnxruntime", "onnxruntime_cuda"):
         import onnxruntime
 
         return onnxruntime.__version__

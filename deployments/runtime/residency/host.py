@@ -90,8 +90,15 @@ class ModelHost:
 
     @property
     def backend(self) -> str:
-        """``onnxruntime`` or ``tensorrt``. Raises ModelNotReady when not loaded."""
+        """``onnxruntime``, ``onnxruntime_cuda`` or ``tensorrt``. Raises ModelNotReady when not loaded."""
         return self._loaded().backend
+
+    @property
+    def backend_reason(self) -> str:
+        """Why this backend serves the model (``backends.select.BackendChoice.reason``); empty for
+        an engine made outside ``open_engine``. Raises ModelNotReady when not loaded."""
+        choice = getattr(self._loaded(), "choice", None)
+        return choice.reason if choice is not None else ""
 
     def footprint(self) -> Footprint:
         """Raises ModelNotReady when not loaded."""

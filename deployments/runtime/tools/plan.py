@@ -1,7 +1,9 @@
 """``make plan``: per model, parameters, predicted and measured footprints, fit on a GPU.
 
 Predictions come from ``residency.predict`` (ONNX graph), measurements from
-``residency.footprints`` (ONNX Runtime, one subprocess per model so RSS readings are clean).
+``residency.footprints`` (ONNX Runtime, one subprocess per model so readings are clean): GPU
+bytes on the CUDA provider where it can run here (``GPU``: this process's NVML reading across
+loading and warming the contexts at the max profile), else RSS on CPU (``ORT``).
 Figures are printed in MiB (2^20 bytes; ``contract.units``).
 
 Command line::
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..backends.base import Footprint
+from ..backends.cuda import mem_get_info
+from ..backends.select import cuda_provider_unavailable
 from ..contract.repository import ModelEntry, ModelRepository
 from ..contract.shapes import shrunk_shapes
 from ..contract.units import MIB, format_mib, mib_to_bytes
@@ -58,9 +62,10 @@ def _profile_text(shapes: Mapping[str, Sequence[int]]) -> str:
     return "; ".join("x".join(str(d) for d in s) for s in shapes.values())
 
 
-def _measure_in_subprocess(root: Path, name: str, measure_elements: int | None) -> Footprint:
+def _measure_in_subprocess(root: Path, name: str, measure_elements: int | None,
+                           backend: str = "onnxruntime") -> Footprint:
     cmd = [sys.executable, "-m", "deployments.runtime.tools.plan", "measure", name, "--root", str(root), "--json",
-           "--measure-elements", str(measure_elements or 0)]
+           "--measure-elements", str(measure_elements or 0), "--backend", backend]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"measuring {name} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -155,11 +160,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     entries = [e for e in repo.entries() if not e.config.pipeline]
     if args.models:
         entries = [repo.get(n) for n in args.models]
+    # Where ONNX Runtime's CUDA provider runs, measurements are GPU bytes on it; else host bytes on CPU.
+    backend = "onnxruntime" if cuda_provider_unavailable() else "onnxruntime_cuda"
+    label = "GPU" if backend == "onnxruntime_cuda" else "ORT"
+    if backend == "onnxruntime_cuda" and args.gpu_memory_gib is None:
+        args.gpu_memory_gib = mem_get_info()[1] / 2**30
+    args.gpu_memory_gib = args.gpu_memory_gib or 80.0
     plans = []
     for entry in entries:
-        measured, source = read_record(entry, "onnxruntime"), "recorded"
+        measured, source = read_record(entry, backend), "recorded"
         if measured is None and args.measure:
-            measured, source = _measure_in_subprocess(Path(args.root), entry.name, args.measure_elements), "ORT"
+            measured, source = _measure_in_subprocess(Path(args.root), entry.name, args.measure_elements, backend), label
         plans.append(plan_model(entry, args.precision, args.instances, measured, source if measured else ""))
     gpu_bytes = mib_to_bytes(args.gpu_memory_gib * 1024)
     baseline = mib_to_bytes(args.baseline_mib)
@@ -205,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = sub.add_parser("plan", help="predict (and optionally measure) each model's memory; check a GPU fits")
     plan.add_argument("--root", default="engines", help="model repository (default: engines)")
     plan.add_argument("--models", nargs="*", help="only these models (default: every non-pipeline model)")
-    plan.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory in GiB (2^30 bytes)")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="GPU memory in GiB (2^30 bytes; default: this machine's GPU, else 80)")
     plan.add_argument("--headroom", type=float, default=0.15, help="fraction kept free (0.15-0.20)")
     plan.add_argument("--baseline-mib", type=float, default=0.0,
                       help="MiB the process holds before any model (CUDA context, libraries)")

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 run of bench/README.md ("GPU"), one step per device call, from the repository root
+# there (the device tool sends /work/main's tree; this branch travels as .device/gpu/repo):
+#   chunk N   carry .device/gpu/ortgpu/N (N = 0..3): the onnxruntime-gpu wheel's parts to /tmp/gpu
+#   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
+#             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
+#   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
+#   tests | engine | serve | batching | scaleout | cpu   (outputs to $OUT)
+set -uo pipefail
+D=$PWD/.device/gpu
+export PYTHONPATH=/tmp/w:/tmp/site:/tmp/extra:/tmp/py/site PYTHONUNBUFFERED=1 PATH=/tmp/py/site/bin:$PATH
+HTTP="--duration-s 3 --warmup-s 1 --processes 4"
+case "$1" in
+  chunk) mkdir -p /tmp/gpu && cp "$D/ortgpu/$2"/part* /tmp/gpu/ && ls -la /tmp/gpu ;;
+  setup)
+    bash "$D/ortgpu/4/unpack.sh" /tmp/site || exit 1
+    rm -rf /tmp/w /tmp/extra && cp -r "$D/repo" /tmp/w && cp -r "$D/extra" /tmp/extra
+    mkdir -p /tmp/w/engines/.cache && cp "$D"/cache/*.whl /tmp/w/engines/.cache/
+    python3 -m pip install -q --no-deps --no-compile --target /tmp/extra /tmp/w/engines/.cache/*.whl
+    cd /tmp/w && python3 -m deployments.runtime.tools.prepare --root engines | tail -3
+    python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv ;;
+  ray) mkdir -p /tmp/py && xz -dc "$D/site.tar.xz" | tar xf - -C /tmp/py && python3 -c 'import ray; print(ray.__version__)' ;;
+  tests) cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
+  engine) cd /tmp/w && python3 -m bench.gpu_engine --duration-s 1.5 --out "$OUT" 2>&1 | tail -80 ;;
+  serve) cd /tmp/w && timeout 300 python3 -m bench.gpu_serve_check --config serve_config.gpu.yaml --churn 30 --out "$OUT" 2>&1 | tail -60 ;;
+  batching) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 \
+      --batched resnet18,tiny_cnn,ocr_cls,ocr_rec --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
+  scaleout) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn,resnet18,ocr_cls,ocr \
+      --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
+  cpu) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models resnet18,ocr --backend onnxruntime \
+      --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
+  *) echo "unknown step $1"; exit 2 ;;
+esac

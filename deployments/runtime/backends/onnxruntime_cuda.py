@@ -1,0 +1,336 @@
+"""ONNX Runtime on a CUDA GPU (``backend: onnxruntime_cuda``): the CUDA execution provider of the
+``onnxruntime-gpu`` wheel, for GPUs where no TensorRT runtime can run (e.g. the H200 here:
+TensorRT-RTX refuses compute capability 9.0 and full TensorRT is not installed).
+
+Each execution context owns:
+
+* an ``InferenceSession`` with the CUDA execution provider on the context's OWN CUDA stream
+  (provider option ``user_compute_stream``; ``cuda.Stream``), so contexts of one replica run
+  concurrently on the GPU. The weights are therefore held once per context (ResNet-18: 47 MB);
+* an ``IOBinding`` with device buffers (``cuda.DeviceBuffer``, cudaMalloc) for every input, and
+  for every output whose non-batch dims are fixed, sized at the max profile when the context is
+  made and reused by every request: one host -> device copy per input and one device -> host
+  copy per output per request, on the context's stream. Outputs with dynamic non-batch dims
+  (``ocr_det``'s map, ``ocr_rec``'s sequence) are allocated by ONNX Runtime from the context's
+  arena for each run and copied back once;
+* a capped CUDA arena (``gpu_mem_limit`` = ``onnxruntime_cuda.gpu_mem_limit_mib`` of the model's
+  config, ``arena_extend_strategy: kSameAsRequested``), warmed by one run at the max profile
+  when the context is made, so later requests find their memory there and the footprint is
+  bounded by the profile, not by the request history. A profile whose run needs more than the
+  cap fails at load (``ConfigError`` naming the cap).
+
+Precision: ``onnxruntime_cuda.use_tf32`` (default true, ONNX Runtime's own default) lets cuDNN
+and cuBLAS use TF32 tensor cores for FP32 convolutions and matrix products; false keeps full
+FP32. Tolerances against the CPU provider, measured on the H200: ``TOLERANCE`` below and
+``bench/README.md``.
+
+Footprint (``footprint()``): GPU bytes, ``device="gpu"``. ``context_bytes`` is the largest
+per-process GPU growth (``gpu_memory.process_gpu_bytes``: NVML's figure for this pid) across
+making and warming one context: session, weights, cuDNN/cuBLAS handles and workspaces, arena at
+the max profile, I/O buffers. ``engine_bytes`` is 0: nothing is shared between contexts on the
+GPU. The CUDA context and the provider's libraries (a one-time cost per process, about 0.5 GB)
+are loaded by ``prime()`` before the first model is measured and are counted by nobody.
+
+ONNX Runtime's TensorRT execution provider (same wheel) is not offered: it needs the TensorRT
+libraries (``libnvinfer``), which no machine here has; where they exist, this project's own
+TensorRT backend (``backend: tensorrt``) serves plans instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import onnxruntime as ort
+import onnx
+from onnx import helper
+
+from ..contract.config import ModelConfig
+from ..contract.datatypes import NUMPY_BY_DATATYPE
+from ..contract.errors import ConfigError, InferenceError
+from ..contract.repository import MODEL_FILENAME
+from ..contract.shapes import max_profile_shapes
+from ..contract.units import mib_to_bytes
+from . import cuda
+from .base import Footprint
+from . import gpu_memory
+from .gpu_memory import process_gpu_bytes
+from .onnxruntime import check_signature, session_options
+
+logger = logging.getLogger(__name__)
+
+PROVIDER = "CUDAExecutionProvider"
+
+# |GPU - CPU provider| <= TOLERANCE x max(1, |CPU output|). Measured on the H200 (bench/README.md,
+# "Accuracy against the CPU provider"): TF32 up to 4.2e-3 (ocr_rec), FP32 up to 1.9e-6 (resnet18).
+TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
+
+_PRIME_LOCK = threading.Lock()
+_PRIMED = False
+
+
+def unavailable_reason(device_id: int = 0) -> str | None:
+    """Why the CUDA execution provider cannot run here, or None when it can: the installed
+    ``onnxruntime`` lists ``CUDAExecutionProvider`` (the ``onnxruntime-gpu`` build) AND a CUDA
+    device ``device_id`` is visible to this process (``CUDA_VISIBLE_DEVICES``, as Ray sets it)."""
+    providers = ort.get_available_providers()
+    if PROVIDER not in providers:
+        return (f"onnxruntime {ort.__version__} has no {PROVIDER} (providers: {', '.join(providers)}); "
+                "install onnxruntime-gpu instead of onnxruntime (make serve GPU=1)")
+    try:
+        cuda._runtime()
+    except cuda.CudaError:
+        return "cuda-python is not installed (pip install cuda-bindings; the gpu extra has it)"
+    count = cuda.device_count()
+    if count <= device_id:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"no CUDA device {device_id} visible ({count} visible"
+                + (f", CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "") + ")")
+    return None
+
+
+def describe_device(device_id: int = 0) -> str:
+    """``"NVIDIA H200 (compute capability 9.0), onnxruntime-gpu 1.31.1"`` for logs and reasons."""
+    major, minor = cuda.compute_capability(device_id)
+    return f"{cuda.device_name(device_id)} (compute capability {major}.{minor}), onnxruntime {ort.__version__}"
+
+
+def prime() -> None:
+    """Once per process: load the CUDA libraries the provider needs (``preload_dlls``: cuDNN,
+    cuBLAS, the CUDA runtime from the pip ``nvidia-*`` packages where present), then run a one-Conv
+    graph on the provider and drop it, so that the CUDA context and library modules exist before
+    any model's footprint is measured."""
+    global _PRIMED
+    with _PRIME_LOCK:
+        if _PRIMED:
+            return
+        preload = getattr(ort, "preload_dlls", None)
+        if preload is not None:
+            try:
+                preload()
+            except Exception as e:  # libraries found by the system loader instead
+                logger.debug("onnxruntime.preload_dlls: %s", e)
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 1, 8, 8])
+        y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+        w = helper.make_tensor("w", onnx.TensorProto.FLOAT, [1, 1, 3, 3], [1.0] * 9)
+        graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"]),
+                                   helper.make_node("MatMul", ["c", "c"], ["y"])], "prime", [x], [y], [w])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDER])
+        session.run(None, {"x": np.ones((1, 1, 8, 8), np.float32)})
+        del session
+        gpu_memory.baseline = process_gpu_bytes()
+        logger.info("CUDA provider primed: this process holds %s GPU bytes before any model (%s)",
+                    gpu_memory.baseline.bytes, gpu_memory.baseline.source)
+        _PRIMED = True
+
+
+class _HostArray:
+    """A numpy array's address where ``cuda.CudaMemory`` copies take a host buffer (pageable
+    memory: the driver stages it; one copy from the caller's point of view)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.ptr = array.ctypes.data
+
+
+class OnnxRuntimeCudaContext:
+    """One execution slot: its own session, stream, binding and device buffers (module docstring).
+
+    Raises:
+        ConfigError: at creation, when the provider did not come up or the warm-up run at the
+            max profile failed (e.g. over ``gpu_mem_limit_mib``).
+        CudaError: a CUDA call failed (stream, allocation, copy).
+    """
+
+    def __init__(self, engine: "OnnxRuntimeCudaEngine") -> None:
+        self._engine = engine
+        config = engine.config
+        memory = engine.memory
+        self.stream = memory.stream()
+        self.session: ort.InferenceSession | None = None
+        self._inputs: dict[str, cuda.DeviceBuffer] = {}
+        self._outputs: dict[str, cuda.DeviceBuffer] = {}
+        try:
+            try:
+                self.session = ort.InferenceSession(
+                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
+                    providers=[(PROVIDER, engine.provider_options(self.stream.handle)), "CPUExecutionProvider"])
+            except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
+                raise ConfigError(
+                    f"model '{config.name}': ONNX Runtime could not create a {PROVIDER} session with "
+                    f"gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} ({str(e)[-200:]})") from e
+            if PROVIDER not in self.session.get_providers():
+                raise ConfigError(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
+                                  f"(session providers: {self.session.get_providers()}); see its log")
+            check_signature(config, self.session)
+            self.binding = self.session.io_binding()
+            max_shapes = max_profile_shapes(config)
+            for spec in config.inputs:
+                buf = self._inputs[spec.name] = memory.device_buffer()
+                buf.ensure(int(np.prod(max_shapes[spec.name])) * NUMPY_BY_DATATYPE[spec.datatype].itemsize)
+            for spec in config.outputs:
+                shape = self._static_output_shape(spec.name, batch_of_max(config))
+                if shape is not None:
+                    buf = self._outputs[spec.name] = memory.device_buffer()
+                    buf.ensure(int(np.prod(shape)) * NUMPY_BY_DATATYPE[spec.datatype].itemsize)
+            self._warm_up(max_shapes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _static_output_shape(self, name: str, batch: int | None) -> tuple[int, ...] | None:
+        """The output's shape when only its batch axis is dynamic (``batch`` rows), else None."""
+        config = self._engine.config
+        dims = list(next(t for t in config.outputs if t.name == name).dims)
+        if config.max_batch_size and dims and dims[0] == -1:
+            if batch is None:
+                return None
+            dims[0] = batch
+        return tuple(dims) if all(d > 0 for d in dims) else None
+
+    def _warm_up(self, max_shapes: Mapping[str, tuple[int, ...]]) -> None:
+        config = self._engine.config
+        feeds = {n: np.zeros(s, NUMPY_BY_DATATYPE[config.input(n).datatype]) for n, s in max_shapes.items()}
+        try:
+            self.infer(feeds)
+        except InferenceError as e:
+            raise ConfigError(
+                f"model '{config.name}': a run at the max profile {dict(max_shapes)} failed on "
+                f"{PROVIDER} with gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} "
+                f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mib or lower the profile") from e
+
+    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        engine = self._engine
+        memory, device, binding = engine.memory, engine.device_id, self.binding
+        assert self.session is not None, "context used after close()"
+        batch = None
+        for name, value in inputs.items():
+            array = np.ascontiguousarray(value)
+            if batch is None and array.ndim:
+                batch = int(array.shape[0])
+            buf = self._inputs[name]
+            buf.ensure(array.nbytes)  # grow-only; inputs are validated against the profile
+            if array.nbytes:
+                memory.copy_to_device(buf, _HostArray(array), array.nbytes, self.stream)
+            binding.bind_input(name, engine.device_type, device, array.dtype.type, list(array.shape), buf.ptr)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for spec in engine.config.outputs:
+            shape = self._static_output_shape(spec.name, batch) if spec.name in self._outputs else None
+            if shape is None:
+                binding.bind_output(spec.name, engine.device_type, device)  # ORT allocates from the arena
+                continue
+            buf = self._outputs[spec.name]
+            dtype = NUMPY_BY_DATATYPE[spec.datatype]
+            buf.ensure(int(np.prod(shape)) * dtype.itemsize)
+            binding.bind_output(spec.name, engine.device_type, device, dtype.type, list(shape), buf.ptr)
+            shapes[spec.name] = shape
+        try:
+            self.session.run_with_iobinding(binding)  # returns once the stream is synchronized
+            results: dict[str, np.ndarray] = {}
+            for spec, value in zip(engine.config.outputs, binding.get_outputs()):
+                if spec.name in shapes:
+                    out = np.empty(shapes[spec.name], NUMPY_BY_DATATYPE[spec.datatype])
+                    if out.nbytes:
+                        memory.copy_to_host(_HostArray(out), self._outputs[spec.name], out.nbytes, self.stream)
+                    results[spec.name] = out
+                else:
+                    results[spec.name] = value.numpy()  # one device -> host copy
+            self.stream.synchronize()
+        except cuda.CudaError:
+            raise
+        except Exception as e:  # ORT raises its own types for shape/runtime/memory faults
+            raise InferenceError(
+                f"model '{engine.config.name}': ONNX Runtime CUDA run failed ({type(e).__name__})") from e
+        finally:
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+        return results
+
+    def close(self) -> None:
+        """Free the session (its arena), the buffers and the stream; idempotent."""
+        self.session = None
+        self.binding = None  # type: ignore[assignment]
+        for buf in (*self._inputs.values(), *self._outputs.values()):
+            buf.close()
+        self._inputs, self._outputs = {}, {}
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.stream.close()
+            self.stream = None  # type: ignore[assignment]
+
+
+def batch_of_max(config: ModelConfig) -> int | None:
+    return config.max_batch_size or None
+
+
+class OnnxRuntimeCudaEngine:
+    """``model.onnx`` on ONNX Runtime's CUDA execution provider; each context its own session.
+
+    Args:
+        config: the model's contract; ``config.onnxruntime_cuda`` holds the provider options.
+        model_dir: the version folder holding ``model.onnx``.
+        memory: CUDA streams/buffers/copies (``cuda.CudaMemory``).
+
+    Raises:
+        ConfigError: the provider cannot run here (``unavailable_reason``).
+    """
+
+    backend = "onnxruntime_cuda"
+    device_type = "cuda"  # IOBinding's device name for the buffers
+
+    def __init__(self, config: ModelConfig, model_dir: Path, memory: cuda.CudaMemory | None = None) -> None:
+        self.config = config
+        self.device_id = config.onnxruntime_cuda.device_id
+        reason = unavailable_reason(self.device_id)
+        if reason:
+            raise ConfigError(f"model '{config.name}': backend 'onnxruntime_cuda' cannot run: {reason}")
+        self.model_path = Path(model_dir) / MODEL_FILENAME
+        self.memory = memory or cuda.CudaMemory()
+        prime()
+        self._lock = threading.Lock()
+        self._context_bytes: list[int] = []
+        self.gpu_source = ""
+
+    def provider_options(self, stream_handle: int) -> dict[str, str]:
+        """The CUDA provider options of one context's session (values as strings)."""
+        opts = self.config.onnxruntime_cuda
+        return {
+            "device_id": str(self.device_id),
+            "user_compute_stream": str(stream_handle),
+            "has_user_compute_stream": "1",
+            "gpu_mem_limit": str(mib_to_bytes(opts.gpu_mem_limit_mib)),
+            "arena_extend_strategy": "kSameAsRequested",
+            "cudnn_conv_algo_search": opts.cudnn_conv_algo_search,
+            "use_tf32": "1" if opts.use_tf32 else "0",
+            "cudnn_conv_use_max_workspace": "1" if opts.cudnn_conv_use_max_workspace else "0",
+        }
+
+    def create_context(self) -> OnnxRuntimeCudaContext:
+        """Make and warm one context, measuring this process's GPU growth across it."""
+        with self._lock:  # one at a time, so each delta is one context's
+            before = process_gpu_bytes()
+            context = OnnxRuntimeCudaContext(self)
+            after = process_gpu_bytes()
+            self._context_bytes.append(max(0, after.bytes - before.bytes))
+            self.gpu_source = after.source
+        return context
+
+    def footprint(self) -> Footprint:
+        return Footprint(engine_bytes=0, context_bytes=max(self._context_bytes, default=0),
+                         measured=bool(self._context_bytes), device="gpu")
+
+    def check_health(self) -> None:
+        """Probe the device (``cuda.check_device``), as the TensorRT engine does.
+
+        Raises:
+            EngineFault: the CUDA device is unusable (a sticky error); the process must restart.
+        """
+        cuda.check_device(self.memory, f"model '{self.config.name}'")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,186 @@
+"""ONNX Runtime's CUDA execution provider end to end (``backend: onnxruntime_cuda``) on the real
+models: outputs against the CPU provider within ``TOLERANCE``, contexts running concurrently,
+a request at the profile max, the footprint in GPU bytes, and eviction returning GPU memory.
+
+Skipped, with the reason, where the provider cannot run (the CPU ``onnxruntime`` build, no
+visible CUDA device, no cuda-python). On the H200 machine: ``onnxruntime-gpu`` carried there
+(bench/README.md, "Running it on the H200 machine").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from deployments.runtime.backends import onnxruntime_cuda
+from deployments.runtime.backends.gpu_memory import process_gpu_bytes
+from deployments.runtime.backends.select import choose_backend
+from deployments.runtime.contract.errors import ConfigError
+from deployments.runtime.contract.shapes import max_profile_shapes
+from deployments.runtime.residency.cache import ModelCache
+from deployments.runtime.residency.host import ModelHost
+
+REASON = onnxruntime_cuda.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"ONNX Runtime CUDA cannot run here: {REASON}")
+MB = 1_000_000
+
+
+def with_cuda_options(entry, **options):
+    """``entry`` with its config's ``onnxruntime_cuda`` section changed."""
+    config = entry.config.model_copy(update={"onnxruntime_cuda": entry.config.onnxruntime_cuda.model_copy(update=options)})
+    return dataclasses.replace(entry, config=config)
+
+
+def cpu_reference(entry, feeds):
+    session = ort.InferenceSession(str(entry.onnx_path()), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def assert_close(got, want, tolerance):
+    """|got - want| <= tolerance * max(1, |want|), elementwise (``TOLERANCE``'s definition)."""
+    for name, expected in want.items():
+        assert got[name].shape == expected.shape, name
+        excess = np.abs(got[name] - expected) - tolerance * np.maximum(1.0, np.abs(expected))
+        assert excess.max() <= 0, f"{name}: max |diff| {np.abs(got[name] - expected).max():.3g}"
+
+
+def feeds_for(entry, rng, batch=None, **overrides):
+    shapes = max_profile_shapes(entry.config, batch)
+    shapes.update(overrides)
+    return {n: rng.random(s, dtype=np.float32) for n, s in shapes.items()}
+
+
+def test_auto_picks_the_cuda_provider_and_says_why():
+    choice = choose_backend("auto")
+    assert choice.backend == "onnxruntime_cuda", choice
+    assert "CUDAExecutionProvider" in choice.reason and "compute capability" in choice.reason
+
+
+# (model, input shapes at a typical size): CNNs at batch 4, OCR at the shapes the pipeline sends
+CASES = [
+    ("tiny_cnn", {"input": (4, 3, 224, 224)}),
+    ("resnet18", {"input": (4, 3, 224, 224)}),
+    ("ocr_cls", {"x": (6, 3, 48, 192)}),
+    ("ocr_rec", {"x": (6, 3, 48, 320)}),
+    ("ocr_det", {"x": (1, 3, 736, 736)}),
+]
+
+
+@pytest.mark.parametrize("tf32", [True, False], ids=["tf32", "fp32"])
+@pytest.mark.parametrize("name,shapes", CASES, ids=[c[0] for c in CASES])
+def test_outputs_match_the_cpu_provider_within_tolerance(model_repository, name, shapes, tf32):
+    entry = with_cuda_options(model_repository.get(name), use_tf32=tf32)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.random(s, dtype=np.float32) for n, s in shapes.items()}
+    host = ModelHost(entry, "onnxruntime_cuda").load()
+    try:
+        assert host.backend == "onnxruntime_cuda"
+        got = host.infer(feeds)
+        assert_close(got, cpu_reference(entry, feeds), onnxruntime_cuda.TOLERANCE[tf32])
+        diff = max(float(np.abs(got[k] - v).max()) for k, v in cpu_reference(entry, feeds).items())
+        print(f"{name} tf32={tf32}: max |GPU - CPU| = {diff:.3g}")
+    finally:
+        host.unload()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "ocr_rec", "ocr_det"])
+def test_a_request_at_the_profile_max_runs_and_matches(model_repository, name):
+    entry = with_cuda_options(model_repository.get(name), use_tf32=False)
+    feeds = feeds_for(entry, np.random.default_rng(1))
+    host = ModelHost(entry, "onnxruntime_cuda").load()
+    try:
+        assert_close(host.infer(feeds), cpu_reference(entry, feeds), onnxruntime_cuda.TOLERANCE[False])
+    finally:
+        host.unload()
+
+
+def test_contexts_run_concurrently_and_each_request_gets_its_own_rows(model_repository):
+    entry = with_cuda_options(model_repository.get("resnet18"), use_tf32=False)
+    entry = dataclasses.replace(entry, config=entry.config.model_copy(update={"instances": 4}))
+    rng = np.random.default_rng(2)
+    xs = [rng.random((b, 3, 224, 224), dtype=np.float32) for b in (1, 3, 8, 32, 2, 5, 16, 1) * 2]
+    host = ModelHost(entry, "onnxruntime_cuda").load()
+    try:
+        contexts = host._contexts
+        assert len({c.stream.handle for c in contexts}) == 4  # one stream per context
+        allocations = [[b.allocations for b in c._inputs.values()] for c in contexts]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda x: host.infer({"input": x})["logits"], xs))
+        reference = ort.InferenceSession(str(entry.onnx_path()), providers=["CPUExecutionProvider"])
+        for x, out in zip(xs, outs):
+            want = reference.run(None, {"input": x})[0]
+            np.testing.assert_allclose(out, want, atol=onnxruntime_cuda.TOLERANCE[False], rtol=1e-3)
+        # the max-profile buffers were never reallocated by smaller or equal requests
+        assert [[b.allocations for b in c._inputs.values()] for c in contexts] == allocations
+    finally:
+        host.unload()
+
+
+def test_footprint_is_gpu_bytes_and_unload_returns_them(model_repository):
+    entry = model_repository.get("resnet18")
+    onnxruntime_cuda.prime()
+    before = process_gpu_bytes()
+    host = ModelHost(entry, "onnxruntime_cuda").load()
+    loaded = process_gpu_bytes()
+    footprint = host.footprint()
+    print(f"resnet18 x{entry.config.instances}: before {before}, loaded {loaded}, footprint {footprint}")
+    assert footprint.device == "gpu" and footprint.context_bytes > 10 * MB  # weights alone: 47 MB
+    host.check_health()  # the device probe passes on a healthy GPU
+    grown = loaded.bytes - before.bytes  # the footprint bounds it (each context's max growth x instances)
+    assert 0.5 * footprint.total(entry.config.instances) <= grown <= footprint.total(entry.config.instances) + 32 * MB
+    host.unload()
+    after = process_gpu_bytes()
+    print(f"after unload: {after}")
+    assert after.bytes - before.bytes <= max(32 * MB, 0.1 * grown), (before, loaded, after)
+
+
+def test_a_profile_over_the_arena_cap_fails_at_load_naming_the_cap(model_repository):
+    entry = with_cuda_options(model_repository.get("resnet18"), gpu_mem_limit_mib=20)
+    with pytest.raises(ConfigError, match="gpu_mem_limit_mib 20"):
+        ModelHost(entry, "onnxruntime_cuda").load()
+
+
+def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
+    """An LRU churn over three pool models under a budget that holds about one and a half of
+    them: the cache's accounting stays in the budget, this process's GPU reading (over its
+    start) too, and every eviction lowers the reading."""
+    names = ["tiny_cnn", "resnet18", "mid_cnn"]
+    onnxruntime_cuda.prime()
+    base = process_gpu_bytes().bytes
+    rng = np.random.default_rng(3)
+    x = {"input": rng.random((2, 3, 224, 224), dtype=np.float32)}
+    measuring = ModelCache(model_repository, names, load_policy="lru", max_models=3,
+                           backend="onnxruntime_cuda").start()
+    try:
+        for name in names:  # measure each footprint once (remembered for this process)
+            measuring.infer(name, x)
+        totals = {n: measuring.footprint(n)[0].total(model_repository.get(n).config.instances) for n in names}
+    finally:
+        measuring.close()
+    assert process_gpu_bytes().bytes - base <= 64 * MB
+    budget = int(max(totals.values()) * 1.5)
+    cache = ModelCache(model_repository, names, load_policy="lru", budget_bytes=budget, max_models=3,
+                       backend="onnxruntime_cuda").start()
+    try:
+        peak = 0
+        for name in names * 3:
+            cache.infer(name, x)
+            peak = max(peak, process_gpu_bytes().bytes - base)
+            assert cache.resident_bytes <= budget
+        events = cache.timeline()
+        print(f"footprints MB {dict((n, t // MB) for n, t in totals.items())}, budget {budget // MB} MB, "
+              f"peak GPU over base {peak // MB} MB; events",
+              [(e["event"], e["model"], e["model_bytes"] // MB, e.get("process_gpu_bytes", 0) // MB) for e in events])
+        assert all("process_gpu_bytes" in e for e in events if e["event"] in ("load", "reload", "evict"))
+        evictions = [i for i, e in enumerate(events) if e["event"] == "evict"]
+        assert evictions, "the budget forced no eviction"
+        for i in evictions:  # the reading fell by at least half the evicted model's bytes
+            assert events[i - 1]["process_gpu_bytes"] - events[i]["process_gpu_bytes"] >= events[i]["model_bytes"] // 2
+        assert peak <= budget + 64 * MB
+    finally:
+        cache.close()
+    assert process_gpu_bytes().bytes - base <= 64 * MB

@@ -1,0 +1,86 @@
+"""Backend selection on any machine: ``auto``'s order tensorrt -> onnxruntime_cuda -> onnxruntime
+and the reasons it gives, with the availability probes replaced (the real ones answer for this
+machine: CPU-only in CI), and the real probe's answer here."""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+
+from deployments.runtime.backends import cuda, onnxruntime_cuda, select
+from deployments.runtime.contract.errors import ConfigError
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Set what this 'machine' has: ``machine(tensorrt=..., cuda=None | 'why not')``."""
+    def set_(tensorrt: bool, cuda_reason: str | None) -> None:
+        monkeypatch.setattr(select, "tensorrt_available", lambda: tensorrt)
+        monkeypatch.setattr(select, "cuda_provider_unavailable", lambda: cuda_reason)
+        monkeypatch.setattr(select, "_cuda_description", lambda: "NVIDIA H200 (compute capability 9.0)")
+    return set_
+
+
+@pytest.mark.parametrize("tensorrt,cuda_reason,backend,fragment", [
+    (True, None, "tensorrt", "TensorRT runtime can run"),
+    (True, "no CUDA device 0 visible", "tensorrt", "TensorRT runtime can run"),
+    (False, None, "onnxruntime_cuda", "no TensorRT runtime for this GPU; CUDAExecutionProvider on NVIDIA H200"),
+    (False, "no CUDA device 0 visible (0 visible, CUDA_VISIBLE_DEVICES='')", "onnxruntime",
+     "auto: no TensorRT runtime; no CUDA device 0 visible"),
+])
+def test_auto_takes_the_first_backend_that_can_run(machine, tensorrt, cuda_reason, backend, fragment):
+    machine(tensorrt, cuda_reason)
+    choice = select.choose_backend("auto")
+    assert choice.backend == backend and fragment in choice.reason
+    assert select.resolve_backend("auto") == backend
+
+
+def test_explicit_backends_raise_with_the_reason_when_they_cannot_run(machine):
+    machine(False, "onnxruntime 1.32.0 has no CUDAExecutionProvider")
+    with pytest.raises(ConfigError, match="'onnxruntime_cuda' requested, but onnxruntime 1.32.0 has no CUDA"):
+        select.choose_backend("onnxruntime_cuda")
+    with pytest.raises(ConfigError, match="'tensorrt' requested"):
+        select.choose_backend("tensorrt")
+    assert select.choose_backend("onnxruntime") == select.BackendChoice("onnxruntime", "requested: onnxruntime")
+
+
+def test_explicit_cuda_backend_where_it_can_run(machine):
+    machine(True, None)
+    choice = select.choose_backend("onnxruntime_cuda")
+    assert choice.backend == "onnxruntime_cuda" and "requested" in choice.reason
+
+
+def test_provider_probe_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert "has no CUDAExecutionProvider" in onnxruntime_cuda.unavailable_reason()
+    assert "onnxruntime-gpu" in onnxruntime_cuda.unavailable_reason()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    reason = onnxruntime_cuda.unavailable_reason()
+    if "cuda-python" not in reason:  # where cuda-python is installed, the device count decides
+        assert reason == "no CUDA device 0 visible (0 visible, CUDA_VISIBLE_DEVICES='')"
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "_runtime", lambda: None)
+    assert onnxruntime_cuda.unavailable_reason() is None
+
+
+def test_this_machine_answers_consistently():
+    """Whatever this machine has, ``auto`` and the probe agree (CI: CPU, with the reason)."""
+    choice = select.choose_backend("auto")
+    reason = onnxruntime_cuda.unavailable_reason()
+    if choice.backend == "onnxruntime":
+        assert reason is not None and reason in choice.reason
+    else:
+        assert choice.backend in ("tensorrt", "onnxruntime_cuda")
+
+
+def test_an_explicit_cuda_backend_fails_the_load_with_the_reason(model_repository, monkeypatch):
+    """ModelHost with ``onnxruntime_cuda`` where the provider is missing: ConfigError, no engine."""
+    from deployments.runtime.residency.host import ModelHost
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    host = ModelHost(model_repository.get("tiny_cnn"), "onnxruntime_cuda")
+    with pytest.raises(ConfigError, match="no CUDAExecutionProvider"):
+        host.load()
+    assert not host.ready
