@@ -140,7 +140,8 @@ def ray_options(options: DeploymentOptions, use_gpus: bool, env: dict[str, str] 
         # Ray (since 2.4x) leaves CUDA_VISIBLE_DEVICES alone for actors without GPUs, so such a
         # replica would see every GPU and `backend: auto` would run on one it never reserved.
         env_vars["CUDA_VISIBLE_DEVICES"] = ""
-    actor["runtime_env"] = {"env_vars": env_vars}
+    if env_vars:
+        actor["runtime_env"] = {"env_vars": env_vars}
     out: dict[str, Any] = {
         "ray_actor_options": actor, "max_ongoing_requests": options.max_ongoing_requests,
         "max_queued_requests": options.max_queued_requests,

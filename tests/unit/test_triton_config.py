@@ -30,7 +30,10 @@ def test_every_model_config_parses_as_tritons_model_config(model_repository, bac
 
 
 def test_batched_model_dims_leave_out_the_batch_axis_and_batching_is_in_microseconds(model_repository):
-    config = model_configuration(model_repository.get("ocr_cls").config, "onnxruntime")
+    shipped = model_repository.get("ocr_cls").config
+    assert "dynamic_batching" not in model_configuration(shipped, "onnxruntime")  # shipped with batching off
+    batching = shipped.dynamic_batching.model_copy(update={"enabled": True})
+    config = model_configuration(shipped.model_copy(update={"dynamic_batching": batching}), "onnxruntime")
     assert config["platform"] == "onnxruntime_onnx" and config["backend"] == "onnxruntime"
     assert config["max_batch_size"] == 32
     assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 48, 192]}]
