@@ -113,6 +113,7 @@ class RouterApp:
         self.backends: dict[str, str] = {}
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
+        self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=[
@@ -186,18 +187,21 @@ class RouterApp:
 
     def refresh_ready(self, running: dict[str, int]) -> None:
         """Readiness after first load follows the replicas: a model (dedicated once it answered
-        ``poll_ready``, or pooled) is ready while its deployment has a RUNNING replica, so ready
-        routes and requests answer 503 when it lost them and 200 again once a replacement runs.
+        ``poll_ready``, or pooled) that Serve has counted with a RUNNING replica is ready while
+        it has one, so ready routes and requests answer 503 when it lost them all and 200 again
+        once a replacement runs. A count of 0 for a model never seen running (a deployment
+        still starting, or a snapshot older than its first replica) changes nothing.
 
         Args:
             running: model name -> RUNNING replicas (``ModelClient.running_replicas``).
         """
         for name, count in running.items():
-            if name in self.client.dedicated and name not in self.backends:
-                continue  # never answered yet: poll_ready decides
             if count:
+                self._seen_running.add(name)
+                if name in self.client.dedicated and name not in self.backends:
+                    continue  # never answered yet: poll_ready decides
                 self.ready_models.add(name)
-            elif name in self.ready_models:
+            elif name in self._seen_running and name in self.ready_models:
                 logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
                 self.ready_models.discard(name)
 

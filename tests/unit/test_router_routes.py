@@ -350,6 +350,7 @@ def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(re
     asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
     router = TestClient(app.build_app(), raise_server_exceptions=False)
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
+    app.refresh_ready({"ocr_det": 1, "tiny_cnn": 1, "ocr": 1})
     app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0, "ocr": 1})  # a dedicated and a pooled model lost theirs
     for name in ("ocr_det", "tiny_cnn"):
         assert_error(router.get(f"/v2/models/{name}/ready"), 503, f"model '{name}' is not ready")
@@ -423,3 +424,15 @@ def test_the_response_is_compressed_as_accept_encoding_asks(router, coding, deco
         raw = b"".join(r.iter_raw())
     assert r.status_code == 200 and r.headers["content-encoding"] == coding
     assert json.loads(decode(raw))["outputs"][0]["shape"] == [1, 1000]
+
+
+def test_a_zero_count_for_a_model_never_seen_running_changes_nothing(router, repo):
+    # A snapshot taken while the deployments still start (or older than their first replica)
+    # must not turn a ready pool model or an answered dedicated model away.
+    client = FakeModelClient(repo)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
+    app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0})
+    ready = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert ready.get("/v2/models/tiny_cnn/ready").status_code == 200
+    assert ready.get("/v2/models/ocr_det/ready").status_code == 200
