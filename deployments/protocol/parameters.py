@@ -55,19 +55,27 @@ def check_parameters(where: str, params: Mapping[str, Any], allowed: tuple[str, 
         raise InvalidInput(f"{where}: parameters.{json.dumps(key)[:60]}: {reason}; allowed here: {list(allowed)}")
 
 
+def _positive_int(value: Any, requirement: str) -> int | None:
+    """``value`` when it is a positive integer (booleans are not), None when absent.
+
+    Raises:
+        InvalidInput: ``requirement``, then the value received.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInput(f"{requirement}, got {json.dumps(value)[:40]}")
+    return value
+
+
 def timeout_s(params: Mapping[str, Any]) -> float | None:
     """The request's ``timeout`` parameter (microseconds, Triton's unit) in seconds, or None.
 
     Raises:
         InvalidInput: not a positive integer.
     """
-    value = params.get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInput(f"request: parameters.timeout must be a positive integer of microseconds, "
-                           f"got {json.dumps(value)[:40]}")
-    return value / 1e6
+    value = _positive_int(params.get("timeout"), "request: parameters.timeout must be a positive integer of microseconds")
+    return None if value is None else value / 1e6
 
 
 def class_count(where: str, params: Mapping[str, Any]) -> int | None:
@@ -76,13 +84,8 @@ def class_count(where: str, params: Mapping[str, Any]) -> int | None:
     Raises:
         InvalidInput: not a positive integer.
     """
-    value = params.get("classification")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidInput(f"{where}: parameters.classification (class_count) must be a positive integer, "
-                           f"got {json.dumps(value)[:40]}")
-    return value
+    return _positive_int(params.get("classification"),
+                         f"{where}: parameters.classification (class_count) must be a positive integer")
 
 
 def classify(where: str, array: np.ndarray, k: int, batched: bool) -> np.ndarray:
