@@ -181,4 +181,5 @@ def test_bytes_that_are_not_utf8_are_400_for_a_string_model(server):
 def test_a_known_model_with_a_route_this_server_lacks_is_an_unknown_route_not_an_unknown_model(server):
     r = requests.get(f"{server}/v2/models/simple/no_such_route", params=QUERY)
     assert r.status_code == 404
-    assert r.json()["error"] == "no route GET /v2/models/simple/no_such_route; see the KServe v2 REST API"
+    assert r.json()["error"] == ("no route GET /v2/models/simple/no_such_route; "
+                                "model routes: /v2/models/{name}[/versions/{version}][/ready|/config|/infer]")
