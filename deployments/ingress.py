@@ -58,7 +58,7 @@ SERVER_NAME = "trt-serve"
 EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification",
               "statistics"]
 _READY_POLL_S = 1.0
-_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer]"
+_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
                 "loading": ("LOADING", "loading into the pool replica's cache"),
