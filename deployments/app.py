@@ -29,6 +29,7 @@ from ray.serve.exceptions import RayServeException
 from .ingress import Router, RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
+from .observe.options import MetricsOptions
 from .pool import PoolDeployment
 from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
@@ -92,6 +93,7 @@ class AppArgs(BaseModel):
     # Per model, fields of its config's `deployment:` section to override for this cluster
     # (e.g. {ocr_cls: {num_replicas: 4, num_gpus: 0.125}}), without editing the repository.
     deployments: dict[str, dict[str, Any]] = {}
+    metrics: MetricsOptions = MetricsOptions()  # Prometheus series, statistics, request logs
 
 
 def _cluster_has_gpus() -> bool:
@@ -206,27 +208,28 @@ def _build(args: dict[str, Any] | None) -> Application:
     env = {"ORT_INTRA_OP_THREADS": str(threads), **HANDLE_ENV}
     logger.info("ONNX Runtime: %d intra-op thread(s) per execution context on %d cores", threads, cores())
 
+    metrics = app_args.metrics.model_dump()
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     pool = None
     if pool_models:
         pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
-            app_args.repository, pool_models, app_args.backend, app_args.pool)
+            app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics)
     dedicated: dict[str, Any] = {}
     for e in entries:
         if e.name in pool_models or e.config.pipeline:
             continue
         dedicated[e.name] = ModelDeployment.options(
             name=f"model-{e.name}", **ray_options(placement[e.name], use_gpus, env)).bind(
-            app_args.repository, e.name, app_args.backend)
+            app_args.repository, e.name, app_args.backend, metrics=metrics)
     steps = dict(dedicated)
     for e in entries:
         if e.config.pipeline:
             dedicated[e.name] = PipelineDeployment.options(
                 name=f"pipeline-{e.name}", **ray_options(placement[e.name], use_gpus, HANDLE_ENV)).bind(
-                app_args.repository, e.name, steps, pool, pool_models)
+                app_args.repository, e.name, steps, pool, pool_models, metrics=metrics)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
         app_args.repository, dedicated, pool, pool_models,
         RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                       request_timeout_s=app_args.request_timeout_s),
-        models=app_args.models)
+        models=app_args.models, metrics=metrics)

@@ -6,6 +6,7 @@ Routes (Open Inference Protocol, plus Triton's repository index):
     POST /v2/models/{name}[/versions/{version}]/infer
     POST /v2/repository/index
     GET  /v2/memory
+    GET  /v2/models[/{name}[/versions/{version}]]/stats, /metrics (``deployments.observe``)
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
 bodies may be gzip/deflate compressed and responses are, as Accept-Encoding asks (``protocol.compression``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
@@ -37,6 +38,10 @@ from starlette.routing import Route
 from . import __version__
 from .client import ModelClient
 from .logs import ready_logger, show_on_terminal
+from .observe.metrics import node_directory, node_families, render as render_metrics
+from .observe.options import start as start_metrics
+from .observe.router import RouterObserver, observe_infer, phase
+from .observe.statistics import statistics
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import error_status, retry_after_headers
@@ -50,9 +55,10 @@ from .runtime.contract.repository import ModelEntry, ModelRepository
 logger = logging.getLogger("ray.serve")
 
 SERVER_NAME = "trt-serve"
-EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification"]
+EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification",
+              "statistics"]
 _READY_POLL_S = 1.0
-_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer]"
+_MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
                 "loading": ("LOADING", "loading into the pool replica's cache"),
@@ -101,10 +107,14 @@ class RouterApp:
         repo: the served models (each router reads the configs, never the models).
         client: calls the models (``ModelClient``, or a fake with its interface in tests).
         options: ``RouterOptions``.
+        observer: counts and logs infer requests (``observe.router.RouterObserver``); None:
+            metrics are off, and ``/metrics`` and the statistics routes answer 404.
     """
 
-    def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions) -> None:
+    def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
+                 observer: RouterObserver | None = None) -> None:
         self.repo = repo
+        self.observer = observer
         self.client = client
         self.max_body_bytes = options.max_body_bytes
         self.request_timeout_s = options.request_timeout_s
@@ -117,6 +127,7 @@ class RouterApp:
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=[
+            Route("/v2/models/stats", self.statistics, methods=["GET"]),  # before /v2/models/{name}
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.server_ready, methods=["GET"]),
             Route("/v2", self.server_metadata, methods=["GET"]),
@@ -130,6 +141,9 @@ class RouterApp:
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
             Route("/v2/memory", self.memory, methods=["GET"]),
+            Route("/v2/models/{name}/stats", self.statistics, methods=["GET"]),
+            Route("/v2/models/{name}/versions/{version}/stats", self.statistics, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed},
             middleware=[Middleware(CompressionMiddleware)])
         app.router.redirect_slashes = False  # a trailing slash is an unknown route (404), not a redirect
@@ -341,18 +355,55 @@ class RouterApp:
                 self._require_ready(self.repo.get(name))
             raise InferenceTimeout(f"model '{name}' did not answer within {timeout_s:g} s") from None
 
+    @observe_infer
     @_answers_errors
     async def infer(self, request: Request) -> Response:
         entry = self._entry(request)
         chunks = await self._read_body(request)
-        infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
+        with phase(request, "compute_input_s"):
+            infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
         self._require_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                          infer_request.timeout_s)
-        outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
-                                       infer_request.output_parameters, outputs)
-        content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
+        with phase(request, "compute_output_s"):
+            outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
+                                           infer_request.output_parameters, outputs)
+            content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
         return Response(content, headers=headers)
+
+    # --- observability (deployments.observe) -----------------------------------------------
+    def _metrics_off(self) -> None:
+        if self.observer is None:
+            raise ModelNotFound("metrics are off (application args: metrics.enabled false)")
+
+    @_answers_errors
+    async def metrics(self, request: Request) -> Response:
+        """This node's series in Prometheus text format (the node of the replica answering)."""
+        self._metrics_off()
+        body = await asyncio.to_thread(render_metrics)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @_answers_errors
+    async def statistics(self, request: Request) -> JSONResponse:
+        """Triton's statistics extension: every model, one model, or one version of it."""
+        self._metrics_off()
+        if "name" in request.path_params:
+            entry = self._entry(request)
+            models = [(entry.name, request.path_params.get("version") or str(entry.latest))]
+        else:
+            models = [(e.name, str(e.latest)) for e in self.repo.entries()]
+        families = await asyncio.to_thread(node_families, node_directory())
+        return JSONResponse(statistics(families, models))
+
+
+def router_observer(repo: ModelRepository, metrics: dict[str, Any] | None) -> RouterObserver | None:
+    """In the router replica: start metrics (``observe.options.start``) and return the observer
+    of ``repo``'s models; None when ``metrics`` (``MetricsOptions`` as a dict) turns them off."""
+    options = start_metrics(metrics)
+    if options is None:
+        return None
+    versions = {e.name: str(e.latest) for e in repo.entries()}
+    return RouterObserver(versions, access_log=options.access_log)
 
 
 @serve.deployment
@@ -367,11 +418,14 @@ class Router(RouterApp):
         pool_models: names served by the pool.
         options: ``RouterOptions``.
         models: the served subset of the repository (None: all).
+        metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
     """
 
     def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
-                 pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None) -> None:
-        super().__init__(ModelRepository(repository, models), ModelClient(dedicated, pool, pool_models), options)
+                 pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None,
+                 metrics: dict[str, Any] | None = None) -> None:
+        repo = ModelRepository(repository, models)
+        super().__init__(repo, ModelClient(dedicated, pool, pool_models), options, router_observer(repo, metrics))
         show_on_terminal()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._announce_when_ready())

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import numpy as np
 from ray import serve
 
 from .logs import show_on_terminal
+from .observe.deployment import observe_replica_infer, replica_recorder
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.repository import ModelRepository
@@ -30,23 +32,31 @@ class ModelDeployment:
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once.
     """
 
-    def __init__(self, repository: str, name: str, backend: str) -> None:
+    def __init__(self, repository: str, name: str, backend: str,
+                 metrics: dict[str, Any] | None = None) -> None:
         show_on_terminal()
         self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
+        self.recorder = replica_recorder(metrics)
+        if self.recorder is not None:
+            self.host.on_execution = self.recorder.on_execution
         self.batch_stats = BatchStats()
         policy = BatchPolicy.of(self.host.config)
         self._batched = None
         self._max_rows = 0 if policy is None else policy.max_rows
         if policy is not None:
             async def run(items: list[BatchItem]) -> list:
+                start = time.perf_counter()
                 done = await asyncio.to_thread(run_batch, self.host, items)
                 self.batch_stats.record(items, done)
+                if self.recorder is not None:
+                    self.recorder.batch_ran(items, time.perf_counter() - start)
                 return done.results
 
             self._batched = serve.batch(
                 max_batch_size=policy.max_rows, batch_wait_timeout_s=policy.wait_s,
                 max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
 
+    @observe_replica_infer(lambda self: (self.host.name, self.host.version))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Validate and run one request; see ``ModelHost.infer`` for shapes and raised errors.
 
@@ -58,6 +68,8 @@ class ModelDeployment:
         item = BatchItem.of(self.host.config, inputs, outputs)
         if item.rows > self._max_rows:  # a request over the batch size runs alone
             return await asyncio.to_thread(self.host.run, item.inputs, item.outputs)
+        if self.recorder is not None:
+            self.recorder.batch_member(item)
         result = await self._batched(item)
         if isinstance(result, BaseException):
             raise result

@@ -9,6 +9,7 @@ from ray import serve
 
 from .client import ModelClient
 from .logs import show_on_terminal
+from .observe.deployment import observed_steps
 from .pipelines import create_pipeline
 from .runtime.contract.repository import ModelRepository
 from .runtime.contract.validation import validate_request
@@ -22,11 +23,13 @@ class PipelineDeployment:
     """
 
     def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
-                 pool_models: Iterable[str]) -> None:
+                 pool_models: Iterable[str], metrics: dict[str, Any] | None = None) -> None:
         show_on_terminal()
         repo = ModelRepository(repository)
         self.config = repo.get(name).config
-        self.pipeline = create_pipeline(repo, name, ModelClient(dedicated, pool, pool_models).infer)
+        steps = observed_steps(ModelClient(dedicated, pool, pool_models).infer, metrics,
+                               {e.name: str(e.latest) for e in repo.entries()})
+        self.pipeline = create_pipeline(repo, name, steps)
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request through the pipeline; returns the requested outputs by name.

@@ -9,6 +9,7 @@ import numpy as np
 from ray import serve
 
 from .logs import show_on_terminal
+from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
@@ -41,14 +42,21 @@ class PoolDeployment:
         backend: ``auto``, ``onnxruntime`` or ``tensorrt``.
         options: the pool's ``CacheOptions`` (``deployments.app.PoolOptions``), passed whole to
             the ``ModelCache``.
+        metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
     """
 
-    def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions) -> None:
+    def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
+                 metrics: dict[str, Any] | None = None) -> None:
         show_on_terminal()
         names = list(names)
         repo = ModelRepository(repository, names)
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
-        self.cache = ModelCache(repo, names, options, backend=backend).start()
+        self.recorder = replica_recorder(metrics)
+        self.versions = {n: repo.get(n).latest for n in names}
+        self.cache = ModelCache(
+            repo, names, options, backend=backend,
+            on_event=cache_recorder(self.recorder, options.budget_bytes),
+            on_execution=self.recorder and self.recorder.on_execution).start()
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
@@ -58,6 +66,7 @@ class PoolDeployment:
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
+    @observe_replica_infer(lambda self: (serve.get_multiplexed_model_id(), None))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model named by the multiplexed model id.
 

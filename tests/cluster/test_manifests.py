@@ -29,6 +29,7 @@ from ray.serve.schema import ServeDeploySchema
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = ROOT / "serve_config.yaml"
 RAYSERVICE = ROOT / "cluster" / "rayservice.yaml"
+DASHBOARD = ROOT / "cluster" / "grafana-dashboard.json"
 CLUSTER = ROOT / "cluster" / "cluster.yaml"
 IMAGE_REPOSITORY = "/app/engines"  # where the project image holds the model repository
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -146,6 +147,45 @@ def test_rayservice_serves_the_application_of_serve_config_yaml_with_gpus_reserv
     for name, num_gpus in gpu_models.items():
         assert deployments[name].ray_actor_options["num_gpus"] == num_gpus
     assert "num_gpus" not in deployments["router"].ray_actor_options
+
+
+def test_rayservice_pods_are_scraped_on_the_metrics_port_the_app_serves(rayservice):
+    from deployments.app import AppArgs
+
+    [app] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    port = AppArgs.model_validate(app["args"]).metrics.port
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        template = group["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        assert annotations["prometheus.io/port"] == str(port)
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert ports["metrics"] == port
+
+
+# cluster/grafana-dashboard.json --------------------------------------------------------------
+
+def test_dashboard_queries_name_only_series_we_export():
+    from deployments.observe.metrics import exported_series
+
+    exported = exported_series()
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    assert len(queries) >= 8
+    named = set()
+    for query in queries:
+        series = set(re.findall(r"\b(?:nv|trt_serve)_[a-z0-9_]+", query))
+        assert series, f"query names none of our series: {query}"
+        named |= series
+    assert named <= set(exported), f"not exported: {sorted(named - set(exported))}"
+    # The panels: QPS, percentiles, queue vs compute, batch sizes, cache, GPU memory.
+    for needed in ("nv_inference_request_success", "trt_serve_request_duration_seconds_bucket",
+                   "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us",
+                   "nv_inference_exec_count", "trt_serve_cache_resident_bytes",
+                   "trt_serve_cache_evictions_total", "nv_gpu_memory_used_bytes"):
+        assert needed in named, needed
 
 
 # cluster/cluster.yaml ------------------------------------------------------------------------

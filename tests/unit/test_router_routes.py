@@ -114,7 +114,7 @@ def test_live_ready_and_server_metadata(router):
     assert router.get("/v2/health/live").json() == {"live": True}
     assert router.get("/v2/health/ready").json() == {"ready": True}
     meta = router.get("/v2").json()
-    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "model_configuration", "binary_tensor_data", "classification"]
+    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "model_configuration", "binary_tensor_data", "classification", "statistics"]
 
 
 def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):
@@ -247,7 +247,7 @@ def test_trailing_slash_is_404_not_a_redirect(router):
 
 
 def test_a_known_model_with_a_route_this_server_lacks_is_an_unknown_route(router):
-    assert_error(router.get("/v2/models/simple/stats"), 404, "no route GET /v2/models/simple/stats")
+    assert_error(router.get("/v2/models/simple/trace/setting"), 404, "no route GET /v2/models/simple/trace/setting")
 
 
 def test_body_over_limit_is_413(router):  # by its declared Content-Length
@@ -436,3 +436,9 @@ def test_a_zero_count_for_a_model_never_seen_running_changes_nothing(router, rep
     ready = TestClient(app.build_app(), raise_server_exceptions=False)
     assert ready.get("/v2/models/tiny_cnn/ready").status_code == 200
     assert ready.get("/v2/models/ocr_det/ready").status_code == 200
+
+
+def test_metrics_and_statistics_routes_answer_404_when_metrics_are_off(router):
+    # RouterApp without an observer (application args metrics.enabled: false).
+    for path in ("/metrics", "/v2/models/stats", "/v2/models/tiny_cnn/stats", "/v2/models/tiny_cnn/versions/1/stats"):
+        assert_error(router.get(path), 404, "metrics are off")

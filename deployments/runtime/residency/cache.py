@@ -49,6 +49,7 @@ and kept (the last ``timeline_size``) for ``timeline()``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import threading
@@ -56,7 +57,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -127,6 +128,9 @@ class ModelCache:
         checkout_timeout_s: ``ModelHost``'s wait for a free execution context.
         timeline_size: events kept for ``timeline()``.
         loader_threads: threads ``acquire`` uses in async code to wait for a load.
+        on_event: called with each timeline record (``timeline()`` keys) as it is made, under
+            the cache's lock: keep it short, never call the cache from it, never raise.
+        on_execution: set as every host's ``ModelHost.on_execution``.
 
     Raises:
         ConfigError: a pipeline model among ``names``.
@@ -137,7 +141,9 @@ class ModelCache:
                  options: CacheOptions = CacheOptions(), *, backend: str = "auto",
                  measure_elements: int | None = footprints.MEASURE_INPUT_ELEMENTS,
                  footprints: Mapping[str, Footprint] | None = None, checkout_timeout_s: float = 30.0,
-                 timeline_size: int = 1000, loader_threads: int = 8) -> None:
+                 timeline_size: int = 1000, loader_threads: int = 8,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 on_execution: Callable[[str, int, int, float], None] | None = None) -> None:
         entries = ([repository.get(n) for n in names] if names is not None
                    else [e for e in repository.entries() if not e.config.pipeline])
         pipelines = [e.name for e in entries if e.config.pipeline]
@@ -152,6 +158,9 @@ class ModelCache:
         self._backend_request = backend
         self._given = dict(footprints or {})
         self._slots = {e.name: _Slot(e.name, ModelHost(e, backend, checkout_timeout_s)) for e in entries}
+        for slot in self._slots.values():
+            slot.host.on_execution = on_execution
+        self._on_event = on_event
         self._cond = threading.Condition()
         self._resident_bytes = 0
         self._reserved_bytes = 0
@@ -235,7 +244,8 @@ class ModelCache:
             finally:
                 self._release(name)
 
-        return await asyncio.shield(loop.run_in_executor(None, run))
+        # The run's thread sees the caller's context variables (as ``asyncio.to_thread`` would).
+        return await asyncio.shield(loop.run_in_executor(None, contextvars.copy_context().run, run))
 
     def timeline(self) -> list[dict[str, Any]]:
         """The cache's events, oldest first, as JSON-ready dicts (for an HTTP endpoint).
@@ -457,7 +467,12 @@ class ModelCache:
         a GPU backend's own figure (TensorRT exact, CUDA provider measured); on ONNX Runtime the measurement for a predicted model, else
         ``estimate`` (a measured, given or recorded figure)."""
         if source == "predicted":
-            return footprints.load_and_measure(slot.host, self.measure_elements), "measured"
+            # The measuring runs serve no request: keep them out of execution counts.
+            counter, slot.host.on_execution = slot.host.on_execution, None
+            try:
+                return footprints.load_and_measure(slot.host, self.measure_elements), "measured"
+            finally:
+                slot.host.on_execution = counter
         slot.host.load()
         engine = slot.host.engine
         if engine is not None and engine.backend in GPU_BACKENDS:  # they measure their own, at load
@@ -601,6 +616,8 @@ class ModelCache:
             if gpu_memory.baseline is not None:  # the models' share: over the CUDA context's bytes
                 record["gpu_over_baseline_bytes"] = reading.bytes - gpu_memory.baseline.bytes
         self._events.append(record)
+        if self._on_event is not None:
+            self._on_event(record)
         budget = format_mib(self.budget_bytes) if self.budget_bytes is not None else "no budget"
         if event == "refused":
             logger.warning("model cache: refused %s: %s", slot.name, detail)

@@ -6,7 +6,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ class ModelHost:
     ``infer`` blocks the calling thread: call it from a worker thread in async code. Requests
     beyond the pool size wait up to ``checkout_timeout_s`` for a free context.
     ``in_flight`` counts requests that hold the model; ``unload`` waits for it to reach zero.
+    ``on_execution``, when set, is called after every successful run with
+    ``(name, version, rows, run_s)``: axis-0 rows (1 for a model without a batch axis) and the
+    run's seconds (``time.perf_counter``), in the thread that ran it; it must not raise.
     """
 
     def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
@@ -40,6 +43,7 @@ class ModelHost:
         self._in_flight = 0
         self._unloading = False
         self.load_ms: float | None = None
+        self.on_execution: Callable[[str, int, int, float], None] | None = None
 
     @property
     def name(self) -> str:
@@ -151,9 +155,13 @@ class ModelHost:
                     f"model '{self.name}': no execution context free within "
                     f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)") from None
             try:
+                start = time.perf_counter()
                 result = context.infer(inputs)
+                run_s = time.perf_counter() - start
             finally:
                 self._free.put(context)
+            if self.on_execution is not None:
+                self.on_execution(self.name, self.version, _rows(self.config.max_batch_size, inputs), run_s)
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -180,3 +188,11 @@ class ModelHost:
                 self._unloading = False
                 self._lock.notify_all()
         logger.info("unloaded model %s v%d", self.name, self.version)
+
+
+def _rows(max_batch_size: int, inputs: Mapping[str, np.ndarray]) -> int:
+    """Axis-0 size of the first input when the model batches, else 1."""
+    if max_batch_size <= 0 or not inputs:
+        return 1
+    first = next(iter(inputs.values()))
+    return int(first.shape[0]) if first.ndim else 1

@@ -1,0 +1,1 @@
+"""Observability: Triton-named Prometheus metrics per node, the statistics extension, request logs."""

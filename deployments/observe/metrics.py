@@ -1,0 +1,468 @@
+"""Triton-named Prometheus series, recorded in every replica process, summed per node.
+
+Why not Ray's metrics API: Ray 2.60 exports application metrics on its own port with a fixed
+``ray_`` prefix (``ray/_private/telemetry/open_telemetry_metric_recorder.py``: ``NAMESPACE =
+"ray"``, not configurable) and only after its report interval (seconds), so Triton's names
+(``nv_inference_request_success``...) cannot come from it. Instead each process records with
+``prometheus_client`` in its multiprocess mode: every metric value lives in a memory-mapped file
+(one per process) in one directory per node, Ray session and application
+(``<session_dir>/trt_serve_metrics/<app>``); a scrape merges the files (``prometheus_client.multiprocess``: counters and histograms summed,
+live gauges summed over processes still running). So two replicas of a model on one node show
+as one series whose value is the sum, the moment they count; across nodes Prometheus sums
+(``sum by (model)``). The router's ``GET /metrics`` renders its application's directory on its
+node; ``:port/metrics`` (``serve_node_metrics``) every application's on the node, summed.
+Ray's own ``ray_*`` series are untouched.
+
+Series (labels ``model``, ``version`` as Triton's; units in names; counters rendered without
+``_total`` exactly as Triton does):
+
+================================================ ======= ==========================================
+``nv_inference_request_success``                  counter requests answered 200 (router)
+``nv_inference_request_failure`` (+``reason``)    counter requests answered non-200 for a known model
+                                                          (``REJECTED`` 504, ``CANCELED`` client gone,
+                                                          ``BACKEND`` 500, ``OTHER`` 400/413/503)
+``nv_inference_count``                            counter rows run successfully (a batch of n counts n)
+``nv_inference_exec_count``                       counter model executions (a dynamic batch counts 1)
+``nv_inference_request_duration_us``              counter successful requests' time in the router
+``nv_inference_queue_duration_us``                counter time at the model replica before the run
+                                                          (batcher, context or model load wait)
+``nv_inference_compute_input_duration_us``        counter decode + validation (router)
+``nv_inference_compute_infer_duration_us``        counter the run (host->device copies included);
+                                                          a batched request counts its batch's run
+``nv_inference_compute_output_duration_us``       counter encode of the response (router)
+``nv_inference_pending_request_count``            gauge   requests at a model replica, not answered
+================================================ ======= ==========================================
+
+Project series (prefix ``trt_serve_``): ``trt_serve_request_duration_seconds`` (histogram, for
+percentiles), ``trt_serve_request_failure_duration_us``, ``trt_serve_last_inference_ms`` (unix
+ms, max over processes), ``trt_serve_batch_exec_count`` and
+``trt_serve_batch_compute_infer_duration_us`` (label ``batch_size``), and the pool cache's
+``trt_serve_cache_{loads,reloads,evictions}`` (counters), ``trt_serve_cache_load_duration_seconds``
+(histogram), ``trt_serve_cache_{resident,budget}_bytes`` and ``trt_serve_cache_resident_models``
+(gauges, label ``replica``). GPU gauges: ``deployments.observe.gpu``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import glob
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+logger = logging.getLogger("ray.serve")
+
+DIRECTORY_NAME = "trt_serve_metrics"
+PREFIX = "trt_serve_"
+# Histogram buckets (seconds): 0.5 ms .. 10 s, for p50 / p99 by ``histogram_quantile``.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+LOAD_BUCKETS_S = (0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# Triton's failure reasons by HTTP status (docs/user_guide/metrics.md, "Failure Count Categories").
+REASON_BY_STATUS = {504: "REJECTED", 499: "CANCELED", 500: "BACKEND"}
+
+_lock = threading.Lock()
+_families: "_Families | None" = None
+_directory: str | None = None
+
+
+def reason_for(status: int) -> str:
+    """Triton's ``reason`` label for a failed request's HTTP status (499: the client left)."""
+    return REASON_BY_STATUS.get(status, "OTHER")
+
+
+def node_root() -> str:
+    """This node's metrics root for the current Ray session: ``<session_dir>/trt_serve_metrics``.
+
+    Outside Ray (unit tests, benchmarks) ``TRT_SERVE_METRICS_DIR`` names it.
+    """
+    explicit = os.environ.get("TRT_SERVE_METRICS_DIR")
+    if explicit:
+        return explicit
+    import ray
+
+    node = ray._private.worker._global_node  # the session directory has no public getter in 2.60
+    if node is None:
+        raise RuntimeError("not in a Ray worker and TRT_SERVE_METRICS_DIR is not set")
+    return os.path.join(node.get_session_dir_path(), DIRECTORY_NAME)
+
+
+def node_directory() -> str:
+    """This application's metrics directory on this node (created if missing): the Serve
+    application's name under ``node_root()`` (``default`` outside a replica)."""
+    app = "default"
+    try:
+        from ray import serve
+
+        app = serve.get_replica_context().app_name or app
+    except Exception:  # not in a Serve replica
+        pass
+    path = os.path.join(node_root(), app)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _enable_multiprocess(directory: str) -> None:
+    """Make ``prometheus_client`` metrics created from now on in this process write to
+    ``directory`` (its documented switch is this env var, read when ``values`` is imported;
+    a Serve replica has not imported it before, but set the value class too to be sure)."""
+    from prometheus_client import multiprocess, values
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()
+    multiprocess.mark_process_dead(os.getpid(), directory)  # a previous process with our pid
+
+
+class _Families:
+    """The metric families of one process (created once, after multiprocess mode is on)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        mv = ["model", "version"]
+        self.success = Counter("nv_inference_request_success", "Number of successful inference requests, all batch sizes", mv, registry=None)
+        self.failure = Counter("nv_inference_request_failure", "Number of failed inference requests, all batch sizes", mv + ["reason"], registry=None)
+        self.inference_count = Counter("nv_inference_count", "Number of inferences performed (does not include cached requests)", mv, registry=None)
+        self.exec_count = Counter("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)", mv, registry=None)
+        self.request_us = Counter("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (includes cached requests)", mv, registry=None)
+        self.queue_us = Counter("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds (includes cached requests)", mv, registry=None)
+        self.input_us = Counter("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds (does not include cached requests)", mv, registry=None)
+        self.infer_us = Counter("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds (does not include cached requests)", mv, registry=None)
+        self.output_us = Counter("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds (does not include cached requests)", mv, registry=None)
+        self.pending = Gauge("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution per-model.", mv, multiprocess_mode="livesum", registry=None)
+        self.request_s = Histogram(PREFIX + "request_duration_seconds", "Successful inference request duration in the router, seconds", mv, buckets=LATENCY_BUCKETS_S, registry=None)
+        self.failure_us = Counter(PREFIX + "request_failure_duration_us", "Cumulative duration of failed inference requests in microseconds", mv, registry=None)
+        self.last_inference = Gauge(PREFIX + "last_inference_ms", "Time of the last successful inference, milliseconds since the epoch", mv, multiprocess_mode="max", registry=None)
+        mvb = mv + ["batch_size"]
+        self.batch_exec = Counter(PREFIX + "batch_exec_count", "Model executions by batch size (rows)", mvb, registry=None)
+        self.batch_infer_us = Counter(PREFIX + "batch_compute_infer_duration_us", "Cumulative model execution duration by batch size, microseconds", mvb, registry=None)
+        self.cache_loads = Counter(PREFIX + "cache_loads", "Pool cache: first loads of a model", ["model", "replica"], registry=None)
+        self.cache_reloads = Counter(PREFIX + "cache_reloads", "Pool cache: loads of a model after its eviction", ["model", "replica"], registry=None)
+        self.cache_evictions = Counter(PREFIX + "cache_evictions", "Pool cache: evictions of a model", ["model", "replica"], registry=None)
+        self.cache_load_s = Histogram(PREFIX + "cache_load_duration_seconds", "Pool cache: model load (and reload) duration, seconds", ["model"], buckets=LOAD_BUCKETS_S, registry=None)
+        self.cache_resident = Gauge(PREFIX + "cache_resident_bytes", "Pool cache: footprints of the resident models, bytes", ["replica"], multiprocess_mode="livesum", registry=None)
+        self.cache_budget = Gauge(PREFIX + "cache_budget_bytes", "Pool cache: byte budget (absent: no budget)", ["replica"], multiprocess_mode="livesum", registry=None)
+        self.cache_models = Gauge(PREFIX + "cache_resident_models", "Pool cache: resident models", ["replica"], multiprocess_mode="livesum", registry=None)
+
+
+def exported_series() -> dict[str, str]:
+    """Every series name as Prometheus stores it (``nv_*`` counters without ``_total``, other
+    counters with it, histograms' ``_bucket`` / ``_sum`` / ``_count``) -> its type; GPU
+    gauges included. For checking dashboards and alerts against what is exported."""
+    from .gpu import GPU_SERIES
+
+    out = {name: "gauge" for name in GPU_SERIES}
+    for metric in vars(_Families()).values():
+        name, kind = metric._name, metric._type
+        if kind == "counter":
+            out[name if name.startswith("nv_") else name + "_total"] = kind
+        elif kind == "histogram":
+            out.update({name + suffix: kind for suffix in ("_bucket", "_sum", "_count")})
+        else:
+            out[name] = kind
+    return out
+
+
+def families() -> _Families:
+    """This process's metric families; the first call turns multiprocess mode on."""
+    global _families, _directory
+    if _families is None:
+        with _lock:
+            if _families is None:
+                _directory = node_directory()
+                _enable_multiprocess(_directory)
+                _families = _Families()
+    return _families
+
+
+# --------------------------------------------------------------------------- router side
+
+class _ModelSeries:
+    """Label-bound children for one (model, version): ``labels()`` once, not per request."""
+
+    def __init__(self, f: _Families, model: str, version: str) -> None:
+        self.success = f.success.labels(model, version)
+        self.request_us = f.request_us.labels(model, version)
+        self.input_us = f.input_us.labels(model, version)
+        self.output_us = f.output_us.labels(model, version)
+        self.request_s = f.request_s.labels(model, version)
+        self.last_inference = f.last_inference.labels(model, version)
+        self.failure_us = f.failure_us.labels(model, version)
+        self._failure = f.failure
+        self._labels = (model, version)
+
+    def failure(self, reason: str) -> Any:
+        return self._failure.labels(*self._labels, reason)
+
+
+@dataclass
+class RequestTiming:
+    """Phases of one request in the router, seconds (``time.perf_counter`` differences)."""
+
+    start: float
+    compute_input_s: float = 0.0
+    compute_output_s: float = 0.0
+
+
+class RouterRecorder:
+    """Counts requests at the router: success / failure, duration, decode and encode time."""
+
+    def __init__(self) -> None:
+        self._f = families()
+        self._series: dict[tuple[str, str], _ModelSeries] = {}
+
+    def _of(self, model: str, version: str) -> _ModelSeries:
+        series = self._series.get((model, version))
+        if series is None:
+            series = self._series[(model, version)] = _ModelSeries(self._f, model, version)
+        return series
+
+    def finished(self, model: str, version: str, status: int, timing: RequestTiming) -> None:
+        """Record one answered request (``status`` 200: success, else a failure)."""
+        total_s = time.perf_counter() - timing.start
+        s = self._of(model, version)
+        if status == 200:
+            s.success.inc()
+            s.request_us.inc(total_s * 1e6)
+            s.input_us.inc(timing.compute_input_s * 1e6)
+            s.output_us.inc(timing.compute_output_s * 1e6)
+            s.request_s.observe(total_s)
+            s.last_inference.set(time.time() * 1e3)
+        else:
+            s.failure(reason_for(status)).inc()
+            s.failure_us.inc(total_s * 1e6)
+
+
+# --------------------------------------------------------------------------- replica side
+
+class RunHolder:
+    """Seconds of model run that served the current request (see ``ReplicaRecorder``)."""
+
+    __slots__ = ("run_s",)
+
+    def __init__(self) -> None:
+        self.run_s = 0.0
+
+
+_CURRENT_RUN: contextvars.ContextVar[RunHolder | None] = contextvars.ContextVar("trt_serve_run", default=None)
+
+
+class ReplicaRecorder:
+    """Counts at a model replica: executions (via ``ModelHost.on_execution``) and per request
+    the queue and compute time (``request()``).
+
+    A request's run time reaches it through a context variable: ``asyncio.to_thread`` and the
+    pool cache's executor carry the context into the thread that runs the model, where
+    ``on_execution`` adds the run to the request's ``RunHolder``. A dynamically batched request
+    is given its batch's run time by the deployment (``RunHolder.run_s``).
+    """
+
+    def __init__(self) -> None:
+        self._f = families()
+        self._exec: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._batch: dict[tuple[str, int, int], tuple[Any, Any]] = {}
+        self._req: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+        self._members: dict[int, RunHolder] = {}
+
+    def on_execution(self, model: str, version: int, rows: int, run_s: float) -> None:
+        """One successful model run of ``rows`` rows taking ``run_s`` seconds."""
+        key = (model, version)
+        pair = self._exec.get(key)
+        if pair is None:
+            v = str(version)
+            pair = self._exec[key] = (self._f.exec_count.labels(model, v), self._f.inference_count.labels(model, v))
+        pair[0].inc()
+        pair[1].inc(rows)
+        bkey = (model, version, rows)
+        batch = self._batch.get(bkey)
+        if batch is None:
+            labels = (model, str(version), str(rows))
+            batch = self._batch[bkey] = (self._f.batch_exec.labels(*labels), self._f.batch_infer_us.labels(*labels))
+        batch[0].inc()
+        batch[1].inc(run_s * 1e6)
+        holder = _CURRENT_RUN.get()
+        if holder is not None:
+            holder.run_s += run_s
+
+    def batch_member(self, item: object) -> None:
+        """The current request waits in the dynamic batcher as ``item``."""
+        holder = _CURRENT_RUN.get()
+        if holder is not None:
+            self._members[id(item)] = holder
+
+    def batch_ran(self, items: Iterable[object], run_s: float) -> None:
+        """The batch holding ``items`` ran for ``run_s`` seconds: each request's compute time.
+        Also detaches the batch task from the context of the request that started it."""
+        _CURRENT_RUN.set(None)
+        for item in items:
+            holder = self._members.pop(id(item), None)
+            if holder is not None:
+                holder.run_s = run_s
+
+    def request(self, model: str, version: int) -> "_ReplicaRequest":
+        """``with recorder.request(m, v) as holder:`` around one request at the replica: pending
+        while inside; on success, queue = time inside - ``holder.run_s``, compute = ``run_s``."""
+        key = (model, version)
+        series = self._req.get(key)
+        if series is None:
+            v = str(version)
+            series = self._req[key] = (self._f.pending.labels(model, v), self._f.queue_us.labels(model, v),
+                                       self._f.infer_us.labels(model, v))
+        return _ReplicaRequest(*series)
+
+
+class _ReplicaRequest:
+    __slots__ = ("_pending", "_queue_us", "_infer_us", "_start", "_holder", "_token")
+
+    def __init__(self, pending: Any, queue_us: Any, infer_us: Any) -> None:
+        self._pending, self._queue_us, self._infer_us = pending, queue_us, infer_us
+
+    def __enter__(self) -> RunHolder:
+        self._pending.inc()
+        self._holder = RunHolder()
+        self._token = _CURRENT_RUN.set(self._holder)
+        self._start = time.perf_counter()
+        return self._holder
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        total_s = time.perf_counter() - self._start
+        _CURRENT_RUN.reset(self._token)
+        self._pending.dec()
+        if exc_type is None:
+            run_s = min(self._holder.run_s, total_s)
+            self._queue_us.inc((total_s - run_s) * 1e6)
+            self._infer_us.inc(run_s * 1e6)
+
+
+class CacheRecorder:
+    """Turns ``ModelCache`` events (``on_event``) into the ``trt_serve_cache_*`` series."""
+
+    def __init__(self, replica: str) -> None:
+        f = self._f = families()
+        self.replica = replica
+        self._resident = f.cache_resident.labels(replica)
+        self._models = f.cache_models.labels(replica)
+        self._budget = f.cache_budget.labels(replica)
+
+    def status(self, resident_bytes: int, resident_models: int, budget_bytes: int | None) -> None:
+        self._resident.set(resident_bytes)
+        self._models.set(resident_models)
+        if budget_bytes is not None:
+            self._budget.set(budget_bytes)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """One cache timeline record (``ModelCache.timeline`` keys)."""
+        kind, model = event["event"], event["model"]
+        if kind in ("load", "reload"):
+            (self._f.cache_loads if kind == "load" else self._f.cache_reloads).labels(model, self.replica).inc()
+            self._f.cache_load_s.labels(model).observe(event["ms"] / 1e3)
+        elif kind == "evict":
+            self._f.cache_evictions.labels(model, self.replica).inc()
+        self.status(event["resident_bytes"], len(event["resident_models"]), event["budget_bytes"])
+
+
+# --------------------------------------------------------------------------- scrape side
+
+_LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def node_families(directory: str, recursive: bool = False) -> list[Any]:
+    """The merged metric families of every process that recorded in ``directory`` (with
+    ``recursive``, in its sub-directories too: every application's): live gauges
+    of processes no longer running are dropped (a replica that crashed); Triton-named counters
+    carry no ``_total`` suffix, as Triton renders them."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    files = []
+    pattern = os.path.join(directory, "**", "*.db") if recursive else os.path.join(directory, "*.db")
+    for path in glob.glob(pattern, recursive=recursive):
+        match = _LIVE_FILE.search(os.path.basename(path))
+        if match is None or _alive(int(match.group(1))):
+            files.append(path)
+    merged = list(MultiProcessCollector.merge(files, accumulate=True))
+    for family in merged:
+        if family.type == "counter" and family.name.startswith("nv_"):
+            family.samples = [s._replace(name=family.name) if s.name == family.name + "_total" else s
+                              for s in family.samples]
+    return sorted(merged, key=lambda f: f.name)
+
+
+class _NodeCollector:
+    def __init__(self, directory: str, recursive: bool, extra: Iterable[Callable[[], Iterable[Any]]]) -> None:
+        self.directory, self.recursive, self.extra = directory, recursive, list(extra)
+
+    def collect(self) -> Iterable[Any]:
+        yield from node_families(self.directory, self.recursive)
+        for source in self.extra:
+            yield from source()
+
+
+def render(directory: str | None = None, recursive: bool = False) -> bytes:
+    """Prometheus text exposition (format 0.0.4) of the series in ``directory`` (default: this
+    application's on this node; ``recursive``: with sub-directories), GPU gauges included."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from .gpu import gpu_families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_NodeCollector(directory or node_directory(), recursive, [gpu_families]))
+    return _TRITON_COUNTER_HEADER.sub(rb"\1", generate_latest(registry))
+
+
+# prometheus_client writes a counter's HELP / TYPE lines as ``<name>_total``; Triton's have none.
+_TRITON_COUNTER_HEADER = re.compile(rb"^(# (?:HELP|TYPE) nv_\w+?)_total(?= )", re.MULTILINE)
+
+
+_server_started = False
+
+
+def serve_node_metrics(port: int, retry_s: float = 5.0) -> None:
+    """Serve ``GET :port/metrics`` (this node's series) from this process if no other process on
+    the node does yet: the first replica to bind the port serves it; the others retry every
+    ``retry_s`` seconds in a daemon thread, so the port moves on when its owner stops."""
+    global _server_started
+    with _lock:
+        if _server_started:
+            return
+        _server_started = True
+    root = node_root()
+
+    def bind_loop() -> None:
+        from wsgiref.simple_server import WSGIRequestHandler, make_server
+        from prometheus_client.exposition import ThreadingWSGIServer
+
+        def app(environ: dict, start_response: Callable) -> list[bytes]:
+            if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"only /metrics here\n"]
+            body = render(root, recursive=True)
+            start_response("200 OK", [("Content-Type", "text/plain; version=0.0.4; charset=utf-8")])
+            return [body]
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        while True:
+            try:
+                server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=Quiet)
+            except OSError:
+                time.sleep(retry_s)
+                continue
+            logger.info("node metrics on :%d/metrics (pid %d)", port, os.getpid())
+            server.serve_forever()
+
+    threading.Thread(target=bind_loop, name="trt-serve-metrics", daemon=True).start()

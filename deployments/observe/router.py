@@ -1,0 +1,103 @@
+"""The router's part: time each infer request's phases, count it, log its failure.
+
+``observe_infer`` wraps the router's infer route (outside its error handler, so it sees the
+final status); ``phase(request, "compute_input_s")`` times a block inside the route. A request
+for an unknown model is not counted (Triton counts per model), only logged.
+
+Request logs (logger ``ray.serve.requests``, one JSON object per line): every failed request
+with ``model``, ``version``, ``status``, ``reason`` (Triton's failure reason), ``error`` (the
+message the client got), ``request_id`` (Ray Serve's, also sent back as ``X-Request-Id``) and
+``duration_ms``; successful requests only with ``access_log: true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+from typing import Any, Awaitable, Callable, Iterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .metrics import RequestTiming, RouterRecorder, reason_for
+
+request_log = logging.getLogger("ray.serve.requests")  # a child of Serve's logger: lands in the replica log
+
+
+class RouterObserver:
+    """Counts and logs the router's infer requests. ``versions``: model name -> served version."""
+
+    def __init__(self, versions: dict[str, str], access_log: bool = False) -> None:
+        self.recorder = RouterRecorder()
+        self.versions = versions
+        self.access_log = access_log
+
+    def finished(self, request: Request, response: Response, timing: RequestTiming) -> None:
+        name = request.path_params.get("name", "")
+        version = self.versions.get(name)
+        status = response.status_code
+        if version is not None:
+            asked = request.path_params.get("version")
+            self.recorder.finished(name, asked if asked is not None else version, status, timing)
+        if status != 200 or self.access_log:
+            self._log(request, response, name, version, timing)
+
+    def _log(self, request: Request, response: Response, name: str, version: str | None,
+             timing: RequestTiming) -> None:
+        status = response.status_code
+        line: dict[str, Any] = {"event": "request_failed" if status != 200 else "request",
+                                "model": name, "version": version, "status": status}
+        if status != 200:
+            line["reason"] = reason_for(status)
+            try:
+                line["error"] = json.loads(bytes(response.body))["error"]
+            except Exception:
+                line["error"] = None
+        line["request_id"] = _request_id(request)
+        line["duration_ms"] = round((time.perf_counter() - timing.start) * 1e3, 3)
+        (request_log.warning if status >= 500 else request_log.info)(json.dumps(line))
+
+
+def _request_id(request: Request) -> str | None:
+    """Ray Serve's id of the request (its proxy sends it back as ``X-Request-Id``); Ray 2.60 has
+    no public getter, so the private one, else the client's ``X-Request-Id`` header."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        found = _get_serve_request_context().request_id
+    except Exception:  # outside a Serve replica
+        found = ""
+    return found or request.headers.get("x-request-id")
+
+
+def observe_infer(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Wrap an infer route of an object with an ``observer`` attribute (None: no recording)."""
+
+    @functools.wraps(route)
+    async def wrapper(self: Any, request: Request) -> Response:
+        observer: RouterObserver | None = getattr(self, "observer", None)
+        if observer is None:
+            return await route(self, request)
+        timing = request.state.timing = RequestTiming(time.perf_counter())
+        response = await route(self, request)
+        observer.finished(request, response, timing)
+        return response
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def phase(request: Request, field: str) -> Iterator[None]:
+    """Add the block's seconds to ``field`` of the request's ``RequestTiming`` (if observed)."""
+    timing = getattr(request.state, "timing", None)
+    if timing is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(timing, field, getattr(timing, field) + time.perf_counter() - start)

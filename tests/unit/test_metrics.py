@@ -1,0 +1,178 @@
+"""The metrics layer without Ray: two processes' counts summed, Triton's names and types, the
+statistics JSON from the same series."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments.observe import metrics as m
+from deployments.observe.statistics import statistics
+
+
+def _record(root: str, ok: int, rows: int) -> None:
+    """One 'replica process': ``ok`` requests of ``rows`` rows on tiny_cnn v1, one failure."""
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+    router, replica = m.RouterRecorder(), m.ReplicaRecorder()
+    for _ in range(ok):
+        timing = m.RequestTiming(time.perf_counter())
+        with replica.request("tiny_cnn", 1):
+            time.sleep(0.002)  # the request spends longer at the replica than its 1 ms run
+            replica.on_execution("tiny_cnn", 1, rows, 0.001)
+        timing.compute_input_s = timing.compute_output_s = 0.0001
+        router.finished("tiny_cnn", "1", 200, timing)
+    router.finished("tiny_cnn", "1", 400, m.RequestTiming(time.perf_counter()))
+    router.finished("tiny_cnn", "1", 504, m.RequestTiming(time.perf_counter()))
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("metrics"))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_record, args=(root, ok, rows)) for ok, rows in ((3, 1), (2, 4))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    directory = os.path.join(root, "default")
+    text = m.render(directory).decode()
+    # Triton's counters are written without the ``_total`` suffix, as Triton writes them.
+    assert "\nnv_inference_request_success{" in text and "# TYPE nv_inference_count counter" in text
+    return directory, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(family, **labels) -> float:
+    """Sum of the family's value samples matching ``labels`` (the parser names counter
+    samples ``<family>_total`` whatever the text said)."""
+    names = (family.name, family.name + "_total")
+    return sum(s.value for s in family.samples
+               if s.name in names and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_two_processes_sum_under_triton_names_and_types(scraped):
+    _, fams = scraped
+    assert fams["nv_inference_request_success"].type == "counter"
+    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 5
+    assert _value(fams["nv_inference_count"], model="tiny_cnn") == 3 * 1 + 2 * 4
+    assert _value(fams["nv_inference_exec_count"], model="tiny_cnn") == 5
+    failure = fams["nv_inference_request_failure"]
+    assert _value(failure, reason="OTHER") == 2 and _value(failure, reason="REJECTED") == 2
+    assert "nv_inference_pending_request_count" not in fams  # live gauges of ended processes go
+    assert fams["trt_serve_request_duration_seconds"].type == "histogram"
+
+
+def test_durations_add_up(scraped):
+    _, fams = scraped
+    parts = sum(_value(fams[f"nv_inference_{p}_duration_us"]) for p in
+                ("queue", "compute_input", "compute_infer", "compute_output"))
+    assert _value(fams["nv_inference_compute_infer_duration_us"]) == pytest.approx(5000)
+    assert 0 < parts <= _value(fams["nv_inference_request_duration_us"]) + 1e-6
+
+
+def test_statistics_json_has_tritons_shape_and_counts(scraped):
+    directory, _ = scraped
+    stats = statistics(m.node_families(directory), [("tiny_cnn", "1"), ("mid_cnn", "1")])
+    tiny, mid = stats["model_stats"]
+    assert (tiny["inference_count"], tiny["execution_count"]) == (11, 5)
+    assert tiny["inference_stats"]["success"]["count"] == 5 and tiny["inference_stats"]["fail"]["count"] == 4
+    assert tiny["inference_stats"]["compute_infer"]["ns"] == 5_000_000
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in tiny["batch_stats"]] == [(1, 3), (4, 2)]
+    assert tiny["last_inference"] > 1.7e12
+    assert mid["inference_stats"]["success"] == {"count": 0, "ns": 0} and mid["batch_stats"] == []
+
+
+def _serve_and_log(root: str, access_log: bool) -> list[dict]:
+    """In a fresh process: a starlette app with an observed infer route; returns the JSON
+    request-log lines of one success, one 400 and one unknown model."""
+    import json
+    import logging
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from deployments.observe.router import RouterObserver, observe_infer, phase
+
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+    lines: list[dict] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(json.loads(record.getMessage()))
+
+    logger = logging.getLogger("ray.serve.requests")
+    logger.addHandler(Capture())
+    logger.setLevel(logging.INFO)
+
+    class Ingress:
+        observer = RouterObserver({"tiny_cnn": "1"}, access_log=access_log)
+
+        @observe_infer
+        async def infer(self, request):
+            with phase(request, "compute_input_s"):
+                body = await request.json()
+            if body.get("bad"):
+                return JSONResponse({"error": "input 'input': shape [1] is not [-1, 3, 224, 224]"}, 400)
+            return JSONResponse({"outputs": []})
+
+    ingress = Ingress()
+    app = Starlette(routes=[Route("/v2/models/{name}/infer", ingress.infer, methods=["POST"])])
+    client = TestClient(app)
+    headers = {"x-request-id": "req-42"}
+    assert client.post("/v2/models/tiny_cnn/infer", json={}, headers=headers).status_code == 200
+    assert client.post("/v2/models/tiny_cnn/infer", json={"bad": 1}, headers=headers).status_code == 400
+    client.post("/v2/models/nope/infer", json={"bad": 1})
+    return lines
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_one_structured_log_line_per_failed_request_and_successes_only_with_access_log(tmp_path, access_log):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        lines = pool.apply(_serve_and_log, (str(tmp_path), access_log))
+    failed = [line for line in lines if line["event"] == "request_failed"]
+    assert [(f["model"], f["version"], f["status"], f["reason"]) for f in failed] == [
+        ("tiny_cnn", "1", 400, "OTHER"), ("nope", None, 400, "OTHER")]
+    assert failed[0]["request_id"] == "req-42" and "shape [1]" in failed[0]["error"]
+    assert failed[0]["duration_ms"] > 0
+    ok = [line for line in lines if line["event"] == "request"]
+    assert [(o["model"], o["status"]) for o in ok] == ([("tiny_cnn", 200)] if access_log else [])
+
+
+def _pipeline_steps(root: str) -> str:
+    """In a fresh process: two good and one bad step call of a pipeline; returns /metrics text."""
+    import asyncio
+
+    from deployments.observe.deployment import observed_steps
+    from deployments.runtime.contract.errors import InvalidInput
+
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+
+    async def infer(name, inputs):
+        if inputs.get("bad"):
+            raise InvalidInput("no")
+        return {"y": 1}
+
+    step = observed_steps(infer, {"port": None}, {"ocr_det": "1"})
+
+    async def calls():
+        await step("ocr_det", {})
+        await step("ocr_det", {})
+        with pytest.raises(InvalidInput):
+            await step("ocr_det", {"bad": True})
+
+    asyncio.run(calls())
+    return m.render(m.node_directory()).decode()
+
+
+def test_pipeline_steps_count_as_requests_of_their_models(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        text = pool.apply(_pipeline_steps, (str(tmp_path),))
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert _value(fams["nv_inference_request_success"], model="ocr_det", version="1") == 2
+    assert _value(fams["nv_inference_request_failure"], model="ocr_det", reason="OTHER") == 1
