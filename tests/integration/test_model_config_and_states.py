@@ -35,7 +35,7 @@ def test_tritonclient_get_model_config_answers_tritons_model_config(server):
     assert client.get_model_config("ocr")["platform"] == "ensemble"
 
 
-@pytest.mark.parametrize("path", ["/v2/models/ocr/stats", "/v2/models/ocr/versions/1/stats",
+@pytest.mark.parametrize("path", ["/v2/models/ocr/trace/setting", "/v2/models/ocr/versions/1/trace",
                                   "/v2/models/tiny_cnn/ready/", "/v2/models/tiny_cnn/config/x"])
 def test_an_unknown_suffix_after_a_model_is_an_unknown_route(server, path):
     r = requests.get(f"{server}{path}")

@@ -182,4 +182,4 @@ def test_a_known_model_with_a_route_this_server_lacks_is_an_unknown_route_not_an
     r = requests.get(f"{server}/v2/models/simple/no_such_route", params=QUERY)
     assert r.status_code == 404
     assert r.json()["error"] == ("no route GET /v2/models/simple/no_such_route; "
-                                "model routes: /v2/models/{name}[/versions/{version}][/ready|/config|/infer]")
+                                "model routes: /v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]")
