@@ -49,6 +49,7 @@ def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_rec
             assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"
         else:
             assert all("is not ready" in o.error for o in failed), failed[:3]
-        assert post(url, BUSY_BODY).status_code == 200
+        # the router sees the replacement at its next replica count (every second)
+        wait_for(lambda: post(url, BUSY_BODY).status_code == 200, 30, "the model serving again")
     finally:
         serve.delete(app, _blocking=True)
