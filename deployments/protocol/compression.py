@@ -116,14 +116,18 @@ class DeflateResponder(GZipResponder):
 
 
 class CompressionMiddleware(GZipMiddleware):
-    """``GZipMiddleware`` answering gzip or deflate as ``preferred_coding`` picks (zlib level 6
-    by default: level 9, Starlette's default, costs more CPU for little gain on tensor data)."""
+    """``GZipMiddleware`` answering infer responses with gzip or deflate as ``preferred_coding``
+    picks (zlib level 6 by default: level 9, Starlette's default, costs more CPU for little gain
+    on tensor data); other routes answer uncompressed, as Triton's do."""
 
     def __init__(self, app, minimum_size: int = 500, compresslevel: int = 6) -> None:
         super().__init__(app, minimum_size=minimum_size, compresslevel=compresslevel)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        # Only infer responses are compressed, as Triton does: tritonclient's asyncio client reads
+        # every other answer raw (aiohttp with auto_decompress off), whatever Accept-Encoding
+        # aiohttp added to the request.
+        if scope["type"] != "http" or not scope["path"].endswith("/infer"):
             await self.app(scope, receive, send)
             return
         coding = preferred_coding(Headers(scope=scope).get("accept-encoding"))

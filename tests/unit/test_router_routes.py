@@ -442,3 +442,10 @@ def test_metrics_and_statistics_routes_answer_404_when_metrics_are_off(router):
     # RouterApp without an observer (application args metrics.enabled: false).
     for path in ("/metrics", "/v2/models/stats", "/v2/models/tiny_cnn/stats", "/v2/models/tiny_cnn/versions/1/stats"):
         assert_error(router.get(path), 404, "metrics are off")
+
+
+def test_only_infer_responses_are_compressed_as_tritonclient_aio_expects(router):
+    """tritonclient's asyncio client reads non-infer answers raw while aiohttp asks for gzip."""
+    for path in ("/v2/models/tiny_cnn", "/v2/models/tiny_cnn/config", "/v2"):
+        r = router.get(path, headers={"Accept-Encoding": "gzip, deflate"})
+        assert r.status_code == 200 and "content-encoding" not in r.headers, path
