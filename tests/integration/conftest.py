@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,15 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
             return
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
+
+
+def send_together(calls: list) -> list:
+    """Run every call at once: a barrier releases all threads together; results in call order."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call):
+        barrier.wait()
+        return call()
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from .conftest import REPOSITORY, wait_ready
+from .conftest import REPOSITORY, send_together, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -98,16 +97,6 @@ def output(response: requests.Response) -> tuple[str, np.ndarray]:
     return header["id"], data.reshape(tensor["shape"])
 
 
-def send_together(calls: list) -> list:
-    """Run every call at once: a barrier releases all threads together."""
-    barrier = threading.Barrier(len(calls))
-
-    def run(call):
-        barrier.wait()
-        return call()
-
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return list(pool.map(run, calls))
 
 
 def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching_server, counters):

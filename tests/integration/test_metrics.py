@@ -10,8 +10,6 @@ and the statistics extension with tritonclient.
 from __future__ import annotations
 
 import socket
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import REPOSITORY, wait_ready
+from .conftest import REPOSITORY, send_together, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -79,15 +77,6 @@ def infer_binary(url: str, model: str, x: np.ndarray) -> int:
     return 200
 
 
-def together(calls: list) -> list:
-    barrier = threading.Barrier(len(calls))
-
-    def run(call):
-        barrier.wait()
-        return call()
-
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return list(pool.map(run, calls))
 
 
 def scrape(url: str) -> dict:
@@ -121,7 +110,7 @@ def sent(observed):
     calls = [lambda: infer_json(url, "ocr_cls", crops(1)).status_code for _ in range(4)]
     calls += [lambda: infer_binary(url, "ocr_cls", crops(3)) for _ in range(2)]
     calls += [lambda: infer_json(url, "ocr_cls", crops(1).astype(np.int32), "INT32").status_code]
-    assert together(calls) == [200] * 6 + [400]
+    assert send_together(calls) == [200] * 6 + [400]
     return {  # model -> (success, failures with reason OTHER, rows run)
         "tiny_cnn": (5, 2, 3 + 2 * 2), "mid_cnn": (2, 0, 2), "ocr_cls": (6, 1, 4 + 2 * 3)}
 
