@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
+from .control import ControlDeployment, initial_state
 from .ingress import Router, RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
@@ -94,6 +95,11 @@ class AppArgs(BaseModel):
     # (e.g. {ocr_cls: {num_replicas: 4, num_gpus: 0.125}}), without editing the repository.
     deployments: dict[str, dict[str, Any]] = {}
     metrics: MetricsOptions = MetricsOptions()  # Prometheus series, statistics, request logs
+    # Triton's model control modes: `none` serves every model from the start and refuses load /
+    # unload; `explicit` loads `startup_models` at start ("*": all) and the rest on
+    # POST /v2/repository/models/{name}/load (deployments/control.py).
+    model_control_mode: Literal["none", "explicit"] = "none"
+    startup_models: list[str] = []
 
 
 def _cluster_has_gpus() -> bool:
@@ -210,17 +216,18 @@ def _build(args: dict[str, Any] | None) -> Application:
 
     metrics = app_args.metrics.model_dump()
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
+    control = control_options(app_args, entries, pool_models)
     pool = None
     if pool_models:
         pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
-            app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics)
+            app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, **control)
     dedicated: dict[str, Any] = {}
     for e in entries:
         if e.name in pool_models or e.config.pipeline:
             continue
         dedicated[e.name] = ModelDeployment.options(
             name=f"model-{e.name}", **ray_options(placement[e.name], use_gpus, env)).bind(
-            app_args.repository, e.name, app_args.backend, metrics=metrics)
+            app_args.repository, e.name, app_args.backend, metrics=metrics, **control)
     steps = dict(dedicated)
     for e in entries:
         if e.config.pipeline:
@@ -232,4 +239,31 @@ def _build(args: dict[str, Any] | None) -> Application:
         app_args.repository, dedicated, pool, pool_models,
         RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                       request_timeout_s=app_args.request_timeout_s),
-        models=app_args.models, metrics=metrics)
+        models=app_args.models, metrics=metrics, **control)
+
+
+def control_options(app_args: AppArgs, entries: list[ModelEntry], pool_models: list[str]) -> dict[str, Any]:
+    """The ``control`` handle and ``initial`` state the router and model deployments take
+    (``deployments.control``); {} with ``model_control_mode: none``.
+
+    Raises:
+        ConfigError: ``startup_models`` without explicit mode, or naming models not served.
+    """
+    names = [e.name for e in entries]
+    if app_args.model_control_mode == "none":
+        if app_args.startup_models:
+            raise ConfigError("serve_config.yaml application args: startup_models: needs "
+                              "model_control_mode: explicit")
+        return {}
+    unknown = sorted(set(app_args.startup_models) - set(names) - {"*"})
+    if unknown:
+        raise ConfigError(f"serve_config.yaml application args: startup_models: {unknown} are not served "
+                          f"models; served: {names} (or \"*\" for all)")
+    loaded = set(names) if "*" in app_args.startup_models else set(app_args.startup_models)
+    placements = {e.name: "pipeline" if e.config.pipeline else "pool" if e.name in pool_models else "dedicated"
+                  for e in entries}
+    initial = initial_state(placements, loaded)
+    control = ControlDeployment.options(
+        name="control", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(initial)
+    return {"control": control, "initial": initial}

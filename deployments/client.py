@@ -39,10 +39,12 @@ class ModelClient:
     for inputs of ``BY_REFERENCE_MIN_BYTES`` and more.
     """
 
-    def __init__(self, dedicated: dict[str, Any], pool: Any | None, pool_models: Iterable[str]) -> None:
+    def __init__(self, dedicated: dict[str, Any], pool: Any | None, pool_models: Iterable[str],
+                 control: Any | None = None) -> None:
         self.dedicated = dedicated
         self.pool = pool
-        self.pool_models = frozenset(pool_models)
+        self.pool_models = set(pool_models)  # grows when a model added to the repository is loaded
+        self.control = control  # ``deployments.control.ControlDeployment`` (explicit model control)
 
     def handle(self, name: str) -> Any:
         """The deployment handle serving ``name``.
@@ -108,17 +110,23 @@ class ModelClient:
         handles = dict(self.dedicated)
         if self.pool is not None:
             handles.update((name, self.pool) for name in self.pool_models)
+        return await asyncio.to_thread(_running, handles)
 
-        def count() -> dict[str, int]:
-            applications = serve.status().applications
-            counts = {}
-            for name, handle in handles.items():
-                app = applications.get(handle.app_name)
-                deployment = app.deployments.get(handle.deployment_name) if app is not None else None
-                counts[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
-            return counts
+    async def control_desired(self) -> dict[str, Any]:
+        """``ControlDeployment.desired``: ``{"revision", "models"}``."""
+        return await self.control.desired.remote()
 
-        return await asyncio.to_thread(count)
+    async def control_set(self, name: str, loaded: bool, placement: str) -> int:
+        """``ControlDeployment.set``: model ``name`` should (not) serve; returns the revision."""
+        return await self.control.set.remote(name, loaded, placement)
+
+    async def control_applied(self, name: str, placement: str, revision: int) -> tuple[list[dict[str, Any]], int]:
+        """The reports of the replicas serving ``name`` (the pool's for ``placement`` ``pool``)
+        that applied ``revision``, and how many of them Serve counts RUNNING."""
+        handle = self.pool if placement == "pool" else self.dedicated[name]
+        reports = await self.control.applied.remote(handle.deployment_name, revision)
+        running = await asyncio.to_thread(_running, {name: handle})
+        return reports, running[name]
 
     async def pool_memory(self) -> dict[str, Any]:
         """``PoolDeployment.memory`` of one pool replica (the pool must exist)."""
@@ -128,3 +136,15 @@ class ModelClient:
         """``PoolDeployment.models`` of one pool replica: per pool model its cache ``state``,
         ``evictions`` and ``backend`` (the pool must exist)."""
         return await self.pool.models.remote()
+
+
+def _running(handles: dict[str, Any]) -> dict[str, int]:
+    """Name -> RUNNING replicas of the deployment behind each handle (``serve.status()``: a
+    blocking call to Serve's controller)."""
+    applications = serve.status().applications
+    counts = {}
+    for name, handle in handles.items():
+        app = applications.get(handle.app_name)
+        deployment = app.deployments.get(handle.deployment_name) if app is not None else None
+        counts[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+    return counts

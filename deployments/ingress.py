@@ -4,7 +4,7 @@ Routes (Open Inference Protocol, plus Triton's repository index):
     GET  /v2/health/live, /v2/health/ready, /v2
     GET  /v2/models/{name}[/versions/{version}][/ready|/config]
     POST /v2/models/{name}[/versions/{version}]/infer
-    POST /v2/repository/index
+    POST /v2/repository/index, /v2/repository/models/{name}/load, /v2/repository/models/{name}/unload
     GET  /v2/memory
     GET  /v2/models[/{name}[/versions/{version}]]/stats, /metrics (``deployments.observe``)
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
@@ -48,8 +48,9 @@ from .protocol.errors import error_status, retry_after_headers
 from .protocol.parameters import apply_classification
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
-from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady,
-                                      PayloadTooLarge, unknown_model)
+from .control import Desired
+from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
+                                      ModelNotReady, PayloadTooLarge, ServingError, unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
@@ -58,6 +59,7 @@ SERVER_NAME = "trt-serve"
 EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification",
               "statistics"]
 _READY_POLL_S = 1.0
+_CONTROL_POLL_S = 0.1  # how often a load / unload checks whether every replica applied it
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
@@ -109,10 +111,12 @@ class RouterApp:
         options: ``RouterOptions``.
         observer: counts and logs infer requests (``observe.router.RouterObserver``); None:
             metrics are off, and ``/metrics`` and the statistics routes answer 404.
+        initial: the build-time desired state of explicit model control
+            (``deployments.control.initial_state``); None: ``model_control_mode: none``.
     """
 
     def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
-                 observer: RouterObserver | None = None) -> None:
+                 observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
         self.repo = repo
         self.observer = observer
         self.client = client
@@ -124,6 +128,13 @@ class RouterApp:
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
         self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
+        # Model control (``deployments.control``): None in model_control_mode none, where every
+        # model of the repository serves and load / unload are refused.
+        self.initial = initial
+        self.loaded: set[str] = set(repo.names()) if initial is None else {
+            name for name, state in initial.items() if state["loaded"]}
+        self.unloaded: set[str] = set()  # unloaded through the API (index reason "unloaded")
+        self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while this router acts
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=[
@@ -140,6 +151,8 @@ class RouterApp:
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]),
             Route("/v2/models/{name}/versions/{version}/infer", self.infer, methods=["POST"]),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+            Route("/v2/repository/models/{name}/load", self.load, methods=["POST"]),
+            Route("/v2/repository/models/{name}/unload", self.unload, methods=["POST"]),
             Route("/v2/memory", self.memory, methods=["GET"]),
             Route("/v2/models/{name}/stats", self.statistics, methods=["GET"]),
             Route("/v2/models/{name}/versions/{version}/stats", self.statistics, methods=["GET"]),
@@ -152,8 +165,9 @@ class RouterApp:
     # --- readiness -------------------------------------------------------------------------
     async def poll_ready(self) -> None:
         """Mark each dedicated model ready once a replica answers; returns when all have."""
-        pending = set(self.client.dedicated)
+        pending = set(self.client.dedicated) & self.loaded  # explicit control: loaded at start
         while pending:
+            pending &= self.loaded
             for name in sorted(pending):
                 try:
                     self.backends[name] = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
@@ -195,9 +209,27 @@ class RouterApp:
         while True:
             try:
                 self.refresh_ready(await self.client.running_replicas())
+                if self.initial is not None:
+                    self.follow_desired((await self.client.control_desired())["models"])
             except Exception:  # the controller did not answer: keep what we know
                 logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
             await asyncio.sleep(_READY_POLL_S)
+
+    def follow_desired(self, models: Desired) -> None:
+        """Take the loads and unloads other router replicas made (``ControlDeployment.desired``);
+        a model this router is loading or unloading itself is left to that request."""
+        for name, state in models.items():
+            if name in self.changing or (name in self.loaded) == state["loaded"]:
+                continue
+            if not state["loaded"]:
+                self._mark_unloaded(name)
+                continue
+            try:
+                entry = self.repo.get(name) if name in self.repo.names() else self.repo.read(name)
+            except Exception:  # unreadable here: it stays unavailable on this router
+                logger.warning("model '%s' was loaded but this router cannot read it", name, exc_info=True)
+                continue
+            self._mark_loaded(entry, state["placement"], None)
 
     def refresh_ready(self, running: dict[str, int]) -> None:
         """Readiness after first load follows the replicas: a model (dedicated once it answered
@@ -223,8 +255,14 @@ class RouterApp:
         params = request.path_params
         return self.repo.get(params["name"], params.get("version"))
 
-    def _not_ready(self, entry: ModelEntry) -> ModelNotReady | None:
-        """The 503 error for a model whose deployment has no loaded replica yet, else None."""
+    def _not_ready(self, entry: ModelEntry) -> ServingError | None:
+        """The 503 error for a model whose deployment has no loaded replica yet or that is
+        unloaded, 404 for one never loaded (explicit model control), else None."""
+        if entry.name not in self.loaded:
+            if entry.name in self.unloaded:
+                return unloaded_model(entry.name)
+            return unknown_model(entry.name, f"it is in the repository but not loaded: "
+                                 f"POST /v2/repository/models/{entry.name}/load loads it")
         if entry.name in self.ready_models:
             return None
         return ModelNotReady(
@@ -264,7 +302,7 @@ class RouterApp:
 
     @_answers_errors
     async def server_ready(self, request: Request) -> Response:
-        loading = sorted(set(self.repo.names()) - self.ready_models)
+        loading = sorted((set(self.repo.names()) & self.loaded) - self.ready_models)
         if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
             return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
         return JSONResponse({"ready": True})
@@ -294,9 +332,13 @@ class RouterApp:
 
     @_answers_errors
     async def repository_index(self, request: Request) -> JSONResponse:
-        """Every model with its served version and state: a dedicated model READY once a replica
-        loaded it (LOADING before); a pool model as one pool replica's cache holds it (READY
-        resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING; ``reason`` says which)."""
+        """Triton's repository index: every model with its served version and state. A dedicated
+        model READY once a replica loaded it (LOADING before); a pool model as one pool replica's
+        cache holds it (READY resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING;
+        ``reason`` says which). With explicit model control, also every model folder on disk
+        not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
+        Body (optional): ``{"ready": true}`` lists only READY models."""
+        only_ready = bool((await _json_body(request, "index")).get("ready", False))
         pool = await self._pool_models()
         index = []
         for entry in self.repo.entries():
@@ -307,8 +349,148 @@ class RouterApp:
                 item["state"], item["reason"] = _POOL_STATES[cached["state"]]
                 if cached["state"] == "absent" and cached["evictions"]:
                     item["reason"] = "evicted from the pool replica's cache; loads on next request"
+            if entry.name in self.changing:
+                item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
+            elif entry.name not in self.loaded:
+                item["state"], item["reason"] = "UNAVAILABLE", self._unavailable_reason(entry.name)
             index.append(item)
-        return JSONResponse(index)
+        if self.initial is not None:  # folders added since start, not read yet
+            index += [{"name": name, "state": "UNAVAILABLE", "reason": self._unavailable_reason(name)}
+                      for name in self.repo.folders() if name not in self.repo.names()]
+            index.sort(key=lambda item: item["name"])
+        return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    def _unavailable_reason(self, name: str) -> str:
+        if name in self.unloaded:
+            return "unloaded"
+        return f"not loaded: POST /v2/repository/models/{name}/load loads it"
+
+    # --- model control (Triton's model repository extension; deployments.control) ----------
+    def _control(self, request: Request, verb: str) -> str:
+        """The model name of a load / unload request.
+
+        Raises:
+            InvalidInput: model control is off (``model_control_mode: none``).
+        """
+        name = request.path_params["name"]
+        if self.initial is None:
+            raise InvalidInput(f"failed to {verb} '{name}': explicit model load / unload is not allowed: "
+                               "model_control_mode is none (serve_config.yaml application args); "
+                               "set model_control_mode: explicit")
+        return name
+
+    def _placement(self, entry: ModelEntry, verb: str) -> str:
+        """``pool``, ``dedicated`` or ``pipeline``: where ``entry`` runs in this application.
+
+        Raises:
+            InvalidInput: a model that needs a deployment of its own that the application lacks.
+        """
+        if entry.name in self.client.dedicated:
+            return "pipeline" if entry.config.pipeline else "dedicated"
+        config = entry.path / "config.yaml"
+        if entry.config.pipeline or entry.config.deployment.mode == "dedicated":
+            raise InvalidInput(
+                f"failed to {verb} '{entry.name}': {config}: deployment.mode: a "
+                f"{'pipeline' if entry.config.pipeline else 'dedicated model'} needs a deployment of its own, "
+                "made when the application is deployed (serve deploy); models added at run time load "
+                "into the pool (deployment.mode: pool)")
+        if self.client.pool is None:
+            raise InvalidInput(f"failed to {verb} '{entry.name}': this application has no pool deployment "
+                               "to load it into (it was built without pool models)")
+        return "pool"
+
+    def _mark_loaded(self, entry: ModelEntry, placement: str, backend: str | None) -> None:
+        if placement == "pool":
+            self.client.pool_models.add(entry.name)
+        if backend:
+            self.backends[entry.name] = backend
+        if self.observer is not None:
+            self.observer.versions[entry.name] = str(entry.latest)
+        self.ready_models.add(entry.name)
+        self.loaded.add(entry.name)
+        self.unloaded.discard(entry.name)
+
+    def _mark_unloaded(self, name: str) -> None:
+        self.loaded.discard(name)
+        self.unloaded.add(name)
+        if name in self.client.dedicated:
+            self.ready_models.discard(name)
+
+    async def _wait_applied(self, name: str, placement: str, revision: int, verb: str) -> list[dict[str, Any]]:
+        """The reports once every RUNNING replica serving ``name`` applied ``revision``.
+
+        Raises:
+            InferenceTimeout: not all within ``request_timeout_s`` (the change goes on).
+            ModelNotReady: the deployment has no running replica.
+        """
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        while True:
+            reports, running = await self.client.control_applied(name, placement, revision)
+            if running and len(reports) >= running:
+                return reports
+            if asyncio.get_running_loop().time() > deadline:
+                if not running:
+                    raise ModelNotReady(f"failed to {verb} '{name}': its deployment has no running replica")
+                raise InferenceTimeout(f"failed to {verb} '{name}' within {self.request_timeout_s:g} s on every "
+                                       f"replica ({len(reports)} of {running} done); it goes on")
+            await asyncio.sleep(_CONTROL_POLL_S)
+
+    @_answers_errors
+    async def load(self, request: Request) -> Response:
+        """``POST /v2/repository/models/{name}/load``: read the model's folder again (the same
+        validation as at start: a bad config is 400 naming the file and field, and nothing
+        changes), then load it on every replica of its deployment (pool models: into every pool
+        replica's cache); answers 200 with an empty body once all have it."""
+        name = self._control(request, "load")
+        parameters = (await _json_body(request, "load")).get("parameters") or {}
+        unsupported = sorted(parameters)
+        if unsupported:
+            raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
+                               "(a config or files sent with the request); put the model's folder in the repository")
+        try:
+            entry = self.repo.read(name)
+        except ConfigError as e:
+            raise InvalidInput(f"failed to load '{name}': {e.message}") from None
+        except ModelNotFound as e:
+            raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
+        placement = self._placement(entry, "load")
+        self.changing[name] = "LOADING"
+        try:
+            revision = await self.client.control_set(name, True, placement)
+            reports = [] if placement == "pipeline" else await self._wait_applied(name, placement, revision, "load")
+            outcomes = [r["models"][name] for r in reports if name in r["models"]]
+            errors = [o["error"] for o in outcomes if o["error"] is not None]
+            if errors:  # as Triton: a failed load leaves the model unavailable
+                await self.client.control_set(name, False, placement)
+                self._mark_unloaded(name)
+                raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
+        finally:
+            self.changing.pop(name, None)
+        backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
+        self._mark_loaded(entry, placement, backend)
+        return Response(status_code=200)
+
+    @_answers_errors
+    async def unload(self, request: Request) -> Response:
+        """``POST /v2/repository/models/{name}/unload``: new requests for the model answer 503 at
+        once; every replica waits for its requests in flight, then frees the engine (pool:
+        unloads it from its cache); answers 200 once all have. ``parameters.unload_dependents``
+        is accepted and has no effect (a pipeline using the model answers 503 for it)."""
+        name = self._control(request, "unload")
+        await _json_body(request, "unload")
+        if name not in self.repo.names():
+            raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
+        entry = self.repo.get(name)
+        placement = "pool" if name in self.client.pool_models else self._placement(entry, "unload")
+        self._mark_unloaded(name)
+        self.changing[name] = "UNLOADING"
+        try:
+            revision = await self.client.control_set(name, False, placement)
+            if placement != "pipeline":
+                await self._wait_applied(name, placement, revision, "unload")
+        finally:
+            self.changing.pop(name, None)
+        return Response(status_code=200)
 
     @_answers_errors
     async def memory(self, request: Request) -> JSONResponse:
@@ -396,6 +578,24 @@ class RouterApp:
         return JSONResponse(statistics(families, models))
 
 
+async def _json_body(request: Request, what: str) -> dict[str, Any]:
+    """The optional JSON object body of a repository request ({} when empty).
+
+    Raises:
+        InvalidInput: a body that is not a JSON object.
+    """
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
+    return value
+
+
 def router_observer(repo: ModelRepository, metrics: dict[str, Any] | None) -> RouterObserver | None:
     """In the router replica: start metrics (``observe.options.start``) and return the observer
     of ``repo``'s models; None when ``metrics`` (``MetricsOptions`` as a dict) turns them off."""
@@ -419,13 +619,17 @@ class Router(RouterApp):
         options: ``RouterOptions``.
         models: the served subset of the repository (None: all).
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
+        control: handle of ``deployments.control.ControlDeployment`` (explicit model control).
+        initial: the build-time desired state (None: model control is off).
     """
 
     def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, control: Any | None = None,
+                 initial: Desired | None = None) -> None:
         repo = ModelRepository(repository, models)
-        super().__init__(repo, ModelClient(dedicated, pool, pool_models), options, router_observer(repo, metrics))
+        super().__init__(repo, ModelClient(dedicated, pool, pool_models, control), options,
+                         router_observer(repo, metrics), initial)
         show_on_terminal()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._announce_when_ready())

@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from .control import Desired, follow, outcome
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.repository import ModelRepository
+from .runtime.residency.gate import Gate
 from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
 
@@ -33,9 +35,15 @@ class ModelDeployment:
     """
 
     def __init__(self, repository: str, name: str, backend: str,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, control: Any | None = None,
+                 initial: Desired | None = None) -> None:
         show_on_terminal()
-        self.host = ModelHost(ModelRepository(repository).get(name), backend).load()
+        loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
+        self.host = ModelHost(ModelRepository(repository, [name]).get(name), backend)
+        self.gate = Gate(name, open_=loaded)
+        if loaded:
+            self.host.load()
+        self._follower = follow(control, initial or {}, self.apply)
         self.recorder = replica_recorder(metrics)
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution
@@ -63,6 +71,10 @@ class ModelDeployment:
         Validated once: by ``ModelHost.infer`` without batching, by ``BatchItem.of`` before a
         request joins the batch queue (the joined batch is not checked again).
         """
+        with self.gate.request():  # an unload waits for the requests inside
+            return await self._infer(inputs, outputs)
+
+    async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
         if self._batched is None:
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
         item = BatchItem.of(self.host.config, inputs, outputs)
@@ -74,6 +86,24 @@ class ModelDeployment:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
+        """Model control (``deployments.control``): load or unload this replica's model when it
+        is in ``changed``. An unload refuses new requests (503), waits for those in flight (the
+        batch queue included), then frees the engine. Blocking."""
+        state = changed.get(self.host.name)
+        if state is None:
+            return {}
+        try:
+            if state["loaded"]:
+                self.host.load()
+                self.gate.open()
+                return {self.host.name: outcome(None, True, self.host.backend)}
+            self.gate.close()
+            self.host.unload()
+            return {self.host.name: outcome(None, False)}
+        except Exception as error:
+            return {self.host.name: outcome(error, False)}
 
     def batching(self) -> dict:
         """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""
@@ -111,8 +141,11 @@ class ModelDeployment:
     def check_health(self) -> None:
         """Ray's periodic probe: failing it makes Serve replace this replica.
 
+        A model unloaded on purpose (model control: its gate is closed) is healthy.
+
         Raises:
-            ModelNotReady: the model is not loaded.
+            ModelNotReady: the model is not loaded and was not unloaded on purpose.
             EngineFault: its engine or device is unusable (a sticky CUDA error).
         """
-        self.host.check_health()
+        if self.gate.is_open or self.host.ready:
+            self.host.check_health()

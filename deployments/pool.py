@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
+from .control import Desired, follow, outcome
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .runtime.backends.select import requested_backend, resolve_backend
@@ -46,17 +47,24 @@ class PoolDeployment:
     """
 
     def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
-                 metrics: dict[str, Any] | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, control: Any | None = None,
+                 initial: Desired | None = None) -> None:
         show_on_terminal()
         names = list(names)
-        repo = ModelRepository(repository, names)
+        self.repo = repo = ModelRepository(repository, names)
+        self.backend_request = backend
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
         self.recorder = replica_recorder(metrics)
         self.versions = {n: repo.get(n).latest for n in names}
         self.cache = ModelCache(
             repo, names, options, backend=backend,
             on_event=cache_recorder(self.recorder, options.budget_bytes),
-            on_execution=self.recorder and self.recorder.on_execution).start()
+            on_execution=self.recorder and self.recorder.on_execution)
+        for name, state in (initial or {}).items():  # explicit model control: not loaded at start
+            if name in self.versions and not state["loaded"]:
+                self.cache.unload(name)
+        self.cache.start()
+        self._follower = follow(control, initial or {}, self.apply)
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
@@ -76,6 +84,31 @@ class PoolDeployment:
         """
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
+
+    def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
+        """Model control (``deployments.control``): load or unload the pool models in ``changed``
+        in this replica's cache; a model not served yet (added to the repository after start) is
+        read from the repository first, with the same validation as at start. Blocking."""
+        done = {}
+        for name, state in changed.items():
+            if state["placement"] != "pool":
+                continue
+            try:
+                if not state["loaded"]:
+                    if name in self.versions:
+                        self.cache.unload(name)
+                    done[name] = outcome(None, False)
+                    continue
+                if not self.cache.serves(name):
+                    entry = self.repo.read(name)
+                    self.cache.add(entry, enabled=False)
+                    self.versions[name] = entry.latest
+                    self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
+                self.cache.load(name)
+                done[name] = outcome(None, True, self.backends[name])
+            except Exception as error:
+                done[name] = outcome(error, False)
+        return done
 
     def check_health(self) -> None:
         """Ray's periodic probe: fails (so Serve replaces the replica) when a loaded model's

@@ -554,11 +554,15 @@ def test_a_sticky_cuda_error_fails_the_health_probe_of_host_and_dedicated_deploy
             probe()
 
 
-def test_an_unloaded_model_fails_the_dedicated_health_probe_as_not_ready(memory):
+def test_an_unloaded_model_fails_the_dedicated_health_probe_as_not_ready_unless_unloaded_on_purpose(memory):
     from deployments.model import ModelDeployment
     from deployments.runtime.contract.errors import ModelNotReady
+    from deployments.runtime.residency.gate import Gate
 
     replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     replica.host = ModelHost(ModelEntry(config=model_config(), path=Path("/nonexistent"), versions=(1,)))
+    replica.gate = Gate("m")
     with pytest.raises(ModelNotReady):
         replica.check_health()
+    replica.gate.close()  # model control unloaded it: healthy, answering 503 until loaded
+    replica.check_health()

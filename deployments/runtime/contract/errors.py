@@ -86,3 +86,10 @@ def unknown_model(name: str, detail: str, version: str | None = None) -> ModelNo
     """
     what = f"'{name}'" if version is None else f"'{name}' version {version}"
     return ModelNotFound(f"Request for unknown model: {what} is not found; {detail}")
+
+
+def unloaded_model(name: str) -> ModelNotReady:
+    """``ModelNotReady`` for a model unloaded through the repository API, in Triton's words
+    (``ModelLifeCycle::GetModel``: a known model with no version loaded), our detail after."""
+    return ModelNotReady(f"Request for unknown model: '{name}' has no available versions; it is unloaded: "
+                         f"POST /v2/repository/models/{name}/load loads it")

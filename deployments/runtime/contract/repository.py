@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelConfig, load_model_config
-from .errors import ConfigError, unknown_model
+from .errors import ConfigError, ModelNotFound, unknown_model
 
 MODEL_FILENAME = "model.onnx"
 _VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
@@ -66,23 +66,50 @@ class ModelRepository:
             if missing:
                 raise ConfigError(f"models {missing} have no config.yaml in {self.root}")
             paths = [p for p in paths if p.parent.name in names]
+        self.require_versions = require_versions
         for config_path in paths:
-            config = load_model_config(config_path)
-            folder = config_path.parent
-            if config.pipeline:
-                versions: tuple[int, ...] = (1,)
-            else:
-                versions = tuple(sorted(
-                    int(p.name) for p in folder.iterdir()
-                    if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
-                if not versions and require_versions:
-                    raise ConfigError(
-                        f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
-                        "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
-            entries[config.name] = ModelEntry(config=config, path=folder, versions=versions)
+            entry = self._read(config_path)
+            entries[entry.name] = entry
         if not entries:
             raise ConfigError(f"model repository {self.root} holds no */config.yaml")
         self._entries = entries
+
+    def _read(self, config_path: Path) -> ModelEntry:
+        """One model folder's entry: its validated config and its version folders."""
+        config = load_model_config(config_path)
+        folder = config_path.parent
+        if config.pipeline:
+            versions: tuple[int, ...] = (1,)
+        else:
+            versions = tuple(sorted(
+                int(p.name) for p in folder.iterdir()
+                if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
+            if not versions and self.require_versions:
+                raise ConfigError(
+                    f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
+                    "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
+        return ModelEntry(config=config, path=folder, versions=versions)
+
+    def folders(self) -> list[str]:
+        """Names of the model folders (``<root>/<name>/config.yaml``) on disk now, read or not."""
+        return sorted(p.parent.name for p in self.root.glob("*/config.yaml"))
+
+    def read(self, name: str) -> ModelEntry:
+        """Read model ``name``'s folder again (a model added or changed after start), with the
+        same validation as at start; on success the index serves the new entry, on failure it
+        is left as it was.
+
+        Raises:
+            ModelNotFound: no folder ``<root>/<name>/config.yaml`` (``name`` is matched against
+                the folder names on disk, never joined to a path unchecked).
+            ConfigError: a bad config or no version folder; names the file and field.
+        """
+        if name not in self.folders():
+            raise ModelNotFound(f"no model folder '{name}' with a config.yaml in {self.root}; "
+                                f"folders: {self.folders()}")
+        entry = self._read(self.root / name / "config.yaml")
+        self._entries[name] = entry
+        return entry
 
     def names(self) -> list[str]:
         return sorted(self._entries)

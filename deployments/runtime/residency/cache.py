@@ -69,11 +69,11 @@ from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
 from ..contract.config import CacheOptions
-from ..contract.errors import ConfigError, ModelNotReady, OverBudget, ServingError, unknown_model
+from ..contract.errors import ConfigError, ModelNotReady, OverBudget, ServingError, unknown_model, unloaded_model
 from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
-from ..contract.repository import ModelRepository
+from ..contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class _Slot:
     loads: int = 0
     evictions: int = 0
     failures: list[str] = field(default_factory=list)
+    enabled: bool = True  # False after ``unload``: requests get ModelNotReady until ``load``
 
 
 class ModelCache:
@@ -157,9 +158,9 @@ class ModelCache:
         self.measure_elements = measure_elements
         self._backend_request = backend
         self._given = dict(footprints or {})
-        self._slots = {e.name: _Slot(e.name, ModelHost(e, backend, checkout_timeout_s)) for e in entries}
-        for slot in self._slots.values():
-            slot.host.on_execution = on_execution
+        self._checkout_timeout_s = checkout_timeout_s
+        self._on_execution = on_execution
+        self._slots = {e.name: _Slot(e.name, self._host(e)) for e in entries}
         self._on_event = on_event
         self._cond = threading.Condition()
         self._resident_bytes = 0
@@ -177,6 +178,62 @@ class ModelCache:
     def names(self) -> list[str]:
         return sorted(self._slots)
 
+    def serves(self, name: str) -> bool:
+        """True when ``name`` is a model of this cache that is not unloaded (``unload``)."""
+        slot = self._slots.get(name)
+        return slot is not None and slot.enabled
+
+    def _host(self, entry: ModelEntry) -> ModelHost:
+        if entry.config.pipeline:
+            raise ConfigError(f"pipeline model '{entry.name}' has no engine to cache")
+        host = ModelHost(entry, self._backend_request, self._checkout_timeout_s)
+        host.on_execution = self._on_execution
+        return host
+
+    def add(self, entry: ModelEntry, enabled: bool = True) -> None:
+        """Serve ``entry`` too (a model added to the repository after start), or take a model's
+        re-read entry. A model that is loaded, loading or held keeps the entry it loaded with
+        (unload it first); otherwise its next load uses ``entry``. ``enabled=False`` adds it
+        unloaded (requests get ``ModelNotReady`` until ``load``).
+
+        Raises:
+            ConfigError: a pipeline model (no engine to cache).
+        """
+        host = self._host(entry)
+        with self._cond:
+            slot = self._slots.get(entry.name)
+            if slot is None:
+                self._slots[entry.name] = _Slot(entry.name, host, enabled=enabled)
+            elif slot.state == _ABSENT and not slot.refcount and not slot.enabled:
+                slot.host, slot.backend, slot.footprint, slot.footprint_source = host, "", None, ""
+
+    def load(self, name: str) -> None:
+        """Serve ``name`` (again, after ``unload``) and load it now, as a first request would
+        (evicting least-recently-used unheld models under ``lru``); blocks until it is ready.
+
+        Raises: as ``acquire`` (``OverBudget``, ``ConfigError``, ``InferenceError``...).
+        """
+        slot = self._slot(name)
+        with self._cond:
+            slot.enabled = True
+        with self.acquire(name):
+            pass
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name``: new requests get ``ModelNotReady`` at once; the requests that
+        hold it (and a load in progress) finish first, as with an eviction; then it is unloaded
+        (timeline event ``unload``). Blocks until it is gone; a model not loaded is only marked.
+        """
+        slot = self._slot(name)
+        with self._cond:
+            slot.enabled = False
+            self._cond.wait_for(lambda: slot.refcount == 0 and slot.state in (_ABSENT, _READY))
+            if slot.state == _ABSENT:
+                return
+            slot.state = _EVICTING
+        with _LOAD_LOCK:
+            self._evict_marked()
+
     @property
     def resident_bytes(self) -> int:
         """Sum of the footprints of the loaded models (bytes)."""
@@ -191,6 +248,8 @@ class ModelCache:
         """
         if self.load_policy == "eager":
             for name in self.names:
+                if not self._slots[name].enabled:
+                    continue
                 with self.acquire(name):
                     pass
         return self
@@ -251,7 +310,7 @@ class ModelCache:
         """The cache's events, oldest first, as JSON-ready dicts (for an HTTP endpoint).
 
         Keys: ``seq``; ``t_s`` (seconds since the cache was made); ``unix_time``; ``event``
-        (``load``, ``reload`` (a load after an eviction), ``evict``, ``refused``); ``model``;
+        (``load``, ``reload`` (a load after an eviction), ``evict``, ``unload`` (asked for: ``unload``), ``refused``); ``model``;
         ``ms`` (duration of the load or eviction, 0 for a refusal); ``model_bytes`` (its
         footprint); ``footprint_source`` (``measured``, ``given``, ``recorded``, ``predicted``);
         ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
@@ -272,7 +331,7 @@ class ModelCache:
                 "load_policy": self.load_policy, "budget_bytes": self.budget_bytes,
                 "max_models": self.max_models, "resident_bytes": self._resident_bytes,
                 "reserved_bytes": self._reserved_bytes,
-                "models": {s.name: {"state": s.state, "bytes": s.bytes, "in_use": s.refcount,
+                "models": {s.name: {"state": s.state, "enabled": s.enabled, "bytes": s.bytes, "in_use": s.refcount,
                                     "loads": s.loads, "evictions": s.evictions,
                                     "footprint_source": s.footprint_source, "backend": s.backend,
                                     "backend_reason": s.host.backend_reason if s.host.ready else "",
@@ -323,7 +382,7 @@ class ModelCache:
         """Take a reference without blocking when the model is loaded; else None."""
         slot = self._slot(name)
         with self._cond:
-            if slot.state == _READY and not self._closed:
+            if slot.state == _READY and slot.enabled and not self._closed:
                 slot.refcount += 1
                 slot.last_used = next(self._tick)
                 return slot.host
@@ -337,6 +396,8 @@ class ModelCache:
             while True:
                 if self._closed:
                     raise ModelNotReady(f"model '{name}': the model cache is closed")
+                if not slot.enabled:
+                    raise unloaded_model(name)
                 if slot.state == _READY:
                     slot.refcount += 1
                     slot.last_used = next(self._tick)
@@ -592,8 +653,8 @@ class ModelCache:
                 self._resident_bytes -= slot.bytes
                 model_bytes, slot.bytes = slot.bytes, 0
                 slot.state = _ABSENT
-                slot.evictions += 1
-                self._record("evict", slot, ms, model_bytes=model_bytes)
+                slot.evictions += slot.enabled  # an unload is asked for, not an eviction
+                self._record("evict" if slot.enabled else "unload", slot, ms, model_bytes=model_bytes)
                 self._cond.notify_all()
 
     # ---------------------------------------------------------------------------- timeline

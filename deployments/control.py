@@ -1,0 +1,138 @@
+"""Model control (``model_control_mode: explicit``): which models should serve, and what each
+replica did about it.
+
+How a load or unload reaches every replica (Ray Serve handles route a call to one replica, so
+there is no broadcast): one small deployment, ``control`` (one replica, no CPU reserved), holds
+the desired state, a ``revision`` number and per model ``{"loaded", "placement", "generation"}``
+(``placement``: ``pool``, ``dedicated`` or ``pipeline``; ``generation``: the revision of its last
+load). The router changes it (``POST /v2/repository/models/{m}/load|unload``); every pool and
+dedicated replica follows it (``Follower``): every ``POLL_S`` it reads the state, applies what
+changed since the state it last applied (a load, an unload: waiting for its requests in
+flight, as an eviction does) and reports the revision it applied with its models' outcome. The
+router answers once every RUNNING replica of the model's deployment has reported that revision
+(``ControlDeployment.applied``). A replica that starts later (autoscaling, a replacement)
+starts from the state the application was built with and catches up at its first poll.
+
+Limits: the state lives in the control replica's memory; if that replica dies, Serve starts a
+new one from the build-time state (``startup_models``), and the replicas follow it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from ray import serve
+
+from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, ServingError
+
+logger = logging.getLogger("ray.serve")
+
+POLL_S = 0.25  # how often a replica reads the desired state
+REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
+
+Desired = dict[str, dict[str, Any]]  # model -> {"loaded": bool, "placement": str, "generation": int}
+
+
+@serve.deployment
+class ControlDeployment:
+    """The desired state of the models and the replicas' reports of what they applied.
+
+    Args:
+        models: the build-time state: per model ``{"loaded", "placement", "generation": 0}``.
+    """
+
+    def __init__(self, models: Desired) -> None:
+        self.revision = 0
+        self.models: Desired = dict(models)
+        self.reports: dict[str, dict[str, Any]] = {}  # replica id -> its last report
+
+    def desired(self) -> dict[str, Any]:
+        """``{"revision": int, "models": Desired}``."""
+        return {"revision": self.revision, "models": self.models}
+
+    def set(self, name: str, loaded: bool, placement: str) -> int:
+        """Model ``name`` should (not) serve from ``placement``; returns the new revision."""
+        self.revision += 1
+        generation = self.revision if loaded else self.models.get(name, {}).get("generation", 0)
+        self.models = {**self.models, name: {"loaded": loaded, "placement": placement, "generation": generation}}
+        return self.revision
+
+    def report(self, replica: str, deployment: str, revision: int, models: dict[str, dict[str, Any]]) -> None:
+        """A replica applied ``revision``; ``models``: per model of its own, ``{"loaded": bool,
+        "backend": str, "error": ServingError | None}``."""
+        self.reports[replica] = {"replica": replica, "deployment": deployment, "revision": revision,
+                                 "models": models, "time": time.monotonic()}
+
+    def applied(self, deployment: str, revision: int) -> list[dict[str, Any]]:
+        """The fresh reports of ``deployment``'s replicas that applied ``revision`` or later."""
+        now = time.monotonic()
+        return [r for r in self.reports.values() if r["deployment"] == deployment
+                and r["revision"] >= revision and now - r["time"] < REPORT_FRESH_S]
+
+
+def initial_state(placements: dict[str, str], loaded: set[str]) -> Desired:
+    """The build-time desired state: every model's placement, ``loaded`` for those in ``loaded``."""
+    return {name: {"loaded": name in loaded, "placement": placement, "generation": 0}
+            for name, placement in placements.items()}
+
+
+def outcome(error: BaseException | None, loaded: bool, backend: str = "") -> dict[str, Any]:
+    """One model's line of a report. ``error`` travels as a ``ServingError`` (Ray pickles those
+    whole): a config error becomes ``InvalidInput`` (the request's repository is at fault, 400),
+    anything else not typed an ``InferenceError`` (its text stays in this replica's log)."""
+    if isinstance(error, ConfigError):
+        error = InvalidInput(error.message)
+    elif error is not None and not isinstance(error, ServingError):
+        logger.error("model control: a load failed", exc_info=error)
+        error = InferenceError("the model failed to load; the replica's log has the details")
+    return {"loaded": loaded and error is None, "backend": backend, "error": error}
+
+
+class Follower:
+    """A replica's side of model control: ``run`` polls the control deployment forever.
+
+    Args:
+        control: handle of ``ControlDeployment``.
+        initial: the build-time desired state (what this replica loaded at start).
+        apply: ``apply(changed)`` gets the models whose desired entry changed (name -> entry),
+            loads and unloads them (blocking: it runs in a worker thread) and returns their
+            ``outcome`` lines.
+    """
+
+    def __init__(self, control: Any, initial: Desired,
+                 apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> None:
+        context = serve.get_replica_context()
+        self.replica, self.deployment = context.replica_id.unique_id, context.deployment
+        self.control = control
+        self.applied: Desired = dict(initial)
+        self.revision = -1
+        self.outcomes: dict[str, dict[str, Any]] = {}
+        self.apply = apply
+
+    async def sync(self) -> None:
+        """One round: read the state, apply what changed, report."""
+        desired = await self.control.desired.remote()
+        if desired["revision"] != self.revision:
+            changed = {name: entry for name, entry in desired["models"].items() if self.applied.get(name) != entry}
+            if changed:
+                self.outcomes.update(await asyncio.to_thread(self.apply, changed))
+            self.applied, self.revision = dict(desired["models"]), desired["revision"]
+        await self.control.report.remote(self.replica, self.deployment, self.revision, self.outcomes)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception:  # the control replica is restarting: try again
+                logger.warning("model control: the desired state is unavailable", exc_info=True)
+            await asyncio.sleep(POLL_S)
+
+
+def follow(control: Any, initial: Desired, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> Awaitable[None] | None:
+    """In a replica's constructor: start following ``control`` (None: model control is off)."""
+    if control is None:
+        return None
+    return asyncio.get_running_loop().create_task(Follower(control, initial, apply).run())

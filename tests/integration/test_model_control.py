@@ -1,0 +1,168 @@
+"""Model control as Triton has it (``model_control_mode: explicit``), on a running server: a model
+folder added to the repository after start is loaded, serves, and is unloaded; a dedicated
+model is unloaded and loaded again; a bad config is refused; meanwhile every request to the
+other models succeeds. Over plain HTTP and with ``tritonclient.http`` unmodified.
+
+A second application ("control", under /control) serves a small repository: ``tiny_cnn``
+(pool, loaded at start), ``spare_cnn`` (pool, not in ``startup_models``) and ``simple_dedicated``
+(Triton's ``simple`` on a dedicated deployment).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+import yaml
+
+from .conftest import REPOSITORY, wait_ready
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "/control"
+X = np.random.default_rng(7).random((2, 3, 224, 224), dtype=np.float32)
+PAIR = (np.arange(16, dtype=np.int32)[None], np.full((1, 16), 3, np.int32))
+
+
+def copy_model(root: Path, source: str, name: str, **changes) -> None:
+    """``root/name``: ``source``'s config (with ``changes``) and a copy of its model file."""
+    raw = yaml.safe_load((Path(REPOSITORY) / source / "config.yaml").read_text())
+    raw.update(changes)
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
+    shutil.copy(Path(REPOSITORY) / source / "1" / "model.onnx", root / name / "1" / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def control(serve_instance, tmp_path_factory):
+    """(base URL, repository root) of the explicit-control application."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    root = tmp_path_factory.mktemp("control-repo")
+    copy_model(root, "tiny_cnn", "tiny_cnn")
+    copy_model(root, "tiny_cnn", "spare_cnn")
+    copy_model(root, "simple", "simple_dedicated", deployment={"mode": "dedicated"})
+    serve.run(build_app({"repository": str(root), "model_control_mode": "explicit",
+                         "startup_models": ["tiny_cnn", "simple_dedicated"]}),
+              name="control", route_prefix=PREFIX)
+    url = f"{serve_instance}{PREFIX}"
+    wait_ready(url)
+    yield url, root
+    serve.delete("control")
+
+
+@pytest.fixture
+def background(control):
+    """Requests to tiny_cnn and simple_dedicated sent one after another in a thread while the
+    test runs; yields ``{model: [status, ...]}``."""
+    url, _ = control
+    statuses: dict[str, list[int]] = {"tiny_cnn": [], "simple_dedicated": []}
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.is_set():
+            for model, body in (("tiny_cnn", cnn_body(X[:1])), ("simple_dedicated", simple_body())):
+                statuses[model].append(requests.post(f"{url}/v2/models/{model}/infer", json=body).status_code)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    yield statuses
+    stop.set()
+    thread.join(timeout=60)
+
+
+def cnn_body(x: np.ndarray) -> dict:
+    return {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+
+
+def simple_body() -> dict:
+    return {"inputs": [{"name": f"INPUT{i}", "shape": [1, 16], "datatype": "INT32", "data": PAIR[i].ravel().tolist()}
+                       for i in range(2)]}
+
+
+def index(url: str) -> dict[str, dict]:
+    return {item["name"]: item for item in requests.post(f"{url}/v2/repository/index").json()}
+
+
+def test_a_model_added_after_start_loads_serves_and_unloads_while_the_others_keep_serving(control, background):
+    url, root = control
+    copy_model(root, "tiny_cnn", "added_cnn")
+    assert index(url)["added_cnn"] == {
+        "name": "added_cnn", "state": "UNAVAILABLE",
+        "reason": "not loaded: POST /v2/repository/models/added_cnn/load loads it"}
+    r = requests.post(f"{url}/v2/repository/models/added_cnn/load")
+    assert r.status_code == 200, r.text
+    assert index(url)["added_cnn"]["state"] == "READY"
+    r = requests.post(f"{url}/v2/models/added_cnn/infer", json=cnn_body(X))
+    assert r.status_code == 200, r.text
+    expected = ort.InferenceSession(str(root / "added_cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]
+    np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected.shape),
+                               expected, rtol=1e-4, atol=1e-5)
+    memory = requests.get(f"{url}/v2/memory").json()["pool"]
+    assert memory["models"]["added_cnn"]["state"] == "ready"
+
+    r = requests.post(f"{url}/v2/repository/models/added_cnn/unload", json={"parameters": {"unload_dependents": False}})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{url}/v2/models/added_cnn/infer", json=cnn_body(X[:1]))
+    assert r.status_code == 503, r.text
+    assert r.json()["error"].startswith("Request for unknown model: 'added_cnn' has no available versions")
+    assert index(url)["added_cnn"] == {"name": "added_cnn", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    memory = requests.get(f"{url}/v2/memory").json()["pool"]
+    assert memory["models"]["added_cnn"]["state"] == "absent" and memory["events"][-1]["event"] == "unload"
+    for model, statuses in background.items():
+        assert len(statuses) > 2 and set(statuses) == {200}, (model, statuses)
+
+
+def test_tritonclient_unloads_and_loads_a_dedicated_model_and_reads_the_index(control, background):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    url, _ = control
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=120)
+    assert client.is_model_ready("spare_cnn") is False  # in the repository, not in startup_models
+    client.load_model("spare_cnn")
+    assert client.is_model_ready("spare_cnn")
+    client.unload_model("spare_cnn")
+    assert client.is_model_ready("spare_cnn") is False
+
+    client.unload_model("simple_dedicated")
+    assert client.is_model_ready("simple_dedicated") is False
+    inputs = [httpclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in range(2)]
+    for i, tensor in enumerate(inputs):
+        tensor.set_data_from_numpy(PAIR[i])
+    with pytest.raises(InferenceServerException, match="has no available versions") as refused:
+        client.infer("simple_dedicated", inputs)
+    assert refused.value.status() == "503"
+    states = {m["name"]: m for m in client.get_model_repository_index()}
+    assert states["simple_dedicated"]["state"] == "UNAVAILABLE" and states["tiny_cnn"]["state"] == "READY"
+    client.load_model("simple_dedicated")
+    assert client.is_model_ready("simple_dedicated")
+    result = client.infer("simple_dedicated", inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), PAIR[0] + PAIR[1])
+    assert len(background["tiny_cnn"]) > 2 and set(background["tiny_cnn"]) == {200}
+    assert set(background["simple_dedicated"]) <= {200, 503}  # 503 while it was unloaded
+
+
+def test_a_bad_config_on_load_is_400_naming_file_and_field_and_changes_nothing(control):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    url, root = control
+    copy_model(root, "tiny_cnn", "bad_cnn", max_batch_sise=4)
+    r = requests.post(f"{url}/v2/repository/models/bad_cnn/load", json={})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error.startswith("failed to load 'bad_cnn': ") and f"{root}/bad_cnn/config.yaml: max_batch_sise: unknown field" in error
+    assert index(url)["bad_cnn"]["state"] == "UNAVAILABLE"
+    assert requests.post(f"{url}/v2/models/bad_cnn/infer", json=cnn_body(X[:1])).status_code == 404
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    with pytest.raises(InferenceServerException, match="failed to load 'no_such_model'"):
+        client.load_model("no_such_model")
+    assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=cnn_body(X[:1])).status_code == 200
