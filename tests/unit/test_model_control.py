@@ -185,3 +185,43 @@ def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]
     r = client.post("/v2/repository/models/nope/load")
     assert r.status_code == 404 and r.json()["error"].startswith("failed to load 'nope': no model folder 'nope'")
+
+
+# --- warmup -----------------------------------------------------------------------------------
+
+def test_warmup_requests_follow_the_config_for_each_batch_size(root):
+    from deployments.runtime.contract.config import load_model_config
+    from deployments.runtime.residency.warmup import warmup_requests
+
+    add_model(root, "warm", warmup={"batch_sizes": [1, 4], "data": "random"})
+    config = load_model_config(root / "warm" / "config.yaml")
+    requests = warmup_requests(config, root / "warm")
+    assert [r["INPUT0"].shape for r in requests] == [(1, 16), (4, 16)]
+    assert all(r["INPUT1"].dtype == np.int32 for r in requests) and requests[1]["INPUT0"].any()
+    np.savez(root / "warm" / "sample.npz", INPUT0=np.full((1, 16), 5, np.int32), INPUT1=np.ones((1, 16), np.int32))
+    config = config.model_copy(update={"warmup": config.warmup.model_copy(update={"data": "file", "file": "sample.npz"})})
+    assert (warmup_requests(config, root / "warm")[1]["INPUT0"] == 5).all()
+    broken = config.model_copy(update={"warmup": config.warmup.model_copy(update={"file": "missing.npz"})})
+    with pytest.raises(ConfigError, match=r"missing.npz: warmup.file: cannot read input 'INPUT0'"):
+        warmup_requests(broken, root / "warm")
+
+
+def test_warmup_config_errors_name_the_field(root):
+    add_model(root, "over", warmup={"batch_sizes": [16]})
+    add_model(root, "nofile", warmup={"data": "file"})
+    with pytest.raises(ConfigError, match=r"over/config.yaml: \(top level\): Value error, warmup.batch_sizes \[16\] over max_batch_size 8"):
+        ModelRepository(root, ["over"])
+    with pytest.raises(ConfigError, match=r"nofile/config.yaml: warmup: Value error, file: give it exactly when data is file"):
+        ModelRepository(root, ["nofile"])
+
+
+def test_the_cache_timeline_shows_warmup_apart_from_the_load(root):
+    add_model(root, "warm", warmup={"batch_sizes": [1, 8], "data": "zeros"}, instances=2)
+    cache = ModelCache(ModelRepository(root), ["simple", "warm"], CacheOptions(load_policy="lazy"))
+    cache.load("warm")
+    cache.load("simple")
+    warm, cold = cache.timeline()
+    assert warm["event"] == "load" and warm["warmup_ms"] > 0 and warm["ms"] > 0
+    assert cold["warmup_ms"] == 0
+    np.testing.assert_array_equal(cache.infer("warm", PAIR)["OUTPUT0"], PAIR["INPUT0"] + 1)
+    cache.close()

@@ -213,6 +213,34 @@ class CacheOptions(_Frozen):
         return None if self.memory_budget_mib is None else mib_to_bytes(self.memory_budget_mib)
 
 
+class Warmup(_Frozen):
+    """Requests run on every execution context after a load, before the model is reported
+    ready (the optional ``warmup:`` section), so the first real request does not pay the
+    backend's lazy start-up (arena growth, kernel choice; on TensorRT the first enqueue).
+
+    ``batch_sizes``: one warmup run per size, in order (each within [1, ``max_batch_size``]; a
+    model without a batch axis runs once per entry). Shapes: the batch size on axis 0, the
+    other dynamic axes at the profile's ``opt`` (``min`` without a profile). ``data``:
+    ``zeros``, ``random`` (uniform [0, 1), seed 0; BYTES: decimal digits) or ``file``: an
+    ``.npz`` in the model's folder (``file``) holding one array per input, whose rows are
+    repeated to each batch size.
+    """
+
+    batch_sizes: tuple[int, ...] = (1,)
+    data: Literal["zeros", "random", "file"] = "zeros"
+    file: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _file(self) -> "Warmup":
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be positive integers, got {list(self.batch_sizes)}")
+        if (self.data == "file") != (self.file is not None):
+            raise ValueError("file: give it exactly when data is file (an .npz in the model's folder)")
+        if self.file is not None and (Path(self.file).is_absolute() or ".." in Path(self.file).parts):
+            raise ValueError(f"file: '{self.file}' must be a path inside the model's folder")
+        return self
+
+
 class ModelConfig(_Frozen):
     """A model's contract, parsed from its ``config.yaml``.
 
@@ -234,6 +262,7 @@ class ModelConfig(_Frozen):
     tensorrt: TensorRTOptions = TensorRTOptions()
     onnxruntime_cuda: OnnxRuntimeCudaOptions = OnnxRuntimeCudaOptions()
     dynamic_batching: Optional[DynamicBatching] = None
+    warmup: Optional[Warmup] = None
 
     @model_validator(mode="after")
     def _contract(self) -> "ModelConfig":
@@ -252,6 +281,12 @@ class ModelConfig(_Frozen):
                         f"profile max batch {hi[0]}")
         for index, profile in enumerate(self.tensorrt.profiles, start=1):
             _check_extra_profile(self.inputs, index, profile)
+        if self.warmup is not None:
+            top = self.max_batch_size or 1
+            too_big = [b for b in self.warmup.batch_sizes if b > top]
+            if too_big:
+                raise ValueError(f"warmup.batch_sizes {too_big} over max_batch_size {self.max_batch_size} "
+                                 f"(at most {top})")
         batching = self.dynamic_batching
         if batching is not None and batching.enabled:
             if not self.max_batch_size:

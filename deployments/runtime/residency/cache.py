@@ -311,7 +311,8 @@ class ModelCache:
 
         Keys: ``seq``; ``t_s`` (seconds since the cache was made); ``unix_time``; ``event``
         (``load``, ``reload`` (a load after an eviction), ``evict``, ``unload`` (asked for: ``unload``), ``refused``); ``model``;
-        ``ms`` (duration of the load or eviction, 0 for a refusal); ``model_bytes`` (its
+        ``ms`` (duration of the load or eviction, 0 for a refusal; a load's without its warmup);
+        ``warmup_ms`` (a load's warmup runs, the config's ``warmup:``; else 0); ``model_bytes`` (its
         footprint); ``footprint_source`` (``measured``, ``given``, ``recorded``, ``predicted``);
         ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
         ``budget_bytes``; ``max_models``; ``process_rss_bytes`` (the process's resident set
@@ -520,7 +521,8 @@ class ModelCache:
             slot.last_used = next(self._tick)
             slot.loads += 1
             flight.done = True
-            self._record("reload" if slot.evictions else "load", slot, load_ms)
+            warmup_ms = slot.host.warmup_ms
+            self._record("reload" if slot.evictions else "load", slot, load_ms - warmup_ms, warmup_ms=warmup_ms)
             self._cond.notify_all()
 
     def _load_host(self, slot: _Slot, estimate: Footprint, source: str) -> tuple[Footprint, str]:
@@ -659,13 +661,14 @@ class ModelCache:
 
     # ---------------------------------------------------------------------------- timeline
 
-    def _record(self, event: str, slot: _Slot, ms: float, detail: str = "", model_bytes: int | None = None) -> None:
+    def _record(self, event: str, slot: _Slot, ms: float, detail: str = "", model_bytes: int | None = None,
+                warmup_ms: float = 0.0) -> None:
         """Append one event (``self._cond`` is held) and log it."""
         resident = sorted(s.name for s in self._slots.values() if s.state in (_READY, _EVICTING) and s.bytes)
         model_bytes = slot.bytes if model_bytes is None else model_bytes
         record: dict[str, Any] = {
             "seq": next(self._seq), "t_s": round(time.monotonic() - self._started, 6), "unix_time": time.time(),
-            "event": event, "model": slot.name, "ms": round(ms, 3),
+            "event": event, "model": slot.name, "ms": round(ms, 3), "warmup_ms": round(warmup_ms, 3),
             "model_bytes": model_bytes,
             "footprint_source": slot.footprint_source, "resident_bytes": self._resident_bytes,
             "resident_models": resident, "budget_bytes": self.budget_bytes, "max_models": self.max_models,
@@ -683,7 +686,8 @@ class ModelCache:
         if event == "refused":
             logger.warning("model cache: refused %s: %s", slot.name, detail)
         else:
-            logger.info("model cache: %s %s in %.1f ms (%s); resident %s of %s: %s", event, slot.name, ms,
+            warmup = f" + warmup {warmup_ms:.1f} ms" if warmup_ms else ""
+            logger.info("model cache: %s %s in %.1f ms%s (%s); resident %s of %s: %s", event, slot.name, ms, warmup,
                         format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
 
 

@@ -15,6 +15,7 @@ from ..backends.select import open_engine
 from ..contract.errors import InferenceTimeout, ModelNotReady
 from ..contract.repository import ModelEntry
 from ..contract.validation import validate_request
+from .warmup import warmup_requests
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class ModelHost:
         self._lock = threading.Condition()
         self._in_flight = 0
         self._unloading = False
-        self.load_ms: float | None = None
+        self.load_ms: float | None = None  # engine and contexts, without the warmup runs
+        self.warmup_ms = 0.0  # the config's warmup runs at the last load (``residency.warmup``)
         self.on_execution: Callable[[str, int, int, float], None] | None = None
 
     @property
@@ -58,8 +60,10 @@ class ModelHost:
         return self._in_flight
 
     def load(self) -> "ModelHost":
-        """Load the engine and create the contexts; idempotent; waits for an unload in
-        progress. On failure, whatever was created is closed again. Returns self.
+        """Load the engine, create the contexts and run the config's warmup requests on each
+        (``residency.warmup``; ``load_ms`` and ``warmup_ms`` time the two apart) before the model
+        counts as ready; idempotent; waits for an unload in progress. On failure, whatever was
+        created is closed again. Returns self.
 
         Raises:
             ConfigError, InferenceError: the backend could not load the model.
@@ -69,11 +73,17 @@ class ModelHost:
             if self.engine is not None:
                 return self
             start = time.perf_counter()
-            engine = open_engine(self.config, self.entry.onnx_path(self.version).parent, self.backend_request)
+            model_dir = self.entry.onnx_path(self.version).parent
+            engine = open_engine(self.config, model_dir, self.backend_request)
             contexts: list[ExecutionContext] = []
             try:
                 for _ in range(self.config.instances):
                     contexts.append(engine.create_context())
+                loaded = time.perf_counter()
+                warmups = warmup_requests(self.config, self.entry.path)
+                for request in warmups:  # every context, every size
+                    for context in contexts:
+                        context.infer(request)
             except BaseException:
                 for c in contexts:
                     c.close()
@@ -82,9 +92,10 @@ class ModelHost:
             for c in contexts:
                 self._free.put(c)
             self._contexts, self.engine = contexts, engine
-            self.load_ms = (time.perf_counter() - start) * 1e3
-        logger.info("loaded model %s v%d (%s, %d contexts) in %.1f ms",
-                    self.name, self.version, engine.backend, len(contexts), self.load_ms)
+            self.load_ms = (loaded - start) * 1e3
+            self.warmup_ms = (time.perf_counter() - loaded) * 1e3 if warmups else 0.0
+        logger.info("loaded model %s v%d (%s, %d contexts) in %.1f ms (warmup %.1f ms)",
+                    self.name, self.version, engine.backend, len(contexts), self.load_ms, self.warmup_ms)
         return self
 
     def _loaded(self) -> Engine:
