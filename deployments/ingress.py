@@ -497,7 +497,7 @@ class RouterApp:
         """Resident memory: the cache of one pool replica (status + load/evict timeline; the
         ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
         engines = [n for n in sorted(self.client.dedicated)
-                   if n in self.ready_models and not self.repo.get(n).config.pipeline]
+                   if n in self.ready_models and n in self.loaded and not self.repo.get(n).config.pipeline]
         calls = [self.client.memory(n) for n in engines]
         if self.client.pool is not None:
             calls.append(self.client.pool_memory())
