@@ -24,6 +24,7 @@ from deployments.runtime.backends import cuda
 from deployments.runtime.residency import host as host_module
 from deployments.runtime.contract.config import ModelConfig
 from deployments.runtime.contract.errors import ConfigError, EngineFault, InferenceError
+from deployments.runtime.residency.gate import Gate
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelEntry
 from deployments.runtime.backends.tensorrt import TensorRTContext, TensorRTEngine
@@ -545,6 +546,7 @@ def test_a_sticky_cuda_error_fails_the_health_probe_of_host_and_dedicated_deploy
     model_host = ModelHost(entry, backend="tensorrt").load()
     replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     replica.host = model_host
+    replica.gate = Gate(model_host.name)
     replica.check_health()  # healthy
     memory.sticky = sticky  # a kernel faulted: from now on every CUDA call in the process fails
     with pytest.raises(cuda.CudaError, match=sticky.name):
@@ -557,8 +559,6 @@ def test_a_sticky_cuda_error_fails_the_health_probe_of_host_and_dedicated_deploy
 def test_an_unloaded_model_fails_the_dedicated_health_probe_as_not_ready_unless_unloaded_on_purpose(memory):
     from deployments.model import ModelDeployment
     from deployments.runtime.contract.errors import ModelNotReady
-    from deployments.runtime.residency.gate import Gate
-
     replica = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     replica.host = ModelHost(ModelEntry(config=model_config(), path=Path("/nonexistent"), versions=(1,)))
     replica.gate = Gate("m")
