@@ -1,0 +1,97 @@
+"""The processes of one Ray Serve instance on this machine: find replicas, kill them, read RSS.
+
+Ray names every actor's worker process after the actor (its process title, in
+``/proc/<pid>/cmdline``): a Serve replica of deployment ``d`` in application ``a`` is
+``ray::ServeReplica:a:d`` (with ``.method`` appended while it runs one). Ray's state API
+(``ray list actors``) would give the same PIDs, but it needs the dashboard, which the servers
+of the campaigns run without; the titles need nothing.
+
+Every Ray process a driver starts (GCS, raylet, workers) stays in the driver's session
+(``setsid``), so ``session`` (the session id of the process that called ``ray.init``) tells
+one instance's processes from another helper's on the same machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+REPLICA_TITLE = "ray::ServeReplica:"
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One process: ``pid``, its title (``cmdline`` with NULs as spaces, first 200 chars)."""
+
+    pid: int
+    title: str
+
+
+def _session_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[3])  # fields after "(comm)": state ppid pgrp session
+    return None
+
+
+def session_processes(session: int) -> list[Proc]:
+    """Every live process of session ``session`` (this machine's /proc), by pid."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or _session_of(int(entry.name)) != session:
+            continue
+        with contextlib.suppress(OSError):
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            if title:
+                found.append(Proc(int(entry.name), title[:200]))
+    return sorted(found, key=lambda p: p.pid)
+
+
+def replica_pids(session: int, app: str, deployment: str) -> list[int]:
+    """PIDs of the running replicas of ``deployment`` (e.g. ``pool``, ``router``,
+    ``model-ocr_cls``) in application ``app`` of the Ray instance in ``session``."""
+    title = f"{REPLICA_TITLE}{app}:{deployment}"
+    return [p.pid for p in session_processes(session)
+            if p.title == title or p.title.startswith((title + ".", title + " "))]
+
+
+def kill_replica(session: int, app: str, deployment: str) -> int:
+    """SIGKILL one replica of ``deployment`` (the first by pid); returns its pid.
+
+    Raises:
+        LookupError: no running replica of that deployment.
+    """
+    pids = replica_pids(session, app, deployment)
+    if not pids:
+        raise LookupError(f"no running replica of {app}:{deployment} in session {session}")
+    os.kill(pids[0], signal.SIGKILL)
+    return pids[0]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` in bytes (``VmRSS`` of /proc/<pid>/status); 0 once gone."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # kB
+    return 0
+
+
+def server_rss_bytes(session: int, app: str) -> dict[str, int]:
+    """RSS in bytes of the serving processes of ``session``, by role: each replica of ``app`` by
+    its deployment (summed over replicas), Ray's own processes (``ray::`` actors: controller,
+    proxy; raylet, GCS) as ``ray``. The driver and client processes are left out."""
+    by_role: dict[str, int] = {}
+    prefix = f"{REPLICA_TITLE}{app}:"
+    for p in session_processes(session):
+        if p.title.startswith(prefix):
+            role = p.title[len(prefix):].split(".")[0].split()[0]
+        elif p.title.startswith("ray::") or "/ray/core/src/ray/" in p.title or "gcs_server" in p.title:
+            role = "ray"
+        else:
+            continue
+        by_role[role] = by_role.get(role, 0) + rss_bytes(p.pid)
+    return by_role
