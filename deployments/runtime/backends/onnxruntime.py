@@ -9,6 +9,7 @@ string outputs back to UTF-8 ``bytes``, so the protocol layer sees bytes both wa
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Mapping
@@ -20,8 +21,10 @@ from ..contract.config import ModelConfig
 from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
 from .base import Footprint
 from .process import measured_rss_bytes
-from ..contract.errors import ConfigError, InferenceError, InvalidInput
+from ..contract.errors import ConfigError, InferenceError, InvalidInput, unreadable_model_file
 from ..contract.repository import MODEL_FILENAME
+
+logger = logging.getLogger(__name__)
 
 
 def _text_array(model: str, name: str, array: np.ndarray) -> np.ndarray:
@@ -132,7 +135,8 @@ class OnnxRuntimeEngine:
     515 MB) for no measured latency gain (ResNet-18 and tiny_cnn at batch 1 and 8, p50 within 1 %).
 
     Raises:
-        ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types).
+        ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types), or
+            ONNX Runtime cannot load the file (missing, truncated, not ONNX).
     """
 
     backend = "onnxruntime"
@@ -141,8 +145,12 @@ class OnnxRuntimeEngine:
         self.config = config
         options = session_options(intra_op_threads)
         before = measured_rss_bytes()
-        self.session = ort.InferenceSession(
-            str(Path(model_dir) / MODEL_FILENAME), sess_options=options, providers=["CPUExecutionProvider"])
+        path = Path(model_dir) / MODEL_FILENAME
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # a damaged, truncated or missing file; ORT's text names the path: log only
+            logger.warning("model '%s': ONNX Runtime could not load %s: %s", config.name, path, e)
+            raise unreadable_model_file(config.name, "ONNX Runtime", e) from None
         self._engine_bytes = max(0, measured_rss_bytes() - before)
         check_signature(config, self.session)
         self.output_names = [t.name for t in config.outputs]

@@ -93,3 +93,14 @@ def unloaded_model(name: str) -> ModelNotReady:
     (``ModelLifeCycle::GetModel``: a known model with no version loaded), our detail after."""
     return ModelNotReady(f"Request for unknown model: '{name}' has no available versions; it is unloaded: "
                          f"POST /v2/repository/models/{name}/load loads it")
+
+
+def unreadable_model_file(name: str, reader: str, error: BaseException) -> ConfigError:
+    """``ConfigError`` (500: the server's fault, not the client's) for a model file that
+    ``reader`` (``"ONNX Runtime"``, ``"onnx"``) could not read: missing, truncated, damaged.
+
+    The message names the model and the error's type only: the reader's own text names the
+    file's path, which is for the server log, never for a client.
+    """
+    return ConfigError(f"model '{name}': {reader} could not read its model file ({type(error).__name__}); the "
+                       "file is missing, damaged or not an ONNX model; the server log has the details")

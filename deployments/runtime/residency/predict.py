@@ -13,6 +13,7 @@ budget.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,11 @@ import onnx
 from onnx import helper, shape_inference
 
 from ..backends.base import Footprint
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, unreadable_model_file
 from ..contract.repository import ModelEntry
 from ..contract.shapes import batch_of, max_profile_shapes
+
+logger = logging.getLogger(__name__)
 
 CONTEXT_FACTOR = 3.0
 """Predicted context bytes / (max batch x peak activation bytes per sample); see the module docstring."""
@@ -162,18 +165,28 @@ def predict(entry: ModelEntry, precision: str | None = None) -> Prediction:
     bytes = weight bytes. See ``analyze_graph`` for ``precision``.
 
     Raises:
-        ConfigError: a pipeline model (no ONNX file) or a dynamic axis without a profile.
+        ConfigError: a pipeline model (no ONNX file), a dynamic axis without a profile, or a
+            model file that cannot be read (``unreadable_model_file``).
     """
     if entry.config.pipeline:
         raise ConfigError(f"model '{entry.name}' is a pipeline; it has no ONNX graph to plan")
     path = entry.onnx_path()
-    key = (_file_key(path), precision)
+    try:
+        key = (_file_key(path), precision)
+    except OSError as e:
+        raise unreadable_model_file(entry.name, "onnx", e) from None
     with _PREDICTIONS_LOCK:
         cached = _PREDICTIONS.get(key)
     if cached is not None:
         return cached
     config = entry.config
-    graph = analyze_graph(path, max_profile_shapes(config), batch_of(config), precision)
+    try:
+        graph = analyze_graph(path, max_profile_shapes(config), batch_of(config), precision)
+    except ConfigError:
+        raise
+    except Exception as e:  # a missing, truncated or damaged file: the reader's text names the path
+        logger.warning("model '%s': cannot read %s: %s", entry.name, path, e)
+        raise unreadable_model_file(entry.name, "onnx", e) from None
     prediction = Prediction(model=entry.name, instances=config.instances, graph=graph)
     with _PREDICTIONS_LOCK:
         _PREDICTIONS[key] = prediction

@@ -27,8 +27,10 @@ model, the input where there is one, and TensorRT's reason), 2 no TensorRT modul
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import logging
+import os
 import re
 import sys
 import time
@@ -442,9 +444,15 @@ def build_serialized(parsed: ParsedNetwork, builder_config: trt.IBuilderConfig,
 
 def save_plan(source: ModelSource, target: PlanTarget, plan: memoryview, manifest: PlanManifest) -> None:
     """Step 5 (Polygraphy's ``SaveBytes``): write the plan, then its manifest, atomically
-    beside the ONNX file (a reader never finds a manifest without its plan)."""
-    write_atomic(target.plan_path(source.version_dir), plan)
-    manifest.write(target.manifest_path(source.version_dir))
+    beside the ONNX file (a reader never finds a manifest without its plan; when the manifest
+    cannot be written, the plan is removed again: no orphan plan is left on a full disk)."""
+    plan_path = target.plan_path(source.version_dir)
+    write_atomic(plan_path, plan)
+    try:
+        manifest.write(target.manifest_path(source.version_dir))
+    except BaseException:  # e.g. the disk filled between the two: no plan without its manifest
+        plan_path.unlink(missing_ok=True)
+        raise
 
 
 def build_plan(source: ModelSource, trt_mod: TensorRTModule, target: PlanTarget, *,
@@ -528,6 +536,22 @@ def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[M
     return sources, failures
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _disk_full(source: ModelSource, error: Exception) -> BuildError | None:
+    """A ``BuildError`` saying which folder ran out of space for a write that failed with
+    ENOSPC, EDQUOT or EFBIG (a full disk, a quota, a file size limit); None for other errors.
+    ``write_atomic`` leaves no partial file and ``save_plan`` no plan without its manifest, so
+    the next ``make engines`` after freeing space builds the plan again."""
+    if not isinstance(error, OSError) or error.errno not in _DISK_FULL:
+        return None
+    folder = Path(error.filename).parent if error.filename else source.version_dir
+    return BuildError(source.config.name, f"{os.strerror(error.errno)} while writing into {folder} "
+                      "(the plan, its manifest or the timing cache); nothing partial was kept: free space "
+                      "there and run `make engines` again")
+
+
 def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
               flavour: trt_module.FlavourRequest = "auto", compute_capabilities: Sequence[str] = (),
               force: bool = False, progress: bool = False) -> list[BuildResult]:
@@ -579,9 +603,10 @@ def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
             manifest = build_plan(source, trt_mod, target, built_on=built_on, target_note=note,
                                   timing_cache=cache, progress=progress)
         except Exception as e:  # one model's failure, expected or not, never stops the others
-            error = e if isinstance(e, BuildError) else BuildError(
+            disk_full = _disk_full(source, e)
+            error = e if isinstance(e, BuildError) else disk_full or BuildError(
                 source.config.name, f"the build raised {type(e).__name__}: {e}")
-            if not isinstance(e, BuildError):
+            if not isinstance(e, BuildError) and disk_full is None:  # a full disk needs no traceback
                 logger.exception("building model '%s' failed", source.config.name)
             results.append(BuildResult(source.config.name, "failed", reasons=reasons, error=error,
                                        seconds=time.perf_counter() - start))
