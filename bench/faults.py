@@ -1,0 +1,290 @@
+"""Faults injected into a live server: each must give a clear error and heal by itself.
+
+- ``pool_kill_mid_load``: a request for a cold pool model starts its load; once the repository
+  index says ``LOADING``, the pool replica is killed (SIGKILL). The request is answered (200
+  after the router's one retry on the replacement, or 503 naming the model), and the model
+  serves again once Serve has replaced the replica.
+- ``router_kill_under_load``: clients send requests back to back; the router replica is
+  killed. Requests in flight at that moment may fail (they die with the process that held
+  their connection); every other request is answered, and the server serves again by itself.
+- ``damaged_model_file``: a pool model's ONNX file is truncated before its first load: its
+  requests answer 500 ``{"error": "model 'm': ... could not read its model file ..."}`` (no
+  path, no traceback), the other models keep serving, and once the file is repaired the next
+  request loads it, without a restart.
+- The plan folder's disk filling during ``make engines`` is an offline fault: it is tested in
+  ``tests/unit/test_faults.py`` (ENOSPC injected at ``write_atomic``, and on a real 64 KiB
+  tmpfs where the machine lets the tests mount one).
+
+Each scenario returns a ``FaultResult``; ``run_all`` runs every scenario ``rounds`` times.
+
+    python -m bench.faults --rounds 3        # starts its own server over a scratch repository
+
+The short form (one round) runs in ``make test`` (``tests/integration/test_campaigns.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import requests
+
+from bench.replicas import kill_replica, replica_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMPLE_BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
+                          {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [1] * 16}]}
+SIMPLE_SUM = [i + 1 for i in range(16)]
+
+
+def tensor_body(model: str) -> dict[str, Any]:
+    """A valid JSON request of zeros for a (1, 3, 224, 224) FP32 CNN of the repository."""
+    return {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": [0.0] * 150528}]}
+
+
+@dataclass
+class FaultResult:
+    """One injected fault: its name, the answers seen while it was in effect (status -> count;
+    ``None`` for no HTTP answer), one error text per status, whether and how fast the server
+    served again by itself, and the requests lost (no answer, or an error outside the table)."""
+
+    fault: str
+    answers: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    recovered: bool = False
+    recovery_s: float | None = None
+    lost: int = 0
+    detail: str = ""
+
+    def record(self, status: int | None, error: str | None) -> None:
+        self.answers[str(status)] = self.answers.get(str(status), 0) + 1
+        if error is not None:
+            self.errors.setdefault(str(status), error[:300])
+
+
+def _post(url: str, body: dict[str, Any], timeout_s: float = 90.0) -> tuple[int | None, str | None, dict | None]:
+    """(status, error text of a non-200 answer, JSON of a 200 answer); status None: no answer."""
+    try:
+        r = requests.post(url, json=body, timeout=timeout_s)
+    except requests.RequestException as e:
+        return None, f"{type(e).__name__}: {e}", None
+    if r.status_code == 200:
+        return 200, None, r.json()
+    try:
+        return r.status_code, str(r.json()["error"]), None
+    except (ValueError, KeyError, TypeError):
+        return r.status_code, f"not an error body: {r.text[:200]!r}", None
+
+
+def _wait_serving(url: str, body: dict[str, Any], timeout_s: float) -> float | None:
+    """Seconds until ``body`` at ``url`` answers 200 (polled every 0.5 s); None if it never did."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if _post(url, body, 30.0)[0] == 200:
+            return round(time.monotonic() - start, 1)
+        time.sleep(0.5)
+    return None
+
+
+def _state(base_url: str, model: str) -> str | None:
+    try:
+        index = requests.post(f"{base_url}/v2/repository/index", timeout=10).json()
+    except (requests.RequestException, ValueError):
+        return None
+    return next((m.get("state") for m in index if m.get("name") == model), None)
+
+
+COLD_CANDIDATES = ("resnet18", "mid_cnn", "tiny_cnn")
+
+
+def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s: float = 90.0) -> FaultResult:
+    """Kill the pool replica while a pool CNN that is not resident (the first of
+    ``COLD_CANDIDATES`` the repository index shows ``UNAVAILABLE``) loads for a request."""
+    result = FaultResult("kill a pool replica in the middle of a model load")
+    model = next((m for m in COLD_CANDIDATES if _state(base_url, m) == "UNAVAILABLE"), None)
+    if model is None:
+        result.detail = f"no cold model among {COLD_CANDIDATES}"
+        result.lost = 1
+        return result
+    url = f"{base_url}/v2/models/{model}/infer"
+    body = tensor_body(model)
+    answer: list[tuple[int | None, str | None, dict | None]] = []
+    sender = threading.Thread(target=lambda: answer.append(_post(url, body)))
+    sender.start()
+    deadline = time.monotonic() + 60
+    while _state(base_url, model) != "LOADING":
+        if time.monotonic() > deadline or not sender.is_alive():
+            result.detail = f"never saw '{model}' LOADING (state {_state(base_url, model)})"
+            break
+        time.sleep(0.02)
+    else:
+        pid = kill_replica(session, app, "pool")
+        result.detail = f"killed pool replica pid {pid} while '{model}' was LOADING"
+    sender.join(120)
+    status, error, _ = answer[0] if answer else (None, "no answer within 120 s", None)
+    result.record(status, error)
+    # documented: 200 (the router retried on the replacement) or 503 naming the model
+    if not (status == 200 or (status == 503 and error is not None and f"model '{model}'" in error)):
+        result.lost += 1
+    result.recovery_s = _wait_serving(url, body, recover_timeout_s)
+    result.recovered = result.recovery_s is not None
+    return result
+
+
+def router_kill_under_load(base_url: str, session: int, app: str, threads: int = 4,
+                           recover_timeout_s: float = 90.0) -> FaultResult:
+    """Kill the router replica while ``threads`` clients send ``simple`` requests back to back."""
+    result = FaultResult("kill the router replica under load")
+    url = f"{base_url}/v2/models/simple/infer"
+    stop = threading.Event()
+    killed_at: list[float] = []
+    lock = threading.Lock()
+    seen: list[tuple[float, float, int | None, str | None]] = []  # sent, done, status, error
+
+    def client() -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            status, error, out = _post(url, SIMPLE_BODY, 60.0)
+            if status == 200 and {o["name"]: o["data"] for o in out["outputs"]}["OUTPUT0"] != SIMPLE_SUM:
+                status, error = None, "wrong answer"
+            with lock:
+                seen.append((sent, time.monotonic(), status, error))
+
+    workers = [threading.Thread(target=client, daemon=True) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    time.sleep(3)
+    killed_at.append(time.monotonic())
+    pid = kill_replica(session, app, "router")
+    result.detail = f"killed router replica pid {pid}"
+    recovered = None
+    while time.monotonic() - killed_at[0] < recover_timeout_s:
+        with lock:
+            ok_after = [s for s in seen if s[0] > killed_at[0] and s[2] == 200]
+        if len(ok_after) >= 10:
+            recovered = min(s[1] for s in ok_after) - killed_at[0]
+            break
+        time.sleep(0.25)
+    time.sleep(1)
+    stop.set()
+    for w in workers:
+        w.join(70)
+    for sent, done, status, error in seen:
+        result.record(status, error)
+        in_flight = sent <= killed_at[0] <= done  # held by the killed process when it died
+        if status != 200 and not (status in (502, 503, 504) and error is not None) and not in_flight:
+            result.lost += 1
+    result.recovered = recovered is not None
+    result.recovery_s = None if recovered is None else round(recovered, 1)
+    return result
+
+
+def damaged_model_file(base_url: str, repository: Path, model: str = "simple_identity",
+                       recover_timeout_s: float = 60.0) -> FaultResult:
+    """Truncate ``model``'s ONNX file in ``repository`` (a scratch copy the server serves; the
+    model must not be loaded yet), request it, repair the file, request again."""
+    result = FaultResult("truncate a model file on disk before its load")
+    path = repository / model / "1" / "model.onnx"
+    if path.is_symlink():  # never damage the shared original: the scratch copy gets a real file
+        data = path.read_bytes()
+        path.unlink()
+        path.write_bytes(data)
+    good = path.read_bytes()
+    url = f"{base_url}/v2/models/{model}/infer"
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "BYTES", "data": [f"w{i}" for i in range(16)]}]}
+    try:
+        path.write_bytes(good[: len(good) // 2])
+        for _ in range(2):  # twice: a failed load is not remembered as a state
+            status, error, _ = _post(url, body)
+            result.record(status, error)
+            if not (status == 500 and error and f"model '{model}'" in error and "could not read its model file" in error):
+                result.lost += 1
+        other = _post(f"{base_url}/v2/models/simple/infer", SIMPLE_BODY)
+        result.record(other[0], other[1])
+        if other[0] != 200:
+            result.lost += 1
+            result.detail = "another model stopped serving"
+    finally:
+        path.write_bytes(good)
+    result.recovery_s = _wait_serving(url, body, recover_timeout_s)
+    result.recovered = result.recovery_s is not None
+    return result
+
+
+def scratch_repository(dest: Path, source: Path = ROOT / "engines") -> Path:
+    """``dest`` with every model of ``source``: configs copied, version folders linked, except
+    the files a fault damages (``damaged_model_file`` copies before it truncates)."""
+    for model in sorted(p for p in source.iterdir() if (p / "config.yaml").is_file()):
+        (dest / model.name).mkdir(parents=True)
+        shutil.copy(model / "config.yaml", dest / model.name / "config.yaml")
+        for version in (v for v in model.iterdir() if v.is_dir() and v.name.isdigit()):
+            (dest / model.name / version.name).mkdir()
+            for f in version.iterdir():
+                (dest / model.name / version.name / f.name).symlink_to(f.resolve())
+    return dest
+
+
+def run_all(base_url: str, session: int, app: str, repository: Path, rounds: int = 1,
+            log: Callable[[str], None] = lambda s: None) -> list[FaultResult]:
+    """Every scenario, ``rounds`` times, one after another (each waits for the server to heal)."""
+    results = []
+    for r in range(rounds):
+        for scenario in (lambda: damaged_model_file(base_url, repository),
+                         lambda: pool_kill_mid_load(base_url, session, app),
+                         lambda: router_kill_under_load(base_url, session, app)):
+            results.append(scenario())
+            log(f"round {r + 1}: {json.dumps(asdict(results[-1]))}")
+            wait_replicas(session, app, ("router", "pool"))
+    return results
+
+
+def wait_replicas(session: int, app: str, deployments: Sequence[str], timeout_s: float = 90.0) -> None:
+    """Wait until each deployment has a running replica process (after a kill)."""
+    deadline = time.monotonic() + timeout_s
+    while any(not replica_pids(session, app, d) for d in deployments) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def main(argv: Sequence[str]) -> int:
+    import tempfile
+
+    from bench.overload import default_app_args
+    from bench.throughput import Server
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    a = p.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(prefix="faults-"))
+    repository = scratch_repository(scratch / "engines")
+    app_args = {**default_app_args(ROOT / "serve_config.yaml"), "repository": str(repository)}
+    results: list[FaultResult] = []
+    try:
+        # One fault at a time needs a cold model per round: the pool's count cap (2) evicts it.
+        app_args["pool"] = {**app_args.get("pool", {}), "max_num_models_per_replica": 2}
+        with Server("ray", repository, app_args=app_args) as server:
+            results = run_all(server.url, server.process.pid, "models", repository, a.rounds,
+                              log=lambda s: print(s, file=sys.stderr, flush=True))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"faults-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"command": "python -m bench.faults " + " ".join(argv),
+                                "results": [asdict(r) for r in results]}, indent=2))
+    for r in results:
+        print(f"{r.fault}: answers {r.answers}, recovered {r.recovered} after {r.recovery_s} s, lost {r.lost}; "
+              f"{r.detail}; errors {r.errors}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(r.recovered and not r.lost for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
