@@ -140,3 +140,32 @@ def test_a_real_full_file_system_under_the_plan_folder_fails_the_build_clearly(t
         assert _leftovers(root) == []
     finally:
         subprocess.run(["umount", str(root)], check=False)
+
+
+# --- text a graph parses as a number (found by bench/fuzz.py: 500 for a client's mistake) ----
+
+@pytest.mark.parametrize("text,ok", [("12", True), (" 7", True), ("-5", True), ("+3", True), ("1.5", True),
+                                     ("0x10", True), ("9223372036854775807", True), ("x", False), ("", False),
+                                     ("99999999999999999999", False), ("\u0663", False), ("- 1", False)])
+def test_text_the_graph_casts_to_an_integer_is_checked_as_onnxruntime_parses_it(prepared_engines, text, ok):
+    """``simple_string`` casts its string inputs to INT32: text ONNX Runtime's Cast cannot parse
+    is a 400 naming input, element and text, not the run's RuntimeException (a 500); text it
+    parses runs as before (the same rule: ``std::stoll``)."""
+    from deployments.runtime.contract.errors import InvalidInput
+    from deployments.runtime.residency.host import ModelHost
+
+    host = ModelHost(ModelRepository(prepared_engines).get("simple_string"), backend="onnxruntime").load()
+    try:
+        a = np.array([["1"] * 15 + [text]], dtype=object)
+        b = np.array([["1"] * 16], dtype=object)
+        if ok:
+            out = host.infer({"INPUT0": a, "INPUT1": b})
+            assert out["OUTPUT0"].shape == (1, 16)
+        else:
+            with pytest.raises(InvalidInput) as raised:
+                host.infer({"INPUT0": a, "INPUT1": b})
+            assert raised.value.message == (
+                f"model 'simple_string' input 'INPUT0': element 15 is {text!r}, but the model reads it as a "
+                "number (INT32): expected a decimal integer within 64 bits")
+    finally:
+        host.unload()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from ..contract.config import ModelConfig
@@ -49,6 +51,55 @@ def _text_array(model: str, name: str, array: np.ndarray) -> np.ndarray:
         else:
             text[i] = str(item)
     return text.reshape(array.shape)
+
+
+# What ONNX Runtime's Cast from string accepts (std::stoll / std::stoull / std::stod, which it
+# calls): leading C whitespace, then a sign and digits (integers), or a decimal, hex, inf or nan
+# number (floats). A string it cannot parse fails the whole run with a RuntimeException.
+_INTEGER_TEXT = re.compile(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+_FLOAT_TEXT = re.compile(r"[ \t\n\v\f\r]*[+-]?(?:[0-9]|\.[0-9]|inf|nan|0x[0-9a-f])", re.IGNORECASE)
+_INTEGER_CASTS = {onnx.TensorProto.INT8: 64, onnx.TensorProto.INT16: 64, onnx.TensorProto.INT32: 64,
+                  onnx.TensorProto.INT64: 64, onnx.TensorProto.UINT8: 0, onnx.TensorProto.UINT16: 0,
+                  onnx.TensorProto.UINT32: 0, onnx.TensorProto.UINT64: 0}  # 64: signed (stoll), 0: stoull
+_FLOAT_CASTS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def numeric_string_inputs(model_path: Path, string_inputs: frozenset[str]) -> dict[str, int]:
+    """String inputs the graph parses as numbers: input name -> the ONNX type of a ``Cast``
+    node that reads it directly (an integer type before a float one)."""
+    if not string_inputs:
+        return {}
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    found: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type == "Cast" and node.input and node.input[0] in string_inputs:
+            to = next(a.i for a in node.attribute if a.name == "to")
+            if to in _INTEGER_CASTS or (to in _FLOAT_CASTS and node.input[0] not in found):
+                found[node.input[0]] = to
+    return found
+
+
+def check_numeric_text(model: str, name: str, to: int, text: np.ndarray) -> None:
+    """Refuse, before the run, a string element the graph's ``Cast`` to ``to`` cannot parse.
+
+    Raises:
+        InvalidInput: names the input, the element's flat index, its text and the number expected.
+    """
+    kind = onnx.TensorProto.DataType.Name(to)
+    for i, item in enumerate(text.reshape(-1)):
+        if to in _INTEGER_CASTS:
+            match = _INTEGER_TEXT.match(item)
+            ok = match is not None
+            if match is not None:  # stoll: a signed 64-bit value; stoull: any sign, magnitude < 2**64
+                value = int(match.group(1) + match.group(2))
+                ok = -(2**63) <= value < 2**63 if _INTEGER_CASTS[to] else abs(value) < 2**64
+        else:
+            ok = _FLOAT_TEXT.match(item) is not None
+        if not ok:
+            expected = "a decimal integer within 64 bits" if to in _INTEGER_CASTS else "a number"
+            raise InvalidInput(
+                f"model '{model}' input '{name}': element {i} is {item[:40]!r}, but the model reads it as a "
+                f"number ({kind}): expected {expected}")
 
 
 def _bytes_array(array: np.ndarray) -> np.ndarray:
@@ -104,13 +155,17 @@ class OnnxRuntimeContext:
         """Run one request: input name -> array; returns every output by name (BYTES as bytes).
 
         Raises:
-            InvalidInput: a BYTES element is not valid UTF-8 (names input, element and byte).
+            InvalidInput: a BYTES element is not valid UTF-8 (names input, element and byte), or
+                is text the graph casts to a number and cannot parse (``check_numeric_text``).
             InferenceError: ONNX Runtime's run failed.
         """
         engine = self._engine
         model = engine.config.name
         feeds = {name: _text_array(model, name, a) if name in engine.string_inputs else np.ascontiguousarray(a)
                  for name, a in inputs.items()}
+        for name, to in engine.numeric_strings.items():
+            if name in feeds:
+                check_numeric_text(model, name, to, feeds[name])
         try:
             values = engine.session.run(engine.output_names, feeds)
         except Exception as e:  # ORT raises its own types for shape/runtime faults
@@ -156,6 +211,7 @@ class OnnxRuntimeEngine:
         self.output_names = [t.name for t in config.outputs]
         self.string_inputs = frozenset(t.name for t in config.inputs if t.datatype == "BYTES")
         self.string_outputs = frozenset(t.name for t in config.outputs if t.datatype == "BYTES")
+        self.numeric_strings = numeric_string_inputs(path, self.string_inputs)
 
     def create_context(self) -> OnnxRuntimeContext:
         return OnnxRuntimeContext(self)
