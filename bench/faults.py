@@ -44,8 +44,8 @@ SIMPLE_BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT3
 SIMPLE_SUM = [i + 1 for i in range(16)]
 
 
-def tensor_body(model: str) -> dict[str, Any]:
-    """A valid JSON request of zeros for a (1, 3, 224, 224) FP32 CNN of the repository."""
+def tensor_body() -> dict[str, Any]:
+    """A valid JSON request of zeros for the (1, 3, 224, 224) FP32 CNNs of the repository."""
     return {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": [0.0] * 150528}]}
 
 
@@ -114,7 +114,7 @@ def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s:
         result.lost = 1
         return result
     url = f"{base_url}/v2/models/{model}/infer"
-    body = tensor_body(model)
+    body = tensor_body()
     answer: list[tuple[int | None, str | None, dict | None]] = []
     sender = threading.Thread(target=lambda: answer.append(_post(url, body)))
     sender.start()
