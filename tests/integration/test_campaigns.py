@@ -78,7 +78,7 @@ def test_fuzz_checker_flags_what_it_must():
 
 def test_short_soak_with_a_pool_replica_killed_loses_no_request(campaign):
     url, session, _ = campaign
-    report = soak.soak(url, session, APP, duration_s=40, kill_every_s=15, concurrency=2, think_s=0.05,
+    report = soak.soak(url, session, APP, duration_s=40, kill_every_s=12, concurrency=2, think_s=0.05,
                        targets=("pool", "model-ocr_cls"), warmup_s=5, window_s=10, sample_every_s=2)
     assert report.lost == 0, soak.summary(report)
     assert report.requests == report.ok + sum(report.documented.values())
