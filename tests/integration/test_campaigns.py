@@ -95,6 +95,7 @@ def test_short_soak_with_a_pool_replica_killed_loses_no_request(campaign):
 def test_a_pool_replica_killed_in_the_middle_of_a_load_answers_and_the_pool_heals(campaign):
     url, session, _ = campaign
     result = faults.pool_kill_mid_load(url, session, APP)
+    print(result)  # the answers, for the log (pytest -rA)
     assert result.detail.startswith("killed pool replica pid"), result.detail
     assert result.lost == 0, result
     assert result.recovered, result
@@ -105,6 +106,7 @@ def test_a_pool_replica_killed_in_the_middle_of_a_load_answers_and_the_pool_heal
 def test_the_router_replica_killed_under_load_loses_only_what_it_held_and_heals(campaign):
     url, session, _ = campaign
     result = faults.router_kill_under_load(url, session, APP)
+    print(result)
     assert result.lost == 0, result
     assert result.recovered, result
     assert result.answers.get("200", 0) > 10
