@@ -6,7 +6,9 @@
   serves again once Serve has replaced the replica.
 - ``router_kill_under_load``: clients send requests back to back; the router replica is
   killed. Requests in flight at that moment may fail (they die with the process that held
-  their connection); every other request is answered, and the server serves again by itself.
+  them: the client's connection is closed without an HTTP answer, by Ray's proxy or HAProxy);
+  every other request is answered, and the server serves again by itself. ``lost`` counts
+  failures of requests not in flight then (sent after the kill or done before it).
 - ``damaged_model_file``: a pool model's ONNX file is truncated before its first load: its
   requests answer 500 ``{"error": "model 'm': ... could not read its model file ..."}`` (no
   path, no traceback), the other models keep serving, and once the file is repaired the next
@@ -161,13 +163,14 @@ def router_kill_under_load(base_url: str, session: int, app: str, threads: int =
     for w in workers:
         w.start()
     time.sleep(3)
-    killed_at.append(time.monotonic())
+    killed_at.append(time.monotonic())  # [0]: before the process scan, [1]: right after the kill
     pid = kill_replica(session, app, "router")
+    killed_at.append(time.monotonic())
     result.detail = f"killed router replica pid {pid}"
     recovered = None
     while time.monotonic() - killed_at[0] < recover_timeout_s:
         with lock:
-            ok_after = [s for s in seen if s[0] > killed_at[0] and s[2] == 200]
+            ok_after = [s for s in seen if s[0] > killed_at[1] and s[2] == 200]
         if len(ok_after) >= 10:
             recovered = min(s[1] for s in ok_after) - killed_at[0]
             break
@@ -178,7 +181,7 @@ def router_kill_under_load(base_url: str, session: int, app: str, threads: int =
         w.join(70)
     for sent, done, status, error in seen:
         result.record(status, error)
-        in_flight = sent <= killed_at[0] <= done  # held by the killed process when it died
+        in_flight = sent <= killed_at[1] and done >= killed_at[0]  # held by the killed process when it died
         if status != 200 and not (status in (502, 503, 504) and error is not None) and not in_flight:
             result.lost += 1
     result.recovered = recovered is not None
