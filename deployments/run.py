@@ -9,10 +9,15 @@
    first Ctrl-C deletes the applications first (``serve.delete``: every replica finishes its
    requests while HAProxy still runs), then lets ``serve run`` shut Serve down as usual. A
    second Ctrl-C skips the wait.
+
+Before any of it, the environment that keeps a local cluster on 127.0.0.1 (``deployments.loopback``:
+Ray's single-machine mode, HAProxy's stats and Prometheus listeners on loopback at ports that
+are free): nothing this command starts listens on another interface.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +26,7 @@ from typing import Sequence
 
 import yaml
 
-from . import check
+from . import check, loopback
 
 
 def _delete_then_interrupt(app_names: list[str]):
@@ -41,9 +46,21 @@ def _delete_then_interrupt(app_names: list[str]):
     return handler
 
 
+def _stay_on_loopback() -> None:
+    """Set ``loopback.local_env`` in this process's environment (before Ray is imported: it
+    reads some of it at import) and say where HAProxy's side ports are."""
+    added = loopback.local_env(os.environ)
+    os.environ.update(added)
+    if "RAY_SERVE_HAPROXY_BINARY_PATH" in added:
+        print(f"HAProxy stats: http://{loopback.LOOPBACK}:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats, "
+              f"Prometheus: http://{loopback.LOOPBACK}:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics",
+              file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     path = Path(args[0] if args else "serve_config.yaml")
+    _stay_on_loopback()
     status = check.main([str(path)])
     if status:
         return status

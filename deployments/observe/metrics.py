@@ -429,8 +429,8 @@ _TRITON_COUNTER_HEADER = re.compile(rb"^(# (?:HELP|TYPE) nv_\w+?)_total(?= )", r
 _server_started = False
 
 
-def serve_node_metrics(port: int, retry_s: float = 5.0) -> None:
-    """Serve ``GET :port/metrics`` (this node's series) from this process if no other process on
+def serve_node_metrics(port: int, host: str = "0.0.0.0", retry_s: float = 5.0) -> None:
+    """Serve ``GET host:port/metrics`` (this node's series) from this process if no other process on
     the node does yet: the first replica to bind the port serves it; the others retry every
     ``retry_s`` seconds in a daemon thread, so the port moves on when its owner stops."""
     global _server_started
@@ -458,11 +458,11 @@ def serve_node_metrics(port: int, retry_s: float = 5.0) -> None:
 
         while True:
             try:
-                server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=Quiet)
+                server = make_server(host, port, app, ThreadingWSGIServer, handler_class=Quiet)
             except OSError:
                 time.sleep(retry_s)
                 continue
-            logger.info("node metrics on :%d/metrics (pid %d)", port, os.getpid())
+            logger.info("node metrics on %s:%d/metrics (pid %d)", host, port, os.getpid())
             server.serve_forever()
 
     threading.Thread(target=bind_loop, name="trt-serve-metrics", daemon=True).start()

@@ -14,6 +14,8 @@ class MetricsOptions(BaseModel):
     and the statistics routes. ``port``: every node that runs a replica serves its series on
     ``:port/metrics`` (Triton's default 8002; null: only the router's ``GET /metrics``).
     ``access_log``: one structured log line per successful request too (failures always).
+    The port listens where Ray's own servers do: on 127.0.0.1 when the Ray node's IP is
+    loopback (``make serve``: ``deployments.loopback``), else on every interface.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -33,5 +35,15 @@ def start(options: dict[str, Any] | None) -> MetricsOptions | None:
 
     families()
     if parsed.port is not None:
-        serve_node_metrics(parsed.port)
+        serve_node_metrics(parsed.port, _bind_host())
     return parsed
+
+
+def _bind_host() -> str:
+    """127.0.0.1 on a Ray node whose IP is loopback, else 0.0.0.0 (Ray's own agents choose so:
+    ``ray/dashboard/agent.py``, ``get_localhost_ip() if is_localhost(ip) else ...``)."""
+    import ipaddress
+
+    import ray
+
+    return "127.0.0.1" if ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback else "0.0.0.0"

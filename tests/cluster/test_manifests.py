@@ -188,6 +188,33 @@ def test_dashboard_queries_name_only_series_we_export():
         assert needed in named, needed
 
 
+def _containers(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def test_rayservice_exposes_nothing_outside_the_cluster_and_turns_on_rays_token_auth(rayservice):
+    """Threat model (README): KubeRay's Services stay ClusterIP with no Ingress (the dashboard
+    and Jobs API are not reachable from outside), no pod port on its node's network, and Ray's
+    token authentication on (KubeRay's authOptions, Ray 2.52+)."""
+    spec = rayservice["spec"]
+    cluster = spec["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    assert tuple(int(x) for x in cluster["rayVersion"].split(".")[:2]) >= (2, 52), "token auth needs Ray 2.52+"
+    head = cluster["headGroupSpec"]
+    assert head.get("serviceType", "ClusterIP") == "ClusterIP" and not head.get("enableIngress", False)
+    assert spec.get("serveService", {}).get("spec", {}).get("type", "ClusterIP") == "ClusterIP"
+    groups = [head, *cluster["workerGroupSpecs"]]
+    for group in groups:
+        pod = group["template"]["spec"]
+        assert not pod.get("hostNetwork", False)
+    for container in _containers(cluster):
+        assert all("hostPort" not in port for port in container.get("ports", []))
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("RAY_AUTH_MODE", "token") == "token", "authOptions sets it; nothing may turn it off"
+    assert yaml.safe_load(spec["serveConfigV2"])["http_options"]["port"] == 8000  # the one port for clients
+
+
 # cluster/cluster.yaml ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -216,7 +243,7 @@ def test_cluster_launcher_installs_the_project_on_every_node(launcher):
     from ray.autoscaler._private.util import prepare_config
 
     prepared = prepare_config(copy.deepcopy(launcher))
-    assert launcher["file_mounts"] == {"~/trt-serve": "."}, "the checkout (run `ray up` from the repo root)"
+    assert launcher["file_mounts"]["~/trt-serve"] == ".", "the checkout (run `ray up` from the repo root)"
     assert ".venv" in launcher["rsync_exclude"]
     workers = [n for n in prepared["available_node_types"] if n != prepared["head_node_type"]]
     # A node type's own worker_setup_commands replace the merged global lists: check what runs.
@@ -232,6 +259,19 @@ def test_cluster_launcher_installs_the_project_on_every_node(launcher):
             assert command.startswith("cd ~/trt-serve &&"), "relative `repository: engines` resolves there"
     image = launcher["docker"]["image"]
     assert image.startswith(f"rayproject/ray:{ray.__version__}-") and image.endswith("-gpu")
+
+
+def test_cluster_launcher_keeps_the_dashboard_on_loopback_and_turns_on_rays_token_auth(launcher):
+    """Threat model (README): no `ray start` binds the dashboard (and its Jobs API) beyond the
+    head's 127.0.0.1, and every container runs with RAY_AUTH_MODE=token and the same token."""
+    starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
+              if "ray start" in c]
+    assert starts
+    for command in starts:
+        assert "--dashboard-host" not in command or "--dashboard-host=127.0.0.1" in command, command
+        assert "0.0.0.0" not in command, command
+    assert "--env RAY_AUTH_MODE=token" in launcher["docker"]["run_options"]
+    assert launcher["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
 
 
 # Dockerfile ----------------------------------------------------------------------------------

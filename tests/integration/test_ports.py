@@ -1,0 +1,134 @@
+"""``make serve`` listens on loopback only: the server started as the Makefile starts it
+(``deployments.run`` under ``make print-serve-env``'s environment), then every listening socket
+of its processes (Ray's GCS, raylet, agents, dashboard, every worker's gRPC server, HAProxy,
+the replicas' metrics port) is on 127.0.0.1 / ::1, but for what Ray 2.60 hard-codes
+(README, "Threat model"):
+
+- each Serve replica's inter-deployment gRPC server: ``ray/serve/_private/replica.py``,
+  ``_on_initialized``, ``add_port_to_grpc_server(self._server, "[::]:0")`` (one TCP listener
+  on ``::`` per replica process; Ray's token authentication guards it);
+- HAProxy's syslog sender (``log 127.0.0.1:514`` in Ray's template): a UDP socket the kernel
+  binds to ``0.0.0.0:<ephemeral>`` on the first datagram sent; HAProxy never reads it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import yaml
+
+from .conftest import ROOT, _free_port, wait_ready
+
+pytestmark = pytest.mark.integration
+
+
+def _serve_env() -> dict[str, str]:
+    """This environment plus ``make serve``'s variables (``make print-serve-env``)."""
+    words = subprocess.run(["make", "-s", "print-serve-env"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    return dict(os.environ, **dict(word.split("=", 1) for word in words))
+
+
+def _listeners(root_pid: int) -> list[tuple[str, int, str, str, int]]:
+    """(address, port, protocol, process name, pid) of every TCP socket listening, and every UDP
+    socket bound without a peer, in ``root_pid`` and its descendants."""
+    root = psutil.Process(root_pid)
+    found = []
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = process.name()
+            for c in process.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    found.append((c.laddr.ip, c.laddr.port, "tcp", name, process.pid))
+                elif c.type == socket.SOCK_DGRAM and not c.raddr:
+                    found.append((c.laddr.ip, c.laddr.port, "udp", name, process.pid))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def _beyond_loopback(listeners: list[tuple[str, int, str, str, int]]) -> list[tuple[str, int, str, str, int]]:
+    """``listeners`` not on loopback, less Ray 2.60's hard-coded two (module docstring): one
+    ``::`` TCP listener per Serve replica process, HAProxy's UDP syslog sender."""
+    exposed = [entry for entry in listeners if not _is_loopback(entry[0])]
+    replicas_seen: set[int] = set()
+    left = []
+    for address, port, protocol, name, pid in exposed:
+        if protocol == "tcp" and address == "::" and "ServeReplica" in name and pid not in replicas_seen:
+            replicas_seen.add(pid)
+        elif not (protocol == "udp" and name == "haproxy"):
+            left.append((address, port, protocol, name, pid))
+    return sorted(left)
+
+
+@pytest.fixture(scope="module")
+def make_serve(tmp_path_factory):
+    """(URL, pid) of ``python -m deployments.run`` on serve_config.yaml with free ports for the
+    API and the metrics, run with the Makefile's environment; stopped with Ctrl-C (SIGINT)."""
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    port = _free_port()
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["args"]["repository"] = str(ROOT / app["args"]["repository"])
+    app["args"]["metrics"] = dict(app["args"].get("metrics") or {}, port=_free_port())
+    path = tmp_path_factory.mktemp("make-serve") / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = path.with_suffix(".log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=_serve_env(),
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, Path(log.name).read_text()[-3000:]
+            try:
+                wait_ready(url, timeout_s=5)
+                break
+            except (requests.RequestException, TimeoutError):
+                assert time.monotonic() < deadline, "make serve not ready in 240 s"
+        yield url, server.pid, app["args"]["metrics"]["port"]
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        log.close()
+
+
+def test_make_serve_listens_on_loopback_only(make_serve):
+    url, pid, metrics_port = make_serve
+    # every replica is up once ready; HAProxy's side ports and the metrics port bind soon after
+    deadline = time.monotonic() + 30
+    while True:
+        listeners = _listeners(pid)
+        names = {name for _, _, _, name, _ in listeners}
+        ports = {port for _, port, protocol, _, _ in listeners if protocol == "tcp"}
+        if ("haproxy" in names and metrics_port in ports) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    exposed = _beyond_loopback(listeners)
+    print("\n".join(f"{a:>16} {p:>5} {proto} {n}" for a, p, proto, n, _ in sorted(listeners, key=lambda e: e[3])))
+    assert exposed == [], f"listening beyond loopback: {exposed}"
+    # not vacuous: the API, Ray's core servers, HAProxy's stats and the metrics port were seen
+    assert int(url.rsplit(":", 1)[1]) in ports and metrics_port in ports
+    assert {"gcs_server", "raylet", "haproxy"} <= names
+    haproxy_ports = {port for _, port, protocol, name, _ in listeners if name == "haproxy" and protocol == "tcp"}
+    assert len(haproxy_ports) >= 3, haproxy_ports  # API, stats, Prometheus
+    assert requests.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
