@@ -52,11 +52,13 @@ HANDLE_ENV = {name: os.environ.get(name, default) for name, default in (
 # Replicas that are not the ingress wait this long between checks for their last requests when
 # stopping (Serve's default is 2 s, paid once per tier of the graph on every Ctrl-C).
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
-# The router being stopped waits at most this long for its requests (Serve's default: 20 s).
-# Deleting the application (what `make serve` does on Ctrl-C, deployments/run.py) stops every
-# deployment at once, so a request the router accepted after that waits for a model replica that
-# is gone; without this bound it held the router, and Ctrl-C, for the full 20 s. With HAProxy,
-# Serve raises it to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
+# A replica that calls other deployments (the router, pipelines) being stopped waits at most
+# this long for its requests (Serve's default: 20 s). Deleting the application (what `make serve`
+# does on Ctrl-C, deployments/run.py) stops every deployment at once, so a call still queued for a
+# model whose replicas are gone waits for nothing; without this bound it held the router, and
+# Ctrl-C, for the full 20 s. The router answers such calls 503 as soon as it sees the model's
+# deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
+# Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -232,7 +234,8 @@ def _build(args: dict[str, Any] | None) -> Application:
     for e in entries:
         if e.config.pipeline:
             dedicated[e.name] = PipelineDeployment.options(
-                name=f"pipeline-{e.name}", **ray_options(placement[e.name], use_gpus, HANDLE_ENV)).bind(
+                name=f"pipeline-{e.name}", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                **ray_options(placement[e.name], use_gpus, HANDLE_ENV)).bind(
                 app_args.repository, e.name, steps, pool, pool_models, metrics=metrics)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(

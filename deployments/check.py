@@ -97,6 +97,8 @@ def reference(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import app  # noqa: F401  (imports ray.serve, which sets its logger's level)
+
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the builder's INFO lines are for replicas
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--reference"]:

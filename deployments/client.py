@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, RequestCancelledError
 
 from .runtime.contract.errors import ModelNotReady, unknown_model
 
@@ -30,6 +33,21 @@ def payload_bytes(inputs: dict[str, np.ndarray]) -> int:
     return sum(sum(len(x) for x in a.flat) if a.dtype == object else a.nbytes for a in inputs.values())
 
 
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """What ``ModelClient.replica_counts`` reads from ``serve.status()``.
+
+    ``running``: model name -> RUNNING replicas. ``stopped``: models whose application is being
+    deleted (Ctrl-C of ``make serve``, ``serve delete``, ``serve shutdown``): Serve then lists
+    none of its deployments and every replica is draining or gone, so a call that no replica
+    has taken yet never runs. ``deleting``: the application is being deleted.
+    """
+
+    running: dict[str, int]
+    stopped: frozenset[str] = frozenset()
+    deleting: bool = False
+
+
 class ModelClient:
     """Calls a model by name through its deployment handle: dedicated or pooled.
 
@@ -45,6 +63,9 @@ class ModelClient:
         self.pool = pool
         self.pool_models = set(pool_models)  # grows when a model added to the repository is loaded
         self.control = control  # ``deployments.control.ControlDeployment`` (explicit model control)
+        self._waiting: dict[str, set[Any]] = {}  # model name -> its handle responses in flight
+        self._cut: set[Any] = set()  # responses cut_unassigned cancelled
+        self._last_done: dict[str, float] = {}  # model name -> time.monotonic() its last call finished
 
     def handle(self, name: str) -> Any:
         """The deployment handle serving ``name``.
@@ -68,20 +89,59 @@ class ModelClient:
 
         Raises:
             ModelNotFound: no deployment serves ``name``.
-            ModelNotReady: the replica died again on the second try.
+            ModelNotReady: the replica died again on the second try, or the model's deployment
+                is being deleted or failed to deploy (Serve's ``DeploymentUnavailableError``,
+                or ``cut_unassigned``).
             ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
         """
         handle = self.handle(name)
         if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
             handle = handle.options(_by_reference=True)
+        waiting = self._waiting.setdefault(name, set())
         for attempt in range(_REPLICA_LOST_RETRIES + 1):
+            response = handle.infer.remote(inputs, outputs)
+            waiting.add(response)
             try:
-                return await handle.infer.remote(inputs, outputs)
+                result = await response
+                self._last_done[name] = time.monotonic()
+                return result
+            except RequestCancelledError:
+                if response not in self._cut:
+                    raise
+                raise ModelNotReady(f"model '{name}' stopped before a replica took the request: the "
+                                    "server is shutting down") from None
+            except DeploymentUnavailableError:  # Serve refuses calls to a deployment being deleted
+                raise ModelNotReady(f"model '{name}' is unavailable: its deployment is stopping "
+                                    "(the server is shutting down) or failed to deploy") from None
             except RayActorError:
                 if attempt == _REPLICA_LOST_RETRIES:
                     break
                 logger.warning("model '%s': replica died during a request; sending it again", name)
+            finally:
+                waiting.discard(response)
+                self._cut.discard(response)
         raise ModelNotReady(f"model '{name}': its replica stopped while serving the request; retry shortly")
+
+    def cut_unassigned(self, names: Iterable[str], idle_s: float) -> None:
+        """Cancel the calls to models in ``names`` that no replica has taken yet, where no call
+        to that model has finished for ``idle_s`` seconds: they answer ``ModelNotReady`` (503)
+        at once. For a model whose application is being deleted (``ReplicaCounts.stopped``):
+        Serve keeps such a call queued for a replica that will never come, until the caller's
+        replica is killed (Ctrl-C of ``make serve`` waited out the router's whole grace
+        period). Calls a replica took are left to finish, and so are queued calls while the
+        model still finishes calls: a draining replica keeps taking queued calls (cutting them
+        at once answered 503 to requests sent before Ctrl-C, bench/README.md "Stopping").
+        Whether a replica took a call is the handle response's assignment future
+        (``DeploymentResponse._replica_result_future``, Ray 2.60, pinned)."""
+        now = time.monotonic()
+        for name in names:
+            if now - self._last_done.get(name, 0.0) < idle_s:
+                continue
+            for response in self._waiting.get(name, ()):
+                assigned = getattr(response, "_replica_result_future", None)
+                if assigned is not None and not assigned.done():
+                    self._cut.add(response)
+                    response.cancel()
 
     async def backend(self, name: str) -> str:
         """The backend of dedicated model ``name`` (``onnxruntime``, ``tensorrt``, ``pipeline``);
@@ -100,9 +160,10 @@ class ModelClient:
         """
         return await self.dedicated[name].memory.remote()
 
-    async def running_replicas(self) -> dict[str, int]:
-        """Model name -> RUNNING replicas of the deployment serving it (pool models: the pool's),
-        from ``serve.status()`` (a call to Serve's controller, made in a worker thread).
+    async def replica_counts(self) -> "ReplicaCounts":
+        """Per model, the RUNNING replicas of the deployment serving it (pool models: the
+        pool's), and whether its application is being deleted (``ReplicaCounts``); from
+        ``serve.status()`` (a call to Serve's controller, made in a worker thread).
 
         Raises:
             Exception: the controller did not answer (Ray's own exceptions).
@@ -110,7 +171,7 @@ class ModelClient:
         handles = dict(self.dedicated)
         if self.pool is not None:
             handles.update((name, self.pool) for name in self.pool_models)
-        return await asyncio.to_thread(_running, handles)
+        return await asyncio.to_thread(_replica_counts, handles)
 
     async def control_desired(self) -> dict[str, Any]:
         """``ControlDeployment.desired``: ``{"revision", "models"}``."""
@@ -138,13 +199,22 @@ class ModelClient:
         return await self.pool.models.remote()
 
 
-def _running(handles: dict[str, Any]) -> dict[str, int]:
-    """Name -> RUNNING replicas of the deployment behind each handle (``serve.status()``: a
-    blocking call to Serve's controller)."""
+def _replica_counts(handles: dict[str, Any]) -> ReplicaCounts:
+    """``ReplicaCounts`` of the deployments behind ``handles`` (name -> handle), from
+    ``serve.status()`` (a blocking call to Serve's controller)."""
     applications = serve.status().applications
-    counts = {}
+    running, stopped, deleting = {}, set(), False
     for name, handle in handles.items():
         app = applications.get(handle.app_name)
         deployment = app.deployments.get(handle.deployment_name) if app is not None else None
-        counts[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
-    return counts
+        running[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
+        if app is None or app.status == "DELETING":
+            deleting = True
+            stopped.add(name)
+    return ReplicaCounts(running, frozenset(stopped), deleting)
+
+
+def _running(handles: dict[str, Any]) -> dict[str, int]:
+    """Name -> RUNNING replicas of the deployment behind each handle (``serve.status()``: a
+    blocking call to Serve's controller)."""
+    return _replica_counts(handles).running

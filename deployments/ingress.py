@@ -60,6 +60,8 @@ EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "
               "statistics"]
 _READY_POLL_S = 1.0
 _CONTROL_POLL_S = 0.1  # how often a load / unload checks whether every replica applied it
+_STOPPING_POLL_S = 0.1  # while the application is being deleted: how soon waiting requests get their 503
+_STOPPED_IDLE_S = 1.0  # ... once their model has finished no call for this long (ModelClient.cut_unassigned)
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
@@ -205,15 +207,21 @@ class RouterApp:
             raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
     async def watch_replicas(self) -> None:
-        """Every ``_READY_POLL_S``, ``refresh_ready`` from the client's replica counts (runs forever)."""
+        """Every ``_READY_POLL_S`` (``_STOPPING_POLL_S`` while the application is being
+        deleted), ``refresh_ready`` from the client's replica counts, and the client's
+        ``cut_unassigned`` for models whose deployment is being deleted (runs forever)."""
         while True:
+            deleting = False
             try:
-                self.refresh_ready(await self.client.running_replicas())
+                counts = await self.client.replica_counts()
+                self.refresh_ready(counts.running)
+                self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
+                deleting = counts.deleting
                 if self.initial is not None:
                     self.follow_desired((await self.client.control_desired())["models"])
             except Exception:  # the controller did not answer: keep what we know
                 logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
-            await asyncio.sleep(_READY_POLL_S)
+            await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
 
     def follow_desired(self, models: Desired) -> None:
         """Take the loads and unloads other router replicas made (``ControlDeployment.desired``);
@@ -239,7 +247,7 @@ class RouterApp:
         still starting, or a snapshot older than its first replica) changes nothing.
 
         Args:
-            running: model name -> RUNNING replicas (``ModelClient.running_replicas``).
+            running: model name -> RUNNING replicas (``ModelClient.replica_counts``).
         """
         for name, count in running.items():
             if count:

@@ -3,12 +3,19 @@
 1. ``deployments.check`` on the config, before Ray starts: a bad config stops here with one
    line (file, field, what is allowed) and exit status 2.
 2. Ray Serve's own ``serve run <config>`` (``ray.serve.scripts.run``), in this process.
-3. Ctrl-C answers the requests in flight. ``serve run`` meets Ctrl-C with ``serve.shutdown()``,
-   which kills the HAProxy ingress process at once (``HAProxyManager.stop`` sends SIGKILL)
-   while the replicas still drain, so a request in flight through HAProxy was cut. Here the
-   first Ctrl-C deletes the applications first (``serve.delete``: every replica finishes its
-   requests while HAProxy still runs), then lets ``serve run`` shut Serve down as usual. A
-   second Ctrl-C skips the wait.
+3. A deploy that fails anyway (an application ``DEPLOY_FAILED`` in ``serve.status()``, polled
+   every ``STATUS_POLL_S`` until every application runs) prints
+   ``deploy failed: application '<name>': <Serve's message>`` on stderr, stops as Ctrl-C does
+   and exits 1. Plain ``serve run`` keeps running after a failed deploy: it submits the
+   config and sleeps (``ray.serve.scripts.run``: ``while True: time.sleep(10)``).
+4. Ctrl-C answers the requests in flight and stops in seconds. ``serve run`` meets Ctrl-C with
+   ``serve.shutdown()``, which kills the HAProxy ingress process at once
+   (``HAProxyManager.stop`` sends SIGKILL) while the replicas still drain, so a request in
+   flight through HAProxy was cut. Here the first Ctrl-C deletes the applications first
+   (every replica finishes its requests while HAProxy still runs), polling ``serve.status()``
+   every ``DELETE_POLL_S`` until they are gone (``serve.delete`` polls every 1 s), then lets
+   ``serve run`` shut Serve down as usual, then stops Ray (``stop_ray``: 1.5 s sooner than
+   Ray's exit hook). A second Ctrl-C skips the wait.
 
 Before any of it, the environment that keeps a local cluster on 127.0.0.1 (``deployments.loopback``:
 Ray's single-machine mode, HAProxy's stats and Prometheus listeners on loopback at ports that
@@ -20,6 +27,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Sequence
@@ -28,19 +37,32 @@ import yaml
 
 from . import check, loopback
 
+DELETE_POLL_S = 0.1  # seconds between checks that the deleted applications are gone
+DELETE_TIMEOUT_S = 60.0  # serve.delete's own bound
+STATUS_POLL_S = 1.0  # seconds between checks for DEPLOY_FAILED while the applications start
+
+
+def delete_applications(app_names: list[str]) -> None:
+    """Delete the applications and return once Serve lists none of them (at most
+    ``DELETE_TIMEOUT_S``): every replica has answered the requests it held by then."""
+    from ray import serve
+
+    for name in app_names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + DELETE_TIMEOUT_S
+    while set(app_names) & set(serve.status().applications) and time.monotonic() < deadline:
+        time.sleep(DELETE_POLL_S)
+
 
 def _delete_then_interrupt(app_names: list[str]):
     """A SIGINT handler: delete the applications (blocking), then ``KeyboardInterrupt``."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop waiting
-        from ray import serve
-
-        for name in app_names:
-            try:
-                serve.delete(name)
-            except Exception:  # Serve not started yet, or already gone: nothing to drain
-                pass
+        try:
+            delete_applications(app_names)
+        except Exception:  # Serve not started yet, or already gone: nothing to drain
+            pass
         raise KeyboardInterrupt
 
     return handler
@@ -57,6 +79,60 @@ def _stay_on_loopback() -> None:
               file=sys.stderr)
 
 
+def stop_ray() -> None:
+    """``ray.shutdown()``, called before the interpreter exits (Ray's own exit hook first
+    sleeps 0.5 s for late log lines). Where this process started the local cluster, Ray's
+    autoscaler monitor is killed first: ``ray.shutdown()`` stops the GCS before it, and the
+    monitor's SIGTERM handler then waits on the GCS until Ray kills it 1 s later (a local
+    cluster has nothing to autoscale). Reaches into ``ray._private`` (Ray 2.60, pinned in
+    pyproject.toml); without that attribute only the 1 s is lost."""
+    import ray
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    for info in getattr(node, "all_processes", {}).get("monitor", []):
+        if info.process.poll() is None:
+            info.process.kill()
+    ray.shutdown()
+
+
+def deploy_failure(statuses: dict, app_names: list[str]) -> str | None:
+    """The line to print for the first of ``app_names`` whose status is ``DEPLOY_FAILED``, else None.
+
+    Args:
+        statuses: ``serve.status().applications`` (name -> ``ApplicationStatusOverview``).
+    """
+    for name in app_names:
+        app = statuses.get(name)
+        if app is not None and app.status == "DEPLOY_FAILED":
+            return f"deploy failed: application '{name}': {app.message.strip()}"
+    return None
+
+
+def _watch_deploy(app_names: list[str], failures: list[str]) -> None:
+    """Poll ``serve.status()`` until every application runs; on ``DEPLOY_FAILED`` print the
+    line, record it in ``failures`` and send this process SIGINT (stop as Ctrl-C does)."""
+    import ray
+    from ray import serve
+
+    while True:
+        time.sleep(STATUS_POLL_S)
+        if not ray.is_initialized():
+            continue
+        try:
+            statuses = serve.status().applications
+        except Exception:  # the controller is starting or stopping: ask again
+            continue
+        line = deploy_failure(statuses, app_names)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+            failures.append(line)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        if all(name in statuses and statuses[name].status == "RUNNING" for name in app_names):
+            return
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     path = Path(args[0] if args else "serve_config.yaml")
@@ -65,14 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if status:
         return status
     from ray.serve.schema import ServeDeploySchema
+    from ray.serve.scripts import run
 
     schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     app_names = [app.name for app in schema.applications]
     signal.signal(signal.SIGINT, _delete_then_interrupt(app_names))
-    from ray.serve.scripts import run
-
-    run.main([str(path)], prog_name="serve run", standalone_mode=False)
-    return 0
+    failures: list[str] = []
+    threading.Thread(target=_watch_deploy, args=(app_names, failures), daemon=True).start()
+    try:
+        run.main([str(path)], prog_name="serve run", standalone_mode=False)
+    except SystemExit:  # serve run's own exit after its shutdown
+        pass
+    finally:
+        stop_ray()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

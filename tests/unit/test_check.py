@@ -106,12 +106,26 @@ def test_make_serves_runner_stops_on_a_bad_config_before_ray_starts(repository, 
         f"config error: {config_path}: deployment.mode: Input should be 'dedicated' or 'pool'"]
 
 
-def test_deployments_stop_promptly_the_router_within_its_bound(repository):
+def test_deployments_stop_promptly_the_router_and_pipelines_within_their_bound(prepared_engines):
     from ray.serve._private.build_app import build_app as serve_build_app
 
     from deployments.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
 
     built = {d.name: d._deployment_config for d in
-             serve_build_app(build_app({"repository": str(repository)}), name="models").deployments}
+             serve_build_app(build_app({"repository": str(prepared_engines)}), name="models").deployments}
     assert {c.graceful_shutdown_wait_loop_s for c in built.values()} == {GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
-    assert built["router"].graceful_shutdown_timeout_s == ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
+    callers = {name for name in built if name == "router" or name.startswith("pipeline-")}
+    assert callers == {"router", "pipeline-ocr"}
+    assert {built[name].graceful_shutdown_timeout_s for name in callers} == {ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S}
+
+
+def test_make_serves_runner_names_a_failed_deploy_in_one_line():
+    from types import SimpleNamespace
+
+    from deployments.run import deploy_failure
+
+    statuses = {"models": SimpleNamespace(status="DEPLOY_FAILED", message="config error: x.yaml: f: bad\n"),
+                "other": SimpleNamespace(status="RUNNING", message="")}
+    assert deploy_failure(statuses, ["other", "models"]) == "deploy failed: application 'models': config error: x.yaml: f: bad"
+    assert deploy_failure({"models": SimpleNamespace(status="DEPLOYING", message="")}, ["models"]) is None
+    assert deploy_failure({}, ["models"]) is None

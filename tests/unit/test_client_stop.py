@@ -1,0 +1,69 @@
+"""``ModelClient.cut_unassigned``: when the application is being deleted, a call that no replica
+has taken answers 503 once the model has finished no call for a while; a call a replica took
+is left to finish. The handle is a stand-in
+with the two parts of Serve's ``DeploymentResponse`` the client relies on: the assignment future
+``_replica_result_future`` and ``cancel()``, after which awaiting raises ``RequestCancelledError``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+from ray.serve.exceptions import RequestCancelledError
+
+from deployments.client import ModelClient
+from deployments.runtime.contract.errors import ModelNotReady
+
+
+class Response:
+    def __init__(self, assigned: bool) -> None:
+        self._replica_result_future = asyncio.get_running_loop().create_future()
+        if assigned:
+            self._replica_result_future.set_result("replica")
+        self.answer = asyncio.get_running_loop().create_future()
+
+    def cancel(self) -> None:
+        self._replica_result_future.cancel()
+        self.answer.cancel()
+
+    def __await__(self):
+        try:
+            return (yield from self.answer.__await__())
+        except asyncio.CancelledError:
+            raise RequestCancelledError("r1") from None
+
+
+class Handle:
+    def __init__(self, assigned: bool) -> None:
+        self.assigned, self.responses = assigned, []
+
+    @property
+    def infer(self):
+        return self
+
+    def remote(self, inputs, outputs):
+        self.responses.append(Response(self.assigned))
+        return self.responses[-1]
+
+
+def test_only_calls_no_replica_took_are_cut_with_a_503_once_the_model_finishes_none():
+    async def scenario():
+        queued, taken = Handle(assigned=False), Handle(assigned=True)
+        client = ModelClient({"ocr_det": queued, "ocr_cls": taken}, None, [])
+        x = {"x": np.zeros((1, 3), np.float32)}
+        waiting = asyncio.ensure_future(client.infer("ocr_det", x))
+        running = asyncio.ensure_future(client.infer("ocr_cls", x))
+        await asyncio.sleep(0)
+        client._last_done["ocr_det"] = time.monotonic()  # a draining replica still finishes calls
+        client.cut_unassigned(["ocr_det", "ocr_cls"], idle_s=60.0)
+        assert not waiting.done()
+        client.cut_unassigned(["ocr_det", "ocr_cls"], idle_s=0.0)
+        with pytest.raises(ModelNotReady, match="model 'ocr_det' stopped before a replica took the request"):
+            await waiting
+        taken.responses[0].answer.set_result({"y": 1})
+        assert await running == {"y": 1}
+        assert client._waiting == {"ocr_det": set(), "ocr_cls": set()} and client._cut == set()
+
+    asyncio.run(scenario())
