@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from bench import batch_trace, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,10 @@ def _serve_ray(args: argparse.Namespace) -> None:
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    hooks = {"worker_process_setup_hook": "bench.batch_trace.install"} if (
+        os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV)) else None
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env=hooks)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
@@ -376,12 +380,18 @@ class Bench:
             for variant in (model, model + BATCHED_SUFFIX):
                 for level in self.args.batch_levels:
                     before = ray_server.batch_stats(variant)
+                    began = time.perf_counter()
                     (r,) = self.measure([(self.workload(ray_server, variant), level)])
                     after = ray_server.batch_stats(variant)
                     calls = sum(after["calls_by_requests"].values()) - sum(before["calls_by_requests"].values())
                     requests = after["requests"] - before["requests"]
-                    rows.append({"model": model, "batched": variant != model, **asdict(r),
-                                 "requests_per_model_call": round(requests / calls, 2) if calls else None})
+                    row = {"model": model, "batched": variant != model, **asdict(r),
+                           "requests_per_model_call": round(requests / calls, 2) if calls else None}
+                    if self.args.trace:
+                        row["trace"] = batch_trace.summarize(
+                            self.args.trace, began + self.args.warmup_s, began + self.args.warmup_s + self.args.duration_s)
+                        self.log(json.dumps(row["trace"]))
+                    rows.append(row)
                     self.log(f"batching {variant:18} c={level:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
         self.results["batching"] = rows
 
@@ -589,6 +599,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="num_gpus of each model replica (0: none reserved; e.g. 0.04 for 8 replicas of 3 models on one GPU)")
     p.add_argument("--batch-levels", help="concurrencies of 'batching' (default 1 and --together-concurrency)")
     p.add_argument("--preferred-batch-size", default="", help="preferred_batch_size of the batched copies")
+    p.add_argument("--standin", default="",
+                   help="models served by bench.gpu_standin (a GPU-like wait, no compute; benchmark only)")
+    p.add_argument("--trace", action="store_true",
+                   help="'batching': timestamps along the replica's path (bench.batch_trace) per point")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     a.command = "python -m bench.throughput " + " ".join(argv)
@@ -620,7 +634,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
     return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
             "ray_config": a.ray_config, "backend": a.backend, "gpu_fraction": a.gpu_fraction, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
-            "processes": a.processes, "scenarios": a.scenarios, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "processes": a.processes, "scenarios": a.scenarios, "standin": a.standin, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -635,6 +649,11 @@ def main(argv: Sequence[str]) -> None:
         return
     a = parse_args(argv)
     os.environ["ORT_INTRA_OP_THREADS"] = "1"
+    if a.standin:
+        os.environ[gpu_standin.ENV] = ",".join(m + s for m in a.standin.split(",") for s in ("", BATCHED_SUFFIX))
+    a.trace = Path(tempfile.mkdtemp(prefix="bench-trace-")) if a.trace else None
+    if a.trace:
+        os.environ[batch_trace.ENV] = str(a.trace)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     scratch = Path(tempfile.mkdtemp(prefix="bench-repo-"))
     needs_main = set(a.scenarios) & {"alone", "together", "batching", "payload", "hop"}
