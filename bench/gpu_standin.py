@@ -7,7 +7,16 @@ in ``time.sleep``, which holds no CPU and releases the GIL, as a thread waiting 
 stream does. The wait is split in ``GIL_RELEASES`` (4) sleeps, as the CUDA backend's run
 releases the GIL four times (``onnxruntime_cuda.OnnxRuntimeCudaContext.infer``: host-to-device
 copy, ``run_with_iobinding``, device-to-host copy, stream synchronize), each time having to take
-it back. Each context waits on its own (a context per CUDA stream). Outputs are zeros of
+it back. Each context waits on its own (a context per CUDA stream).
+
+Shape changes: ONNX Runtime's CUDA ``Conv`` (1.20 and later, cuDNN frontend) rebuilds its
+execution plan whenever a session's input shape differs from the shape of its PREVIOUS run
+(``onnxruntime/core/providers/cuda/nn/conv.cc``, ``Conv::UpdateState``: ``input_dims_changed`` ->
+``CreateCudnnFeExecutionPlan``, no per-shape cache; microsoft/onnxruntime#23006, "x15 slower
+after 1.19.2 -> 1.20.1 ... interleaving of input tensor resolutions"). So a context fed
+alternating batch sizes pays that rebuild on every call. The stand-in waits ``switch_ms``
+(``BENCH_GPU_STANDIN_SWITCH_MS``, default 30: resnet18 on the H200, bench/README.md) more when
+a run's input shapes differ from its context's previous run; 0 turns it off. Outputs are zeros of
 the config's output shapes with the request's rows, so the serving path (batching, splitting,
 encoding) does its real work. It answers nothing meaningful: it exists so that a machine
 without a GPU can show what the serving path costs around a GPU-fast engine. It is never part
@@ -33,15 +42,21 @@ from deployments.runtime.contract.datatypes import NUMPY_BY_DATATYPE
 ENV = "BENCH_GPU_STANDIN"
 BASE_MS = float(os.environ.get("BENCH_GPU_STANDIN_BASE_MS", "1.0"))
 PER_ROW_MS = float(os.environ.get("BENCH_GPU_STANDIN_PER_ROW_MS", "0.05"))
+SWITCH_MS = float(os.environ.get("BENCH_GPU_STANDIN_SWITCH_MS", "30"))
 GIL_RELEASES = 4
 
 
 class GpuStandInContext:
     def __init__(self, engine: "GpuStandInEngine") -> None:
         self.engine = engine
+        self.last_shapes: tuple | None = None
 
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         rows = next(iter(inputs.values())).shape[0] if self.engine.config.max_batch_size else 1
+        shapes = tuple(sorted((name, value.shape) for name, value in inputs.items()))
+        if self.last_shapes is not None and shapes != self.last_shapes:
+            time.sleep(SWITCH_MS / 1e3)  # the plan rebuild (CPU work on a real GPU; here a wait)
+        self.last_shapes = shapes
         wait_s = (BASE_MS + PER_ROW_MS * rows) / 1e3 / GIL_RELEASES
         for _ in range(GIL_RELEASES):
             time.sleep(wait_s)
@@ -89,7 +104,7 @@ def install() -> None:
         if "*" not in names and config.name not in names:
             return real_open(config, model_dir, backend)
         engine = GpuStandInEngine(config)
-        engine.choice = BackendChoice("gpu_standin", f"bench stand-in: {BASE_MS} ms + {PER_ROW_MS} ms/row, no compute")
+        engine.choice = BackendChoice("gpu_standin", f"bench stand-in: {BASE_MS} ms + {PER_ROW_MS} ms/row, +{SWITCH_MS} ms on a shape change, no compute")
         return engine
 
     host.open_engine = open_engine
