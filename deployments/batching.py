@@ -183,9 +183,14 @@ def _run_alone(host: ModelHost, item: BatchItem) -> dict[str, np.ndarray] | Base
         return e
 
 
-def _padding(item: BatchItem, rows: int) -> dict[str, np.ndarray]:
-    """``rows`` zero rows shaped like each of ``item``'s inputs (axis 0 is the batch)."""
-    return {name: np.zeros((rows,) + a.shape[1:], a.dtype) for name, a in item.inputs.items()}
+def _joined(group: list[BatchItem], name: str, rows: int, pad: int) -> np.ndarray:
+    """Input ``name`` of every request in ``group`` along axis 0, then ``pad`` zero rows: one
+    copy into one new array."""
+    first = group[0].inputs[name]
+    out = np.empty((rows + pad,) + first.shape[1:], first.dtype)
+    np.concatenate([item.inputs[name] for item in group], out=out[:rows])
+    out[rows:] = 0
+    return out
 
 
 def _run_group(host: ModelHost, group: list[BatchItem], padded_rows: int) -> tuple[list[dict[str, np.ndarray] | BaseException], str, int]:
@@ -200,8 +205,7 @@ def _run_group(host: ModelHost, group: list[BatchItem], padded_rows: int) -> tup
     if len(group) == 1 and pad <= 0:
         return [_run_alone(host, group[0])], "single", 0
     pad = max(pad, 0)
-    parts = [item.inputs for item in group] + ([_padding(group[0], pad)] if pad > 0 else [])
-    combined = {name: np.concatenate([p[name] for p in parts]) for name in group[0].inputs}
+    combined = {name: _joined(group, name, rows, pad) for name in group[0].inputs}
     try:
         result = host.run(combined)  # its requests were validated one by one
     except _GROUP_FAILURES as e:
