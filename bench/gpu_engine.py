@@ -110,6 +110,41 @@ def engine_rows(repo: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def switch_rows(repo: Any, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per model and backend, one context, one thread: ms per call when every call has the
+    same batch size (``b1``, ``b2``) against calls alternating between them (``b1<->b2``, what
+    dynamic batching feeds a context). At most ``--switch-calls`` timed calls or
+    ``--duration-s`` per pattern, after one untimed call of each size."""
+    from deployments.runtime.residency.host import ModelHost
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for backend in a.backends:
+        for model in a.models:
+            host = ModelHost(with_instances(repo.get(model), 1), backend).load()
+            name = host.config.inputs[0].name
+            xs = {b: rng.random((b,) + SHAPES[model], dtype=np.float32) for b in (1, 2)}
+            try:
+                for b in xs:
+                    host.infer({name: xs[b]})
+                for label, sizes in (("b1", (1,)), ("b2", (2,)), ("b1<->b2", (1, 2))):
+                    times: list[float] = []
+                    stop = time.perf_counter() + a.duration_s
+                    while len(times) < a.switch_calls and time.perf_counter() < stop:
+                        x = xs[sizes[len(times) % len(sizes)]]
+                        t0 = time.perf_counter()
+                        host.infer({name: x})
+                        times.append(time.perf_counter() - t0)
+                    rows.append({"backend": backend, "model": model, "pattern": label, "calls": len(times),
+                                 "p50_ms": round(1e3 * statistics.median(times), 3),
+                                 "max_ms": round(1e3 * max(times), 3)})
+                    print(f"switch {backend:16} {model:9} {label:8} p50 {rows[-1]['p50_ms']} ms "
+                          f"({len(times)} calls)", flush=True)
+            finally:
+                host.unload()
+    return rows
+
+
 def accuracy_rows(repo: Any, models: Sequence[str]) -> list[dict[str, Any]]:
     """max |GPU - CPU| (and relative to max(1, |CPU|)) per model at batch 4 (ocr_det: 1), TF32 on/off."""
     import onnxruntime as ort
@@ -228,6 +263,10 @@ def markdown(results: dict[str, Any]) -> str:
         out += [_table(["backend", "model", "batch", "threads", "rows/s", "p50 ms", "p99 ms", "context MB"],
                        [[r["backend"], r["model"], r["batch"], r["threads"], r["rows_per_s"], r["p50_ms"],
                          r["p99_ms"], r["context_mb"]] for r in results["engine"]]), ""]
+    if results.get("switch"):
+        out += [_table(["backend", "model", "batch sizes, call after call", "calls", "p50 ms", "max ms"],
+                       [[r["backend"], r["model"], r["pattern"], r["calls"], r["p50_ms"], r["max_ms"]]
+                        for r in results["switch"]]), ""]
     if results.get("pipeline"):
         out += [_table(["backend", "concurrent images", "images/s", "p50 ms"],
                        [[r["backend"], r["concurrency"], r["images_per_s"], r["p50_ms"]] for r in results["pipeline"]]), ""]
@@ -255,7 +294,9 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--threads", default="1,4", help="threads (= contexts) on the GPU; the CPU runs the largest")
     p.add_argument("--duration-s", type=float, default=2.0)
     p.add_argument("--pipeline-concurrency", default="1,8,32")
-    p.add_argument("--parts", default="engine,pipeline,accuracy,memory")
+    p.add_argument("--parts", default="engine,pipeline,accuracy,memory",
+                   help="comma-separated: engine, switch (alternating batch sizes), pipeline, accuracy, memory")
+    p.add_argument("--switch-calls", type=int, default=40, help="'switch': timed calls per pattern at most")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -285,6 +326,8 @@ def main(argv: Sequence[str]) -> None:
             results["memory"] = memory_facts(repo, a.models)
         if "engine" in a.parts:
             results["engine"] = engine_rows(repo, a)
+        if "switch" in a.parts:
+            results["switch"] = switch_rows(repo, a)
         if "pipeline" in a.parts:
             results["pipeline"] = pipeline_rows(repo, a)
         if "accuracy" in a.parts and gpu:

@@ -7,7 +7,10 @@ Triton binary tensors unless the scenario compares encodings):
 - ``together``: two and three models at once at ``--together-concurrency`` each;
   retention = sum of QPS together / sum of QPS alone at that concurrency.
 - ``batching``: Ray only: a copy of each model with ``dynamic_batching`` against the
-  unbatched model, plus the replica's batch counters (requests per model call).
+  unbatched model, plus the replica's batch counters (requests per model call); with
+  ``--padded`` also a copy padded to the preferred sizes; with ``--trace`` the replica's own
+  timestamps per point (``bench.batch_trace``: queue, batch call, engine, event-loop lag);
+  ``--standin`` serves the named models on ``bench.gpu_standin`` (a GPU-like wait, no compute).
 - ``payload``: JSON vs binary for ocr_det's (1, 3, 640, 640) FP32 input.
 - ``hop``: p50 at concurrency 1 through the Router (HTTP -> router -> model replica) against
   a Serve ingress that runs the model in its own replica (HTTP -> model) and the single
@@ -52,6 +55,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
+from bench import batch_trace, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +70,7 @@ SHAPES = {
 # The OCR pipeline's input: a real PNG (3 lines of text), sent as JSON base64 BYTES.
 OCR_IMAGE = ROOT / "tests" / "data" / "ocr_sample.png"
 BATCHED_SUFFIX = "_batched"
+PADDED_SUFFIX = "_padded"  # batched, padded to the preferred sizes (pad_to_preferred: true)
 RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
 SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout")
 
@@ -80,17 +85,20 @@ def free_port() -> int:
 
 def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched: Sequence[str],
                        replicas: int, max_queue_delay_ms: float, gpu_fraction: float = 0.0,
-                       preferred_batch_size: Sequence[int] = ()) -> Path:
+                       preferred_batch_size: Sequence[int] = (), padded: bool = False) -> Path:
     """``dest`` with each model as a dedicated deployment of ``replicas`` replicas, batching
-    off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched``; a pipeline
-    model brings its steps. ``gpu_fraction``: each model replica's ``num_gpus`` (0: none).
-    Version folders are symlinks to ``source``'s."""
+    off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched`` (never
+    padded) and, with ``padded``, ``<model>_padded`` copies padded to the preferred sizes
+    (``pad_to_preferred: true``; default sizes [8]); a pipeline model brings its steps.
+    ``gpu_fraction``: each model replica's ``num_gpus`` (0: none). Version folders are
+    symlinks to ``source``'s."""
     names = list(models)
     for name in models:
         steps = yaml.safe_load((source / name / "config.yaml").read_text()).get("parameters", {}).get("steps", [])
         names += [s for s in steps if s not in names]
-    for name in names + [m + BATCHED_SUFFIX for m in batched]:
-        base = name.removesuffix(BATCHED_SUFFIX)
+    copies = [m + BATCHED_SUFFIX for m in batched] + ([m + PADDED_SUFFIX for m in batched] if padded else [])
+    for name in names + copies:
+        base = name.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
         if (dest / name).exists():
             continue
         raw = yaml.safe_load((source / base / "config.yaml").read_text())
@@ -101,10 +109,12 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
         if gpu_fraction and not raw.get("pipeline"):
             raw["deployment"]["num_gpus"] = gpu_fraction
         if name != base:
-            raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms}
-            if preferred_batch_size:
-                raw["dynamic_batching"]["preferred_batch_size"] = [
-                    b for b in preferred_batch_size if b <= raw.get("max_batch_size", 0)]
+            sizes = [b for b in preferred_batch_size or ([8] if name.endswith(PADDED_SUFFIX) else [])
+                     if b <= raw.get("max_batch_size", 0)]
+            raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms,
+                                       "pad_to_preferred": name.endswith(PADDED_SUFFIX)}
+            if sizes:
+                raw["dynamic_batching"]["preferred_batch_size"] = sizes
         folder = dest / name
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -153,7 +163,10 @@ def _serve_ray(args: argparse.Namespace) -> None:
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    hooks = {"worker_process_setup_hook": "bench.batch_trace.install"} if (
+        os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV)) else None
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+             runtime_env=hooks)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
@@ -323,7 +336,7 @@ class Bench:
 
     def workload(self, server: Server, model: str, binary: bool = True, prefix: str = "",
                  label: str | None = None) -> Workload:
-        base = model.removesuffix(BATCHED_SUFFIX)
+        base = model.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
         if base == "ocr":
             return ocr_workload(label or f"{server.kind}:{model}", server.url + prefix)
         return make_workload(label or f"{server.kind}:{model}", server.url + prefix, model,
@@ -373,15 +386,23 @@ class Bench:
     def batching(self, ray_server: Server) -> None:
         rows = []
         for model in self.args.batched:
-            for variant in (model, model + BATCHED_SUFFIX):
+            for variant in (model, model + BATCHED_SUFFIX) + ((model + PADDED_SUFFIX,) if self.args.padded else ()):
                 for level in self.args.batch_levels:
                     before = ray_server.batch_stats(variant)
+                    began = time.perf_counter()
                     (r,) = self.measure([(self.workload(ray_server, variant), level)])
                     after = ray_server.batch_stats(variant)
                     calls = sum(after["calls_by_requests"].values()) - sum(before["calls_by_requests"].values())
                     requests = after["requests"] - before["requests"]
-                    rows.append({"model": model, "batched": variant != model, **asdict(r),
-                                 "requests_per_model_call": round(requests / calls, 2) if calls else None})
+                    row = {"model": model, "batched": variant != model,
+                           "variant": variant.removeprefix(model).lstrip("_") or "unbatched", **asdict(r),
+                           "requests_per_model_call": round(requests / calls, 2) if calls else None,
+                           "padded_rows": after.get("padded_rows", 0) - before.get("padded_rows", 0)}
+                    if self.args.trace:
+                        row["trace"] = batch_trace.summarize(
+                            self.args.trace, began + self.args.warmup_s, began + self.args.warmup_s + self.args.duration_s)
+                        self.log(json.dumps(row["trace"]))
+                    rows.append(row)
                     self.log(f"batching {variant:18} c={level:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
         self.results["batching"] = rows
 
@@ -493,9 +514,13 @@ def markdown(results: dict[str, Any]) -> str:
                            for r in results["together"]]))
     if "batching" in results:
         out.append("\n## Dynamic batching (Ray), unbatched vs batched\n")
-        out.append(_table(["model", "batched", "concurrency", "QPS", "p50 ms", "p99 ms", "requests / model call"],
-                          [[r["model"], r["batched"], r["concurrency"], r["qps"], r["p50_ms"], r["p99_ms"],
-                            r["requests_per_model_call"]] for r in results["batching"]]))
+        out.append(_table(["model", "variant", "concurrency", "QPS", "p50 ms", "p99 ms", "requests / model call",
+                           "padded rows", "replica: ms per batch call p50", "replica: engine ms p50"],
+                          [[r["model"], r.get("variant", "batched" if r["batched"] else "unbatched"), r["concurrency"],
+                            r["qps"], r["p50_ms"], r["p99_ms"], r["requests_per_model_call"], r.get("padded_rows"),
+                            r.get("trace", {}).get("stage_ms", {}).get("batch_call", {}).get("p50"),
+                            r.get("trace", {}).get("stage_ms", {}).get("engine", {}).get("p50")]
+                           for r in results["batching"]]))
     if "payload" in results:
         out.append("\n## JSON vs binary, ocr_det (1, 3, 640, 640) FP32\n")
         out.append(_table(["server", "encoding", "request bytes", "concurrency", "QPS", "p50 ms", "p99 ms"],
@@ -589,6 +614,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="num_gpus of each model replica (0: none reserved; e.g. 0.04 for 8 replicas of 3 models on one GPU)")
     p.add_argument("--batch-levels", help="concurrencies of 'batching' (default 1 and --together-concurrency)")
     p.add_argument("--preferred-batch-size", default="", help="preferred_batch_size of the batched copies")
+    p.add_argument("--padded", action="store_true",
+                   help="'batching' also serves <model>_padded: batched AND padded to the preferred sizes (default [8])")
+    p.add_argument("--standin", default="",
+                   help="models served by bench.gpu_standin (a GPU-like wait, no compute; benchmark only)")
+    p.add_argument("--trace", action="store_true",
+                   help="'batching': timestamps along the replica's path (bench.batch_trace) per point")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     a.command = "python -m bench.throughput " + " ".join(argv)
@@ -620,7 +651,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
     return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
             "ray_config": a.ray_config, "backend": a.backend, "gpu_fraction": a.gpu_fraction, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
-            "processes": a.processes, "scenarios": a.scenarios, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "processes": a.processes, "scenarios": a.scenarios, "standin": a.standin, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -635,22 +666,28 @@ def main(argv: Sequence[str]) -> None:
         return
     a = parse_args(argv)
     os.environ["ORT_INTRA_OP_THREADS"] = "1"
+    if a.standin:
+        os.environ[gpu_standin.ENV] = ",".join(m + s for m in a.standin.split(",")
+                                               for s in ("", BATCHED_SUFFIX, PADDED_SUFFIX))
+    a.trace = Path(tempfile.mkdtemp(prefix="bench-trace-")) if a.trace else None
+    if a.trace:
+        os.environ[batch_trace.ENV] = str(a.trace)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     scratch = Path(tempfile.mkdtemp(prefix="bench-repo-"))
     needs_main = set(a.scenarios) & {"alone", "together", "batching", "payload", "hop"}
     models = list(dict.fromkeys(a.models + a.batched + (["ocr_det"] if "payload" in a.scenarios else [])
                                 + a.hop_models))
     repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, 1,
-                                    a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size)
+                                    a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size, a.padded)
     bench = Bench(a, repository)
     results: dict[str, Any] = {"meta": _meta(a)}
     try:
         with contextlib.ExitStack() as stack:
             single = stack.enter_context(Server("single", repository, backend=a.backend, models=a.models + (
-                ["ocr_det"] if "payload" in a.scenarios else []))) if (needs_main or "scaleout" in a.scenarios) else None
+                ["ocr_det"] if "payload" in a.scenarios else []))) if set(a.scenarios) - {"batching", "configs"} else None
             if needs_main:
-                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, direct=a.hop_models,
-                                                        backend=a.backend))
+                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, backend=a.backend,
+                                                        direct=a.hop_models if "hop" in a.scenarios else ()))
                 servers = {"ray": ray_server, "single": single}
                 for scenario in ("alone", "together", "payload"):
                     if scenario in a.scenarios:

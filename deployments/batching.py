@@ -9,6 +9,9 @@ next batch. ``run_batch`` then:
   width), so only tensors that fit together are concatenated;
 - runs each group as one call on the model (``np.concatenate`` along axis 0), splits every
   output back by each request's row range and keeps the outputs that request asked for;
+- with padding (``BatchPolicy.pad_to``), appends zero rows up to the smallest preferred size
+  that holds the group, a lone request included, and drops their outputs: the model then
+  only ever sees the preferred sizes (why: ``DynamicBatching.pad_to_preferred``);
 - when a combined run fails for a reason a single request could cause (``InferenceError`` or
   an unexpected exception), runs that group's requests one by one, so each gets its own result
   or error; a cause no request owns (``InferenceTimeout``, ``ModelNotReady``) fails the group.
@@ -45,24 +48,33 @@ from .runtime.contract.validation import validate_request
 _GROUP_FAILURES = (InferenceTimeout, ModelNotReady, EngineFault)
 
 
+# Backends where ``pad_to_preferred: auto`` pads: a change of input shape rebuilds every
+# convolution's cuDNN plan in ONNX Runtime's CUDA provider (``DynamicBatching`` docstring).
+PAD_AUTO_BACKENDS = frozenset({"onnxruntime_cuda"})
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
-    """How one model batches: at most ``max_rows`` rows, waiting up to ``max_queue_delay_ms``."""
+    """How one model batches: at most ``max_rows`` rows, waiting up to ``max_queue_delay_ms``;
+    ``pad_to``: the sizes (ascending) every batch is padded to, empty for no padding."""
 
     max_rows: int
     max_queue_delay_ms: float
+    pad_to: tuple[int, ...] = ()
 
     @property
     def wait_s(self) -> float:
         return self.max_queue_delay_ms / 1e3
 
     @classmethod
-    def of(cls, config: ModelConfig) -> "BatchPolicy | None":
-        """The policy from ``config.dynamic_batching``; None when batching is off.
+    def of(cls, config: ModelConfig, backend: str = "onnxruntime") -> "BatchPolicy | None":
+        """The policy from ``config.dynamic_batching`` for a model served by ``backend``; None
+        when batching is off.
 
         ``max_rows`` is the largest preferred batch size, else ``max_batch_size`` (the config
         guarantees both stay within ``max_batch_size`` and so within the profile max). A model
-        whose ``max_rows`` is 1 cannot batch and gets None.
+        whose ``max_rows`` is 1 cannot batch and gets None. ``pad_to`` is the preferred sizes
+        when ``pad_to_preferred`` is true, or ``auto`` and ``backend`` in ``PAD_AUTO_BACKENDS``.
         """
         batching = config.dynamic_batching
         if batching is None or not batching.enabled:
@@ -70,7 +82,16 @@ class BatchPolicy:
         max_rows = max(batching.preferred_batch_size, default=config.max_batch_size)
         if max_rows < 2:
             return None
-        return cls(max_rows=max_rows, max_queue_delay_ms=batching.max_queue_delay_ms)
+        pad = batching.pad_to_preferred
+        if pad == "auto":
+            pad = backend in PAD_AUTO_BACKENDS
+        pad_to = tuple(sorted(set(batching.preferred_batch_size))) if pad else ()
+        return cls(max_rows=max_rows, max_queue_delay_ms=batching.max_queue_delay_ms, pad_to=pad_to)
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows a batch of ``rows`` runs with: the smallest ``pad_to`` size >= rows
+        (``rows`` itself without padding or when no size holds it)."""
+        return next((size for size in self.pad_to if size >= rows), rows)
 
 
 @dataclass(frozen=True)
@@ -110,11 +131,13 @@ class BatchRun:
     ``calls``: ``(requests joined, rows)`` of every model call made (``(1, rows)`` for a
     request run alone).
     ``retried_alone``: requests run one by one after their group's combined call failed.
+    ``padded_rows``: zero rows added to reach preferred sizes (``BatchPolicy.pad_to``).
     """
 
     results: list[dict[str, np.ndarray] | BaseException]
     calls: list[tuple[int, int]]
     retried_alone: int
+    padded_rows: int = 0
 
 
 @dataclass
@@ -129,6 +152,7 @@ class BatchStats:
     calls_by_requests: Counter = field(default_factory=Counter)
     calls_by_rows: Counter = field(default_factory=Counter)
     retried_alone: int = 0
+    padded_rows: int = 0
 
     def record(self, items: Sequence["BatchItem"], run: BatchRun) -> None:
         self.batches += 1
@@ -137,6 +161,7 @@ class BatchStats:
             self.calls_by_requests[requests] += 1
             self.calls_by_rows[rows] += 1
         self.retried_alone += run.retried_alone
+        self.padded_rows += run.padded_rows
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -147,6 +172,7 @@ class BatchStats:
             "calls_by_requests": dict(sorted(self.calls_by_requests.items())),
             "calls_by_rows": dict(sorted(self.calls_by_rows.items())),
             "retried_alone": self.retried_alone,
+            "padded_rows": self.padded_rows,
         }
 
 
@@ -157,21 +183,37 @@ def _run_alone(host: ModelHost, item: BatchItem) -> dict[str, np.ndarray] | Base
         return e
 
 
-def _run_group(host: ModelHost, group: list[BatchItem]) -> tuple[list[dict[str, np.ndarray] | BaseException], str]:
-    """Run requests of one signature; returns (results, how): ``single``, ``joined`` (one
-    model call), ``retried`` (the joined call failed, each ran alone) or ``failed``."""
-    if len(group) == 1:
-        return [_run_alone(host, group[0])], "single"
-    combined = {name: np.concatenate([item.inputs[name] for item in group]) for name in group[0].inputs}
+def _joined(group: list[BatchItem], name: str, rows: int, pad: int) -> np.ndarray:
+    """Input ``name`` of every request in ``group`` along axis 0, then ``pad`` zero rows: one
+    copy into one new array."""
+    first = group[0].inputs[name]
+    out = np.empty((rows + pad,) + first.shape[1:], first.dtype)
+    np.concatenate([item.inputs[name] for item in group], out=out[:rows])
+    out[rows:] = 0
+    return out
+
+
+def _run_group(host: ModelHost, group: list[BatchItem], padded_rows: int) -> tuple[list[dict[str, np.ndarray] | BaseException], str, int]:
+    """Run requests of one signature as one call of ``padded_rows`` rows (>= theirs: the
+    excess is zero rows whose outputs are dropped; numeric inputs only); returns (results,
+    how, zero rows added): how is ``single`` (one request, unpadded), ``joined`` (one model
+    call), ``retried`` (the joined call failed, each ran alone) or ``failed``."""
     rows = sum(item.rows for item in group)
+    pad = padded_rows - rows
+    if pad > 0 and any(a.dtype.kind not in "biuf" for a in group[0].inputs.values()):
+        pad = 0  # only numeric tensors are padded
+    if len(group) == 1 and pad <= 0:
+        return [_run_alone(host, group[0])], "single", 0
+    pad = max(pad, 0)
+    combined = {name: _joined(group, name, rows, pad) for name in group[0].inputs}
     try:
         result = host.run(combined)  # its requests were validated one by one
     except _GROUP_FAILURES as e:
-        return [copy.copy(e) for _ in group], "failed"  # one exception object per request
+        return [copy.copy(e) for _ in group], "failed", 0  # one exception object per request
     except Exception:  # one request may be the cause: answer each on its own
-        return [_run_alone(host, item) for item in group], "retried"
-    if any(a.ndim == 0 or a.shape[0] != rows for a in result.values()):  # outputs not per row
-        return [_run_alone(host, item) for item in group], "retried"
+        return [_run_alone(host, item) for item in group], "retried", 0
+    if any(a.ndim == 0 or a.shape[0] != rows + pad for a in result.values()):  # outputs not per row
+        return [_run_alone(host, item) for item in group], "retried", 0
     out: list[dict[str, np.ndarray] | BaseException] = []
     start = 0
     for item in group:
@@ -179,11 +221,12 @@ def _run_group(host: ModelHost, group: list[BatchItem]) -> tuple[list[dict[str, 
         wanted = item.outputs if item.outputs is not None else result.keys()
         out.append({name: result[name][start:stop] for name in wanted})
         start = stop
-    return out, "joined"
+    return out, "joined", pad
 
 
-def run_batch(host: ModelHost, items: Sequence[BatchItem]) -> BatchRun:
-    """Run queued requests as few model calls as their signatures allow (blocking).
+def run_batch(host: ModelHost, items: Sequence[BatchItem], policy: BatchPolicy | None = None) -> BatchRun:
+    """Run queued requests as few model calls as their signatures allow (blocking); with
+    ``policy.pad_to``, each call padded to a preferred size.
 
     Returns:
         Per request, in order: its outputs (``name -> (rows, ...)`` array, the names it asked
@@ -193,15 +236,17 @@ def run_batch(host: ModelHost, items: Sequence[BatchItem]) -> BatchRun:
     for index, item in enumerate(items):
         groups.setdefault(item.signature, []).append(index)
     results: list[dict[str, np.ndarray] | BaseException] = [None] * len(items)  # type: ignore[list-item]
-    calls, retried = [], 0
+    calls, retried, padded = [], 0, 0
     for indices in groups.values():
         group = [items[i] for i in indices]
-        group_results, how = _run_group(host, group)
+        rows = sum(item.rows for item in group)
+        group_results, how, pad = _run_group(host, group, policy.padded_rows(rows) if policy else rows)
         if how == "joined":
-            calls.append((len(group), sum(item.rows for item in group)))
+            calls.append((len(group), rows))
+            padded += pad
         elif how != "failed":
             calls.extend((1, item.rows) for item in group)
             retried += len(group) if how == "retried" else 0
         for i, r in zip(indices, group_results):
             results[i] = r
-    return BatchRun(results, calls, retried)
+    return BatchRun(results, calls, retried, padded)

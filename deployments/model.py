@@ -31,7 +31,9 @@ class ModelDeployment:
     """A dedicated deployment: every replica loads one model at start (eager).
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
-    ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once.
+    ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
+    batches are padded to preferred sizes (``BatchPolicy.pad_to``), every context first runs
+    once at one of those sizes (``ModelHost.warm``), so no request pays a size's first run.
     """
 
     def __init__(self, repository: str, name: str, backend: str,
@@ -48,13 +50,15 @@ class ModelDeployment:
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution
         self.batch_stats = BatchStats()
-        policy = BatchPolicy.of(self.host.config)
+        policy = BatchPolicy.of(self.host.config, self.host.backend)
         self._batched = None
         self._max_rows = 0 if policy is None else policy.max_rows
+        if policy is not None and policy.pad_to:
+            self.host.warm(policy.pad_to)
         if policy is not None:
             async def run(items: list[BatchItem]) -> list:
                 start = time.perf_counter()
-                done = await asyncio.to_thread(run_batch, self.host, items)
+                done = await asyncio.to_thread(run_batch, self.host, items, policy)
                 self.batch_stats.record(items, done)
                 if self.recorder is not None:
                     self.recorder.batch_ran(items, time.perf_counter() - start)

@@ -2,7 +2,8 @@
 
 A second application ("batching", under /batching) serves copies of ocr_cls and ocr_rec with a
 wide batching window (``max_queue_delay_ms: 500``), so requests sent together land in one
-batch; the replica's own counters (``ModelDeployment.batching``) say what it ran.
+batch, and ``ocr_cls_padded``, batches padded to preferred sizes 4 and 8 (forced: on CPU
+``auto`` does not pad); the replica's own counters (``ModelDeployment.batching``) say what it ran.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ def batching_server(serve_instance, tmp_path_factory):
     from deployments.app import build_app
 
     root = tmp_path_factory.mktemp("batching-repo")
-    for name in MODELS:
-        raw = yaml.safe_load((Path(REPOSITORY) / name / "config.yaml").read_text())
-        raw["dynamic_batching"] = {"max_queue_delay_ms": 500}
+    padded = {"preferred_batch_size": [4, 8], "pad_to_preferred": True}
+    for name, base, extra in [(m, m, {}) for m in MODELS] + [("ocr_cls_padded", "ocr_cls", padded)]:
+        raw = yaml.safe_load((Path(REPOSITORY) / base / "config.yaml").read_text())
+        raw["dynamic_batching"] = {"max_queue_delay_ms": 500, **extra}
         raw["deployment"] = {"mode": "dedicated", "max_ongoing_requests": 32}
         (root / name).mkdir()
         (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
-        (root / name / "1").symlink_to(Path(REPOSITORY) / name / "1")
+        (root / name / "1").symlink_to(Path(REPOSITORY) / base / "1")
     serve.run(build_app({"repository": str(root)}), name="batching", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
@@ -133,3 +135,24 @@ def test_ocr_rec_batches_each_width_apart(batching_server, counters):
     stats = counters("ocr_rec")
     # Joined calls happened, and none had to be re-run alone (mixed widths would fail to join).
     assert stats["max_requests"] > 1 and stats["retried_alone"] == 0
+
+
+def test_padded_batches_answer_each_request_with_its_own_rows_only(batching_server, counters):
+    rng = np.random.default_rng(13)
+    inputs = [rng.standard_normal((rows, 3, 48, 192), dtype=np.float32) for rows in (1, 2, 1)]
+    before = counters("ocr_cls_padded")
+    responses = send_together([lambda i=i, x=x: post(batching_server, "ocr_cls_padded", f"pad-{i}", x, binary=i != 1)
+                               for i, x in enumerate(inputs)])
+    for i, (x, response) in enumerate(zip(inputs, responses)):
+        request_id, got = output(response)
+        assert request_id == f"pad-{i}" and got.shape == (x.shape[0], 2)
+        np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
+    after = counters("ocr_cls_padded")
+    # every call ran 4 or 8 rows: the 4 real ones plus the padding make a multiple of 4,
+    # whether the three arrived in one batch or in several
+    assert after["requests"] - before["requests"] == 3 and after["retried_alone"] == 0
+    assert (4 + after["padded_rows"] - before["padded_rows"]) % 4 == 0
+    (x,) = inputs[:1]
+    request_id, got = output(post(batching_server, "ocr_cls_padded", "pad-alone", x, binary=True))
+    np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
+    assert counters("ocr_cls_padded")["padded_rows"] - after["padded_rows"] == 3  # 1 row run as 4

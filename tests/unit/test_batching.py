@@ -60,6 +60,66 @@ def test_policy_caps_rows_at_the_largest_preferred_size_else_max_batch_size():
     assert BatchPolicy(8, 2.5).wait_s == 0.0025
 
 
+def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
+    sizes = {"preferred_batch_size": [8, 2]}
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda").pad_to == (2, 8)
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime").pad_to == ()
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "tensorrt").pad_to == ()
+    forced = {**sizes, "pad_to_preferred": True}
+    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime").pad_to == (2, 8)
+    off = {**sizes, "pad_to_preferred": False}
+    assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
+    # auto without preferred sizes has nothing to pad to
+    assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
+    with pytest.raises(ValueError, match="pad_to_preferred needs preferred_batch_size"):
+        config(dynamic_batching={"pad_to_preferred": True})
+
+
+def test_a_batch_runs_at_the_smallest_preferred_size_that_holds_it():
+    policy = BatchPolicy(8, 2.0, pad_to=(2, 8))
+    assert [policy.padded_rows(r) for r in (1, 2, 3, 8)] == [2, 2, 8, 8]
+    assert BatchPolicy(8, 2.0).padded_rows(3) == 3
+
+
+def test_padded_batches_run_at_the_preferred_size_and_answer_only_real_rows():
+    cfg, host = config(), DoublingHost()
+    policy = BatchPolicy(8, 2.0, pad_to=(4, 8))
+    items = [item(cfg, 1, 1.0), item(cfg, 2, 3.0, ["s"])]
+    run = run_batch(host, items, policy)
+    assert host.calls == [4] and run.calls == [(2, 3)] and run.padded_rows == 1
+    assert run.results[0]["y"].tolist() == [[2.0, 2.0]]
+    assert list(run.results[1]) == ["s"] and run.results[1]["s"].tolist() == [6.0, 6.0]
+    alone = run_batch(host, [item(cfg, 1, 5.0)], policy)  # a lone request is padded too
+    assert host.calls[-1] == 4 and alone.padded_rows == 3 and alone.results[0]["s"].tolist() == [10.0]
+    full = run_batch(host, [item(cfg, 4, 1.0)], policy)  # already a preferred size: no padding
+    assert host.calls[-1] == 4 and full.padded_rows == 0
+
+
+def test_a_failing_padded_batch_retries_each_request_unpadded():
+    cfg, host = config(), DoublingHost()
+    run = run_batch(host, [item(cfg, 1, 1.0), item(cfg, 1, np.nan)], BatchPolicy(8, 2.0, pad_to=(8,)))
+    assert host.calls == [8, 1, 1] and run.padded_rows == 0 and run.retried_alone == 2
+    assert isinstance(run.results[1], InferenceError) and run.results[0]["y"].tolist() == [[2.0, 2.0]]
+
+
+def test_padding_changes_no_output_of_a_real_model(model_repository: ModelRepository, prepared_engines: Path):
+    host = ModelHost(model_repository.get("tiny_cnn"), "onnxruntime").load()
+    try:
+        cfg = host.config
+        rng = np.random.default_rng(3)
+        xs = [rng.standard_normal((rows, 3, 224, 224), dtype=np.float32) for rows in (1, 2)]
+        run = run_batch(host, [BatchItem.of(cfg, {"input": x}, None) for x in xs], BatchPolicy(8, 2.0, pad_to=(4,)))
+    finally:
+        host.unload()
+    assert run.calls == [(2, 3)] and run.padded_rows == 1
+    session = ort.InferenceSession(str(prepared_engines / "tiny_cnn" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    for x, result in zip(xs, run.results):
+        (expected,) = session.run(None, {"input": x})
+        assert result["logits"].shape == expected.shape
+        np.testing.assert_allclose(result["logits"], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_config_refuses_batching_without_batch_axis_or_above_max_batch_size():
     with pytest.raises(ValueError, match="needs a batch axis"):
         config(max_batch_size=0, inputs=[{"name": "x", "datatype": "FP32", "dims": [2]}],
@@ -120,7 +180,7 @@ def test_stats_count_model_calls_by_requests_and_rows():
     stats.record(second, run_batch(host, second))
     assert stats.as_dict() == {"batches": 2, "requests": 3, "max_requests": 2, "max_rows": 3,
                                "calls_by_requests": {1: 1, 2: 1}, "calls_by_rows": {1: 1, 3: 1},
-                               "retried_alone": 0}
+                               "retried_alone": 0, "padded_rows": 0}
 
 
 @pytest.fixture(scope="module")

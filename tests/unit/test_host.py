@@ -107,6 +107,32 @@ def test_axis_that_must_be_a_multiple_is_checked_before_the_model_runs(repo):
         det.unload()
 
 
+def test_a_request_goes_to_a_free_context_that_last_ran_its_shape(repo):
+    """ONNX Runtime's CUDA convolutions rebuild their plans when a context's shape changes
+    (``ModelHost`` docstring): warming gives each batch size a context, and requests of that
+    size keep to it, while the answers stay those of a direct run."""
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    used: list[tuple[int, int]] = []  # (context index, batch) per real run
+    for index, context in enumerate(host._contexts):
+        def spy(inputs, _run=context.infer, _index=index):
+            used.append((_index, inputs["input"].shape[0]))
+            return _run(inputs)
+        context.infer = spy
+    try:
+        rng = np.random.default_rng(4)
+        b1, b4 = (rng.standard_normal((n, 3, 224, 224), dtype=np.float32) for n in (1, 4))
+        host.warm([1, 4])
+        assert used == [(0, 1), (1, 4)]
+        outs = [host.infer({"input": x})["logits"] for x in (b4, b1, b4, b1)]
+        assert used[2:] == [(1, 4), (0, 1), (1, 4), (0, 1)]
+        path = repo.get("tiny_cnn").onnx_path()
+        for x, out in zip((b4, b1), outs):
+            np.testing.assert_allclose(out, reference(path, x), rtol=1e-5, atol=1e-6)
+        assert host.in_flight == 0
+    finally:
+        host.unload()
+
+
 def test_load_after_unload_serves_again_and_unload_twice_is_harmless(repo):
     host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
     host.unload()

@@ -37,7 +37,7 @@ def test_batched_model_dims_leave_out_the_batch_axis_and_batching_is_in_microsec
     assert config["platform"] == "onnxruntime_onnx" and config["backend"] == "onnxruntime"
     assert config["max_batch_size"] == 32
     assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 48, 192]}]
-    assert config["dynamic_batching"] == {"preferred_batch_size": [], "max_queue_delay_microseconds": 2000}
+    assert config["dynamic_batching"] == {"preferred_batch_size": [8], "max_queue_delay_microseconds": 2000}
     assert config["instance_group"] == [{"name": "ocr_cls", "kind": "KIND_CPU", "count": 1}]
 
 

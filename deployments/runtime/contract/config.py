@@ -11,7 +11,7 @@ A bad config fails at start with ``ConfigError`` naming the file and the field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -109,8 +109,10 @@ class OnnxRuntimeCudaOptions(_Frozen):
     differ from the CPU provider within ``backends.onnxruntime_cuda.TOLERANCE``); false keeps full
     FP32. ``gpu_mem_limit_mib``: cap of each execution context's CUDA arena (MiB); the max
     profile's run must fit in it. ``cudnn_conv_algo_search``: ``HEURISTIC`` (default: no
-    per-shape benchmarking, so a new batch size costs nothing extra), ``EXHAUSTIVE`` (benchmarks
-    each new input shape once, allocating workspaces while it does) or ``DEFAULT``.
+    per-shape benchmarking), ``EXHAUSTIVE`` (benchmarks each new input shape, allocating
+    workspaces while it does) or ``DEFAULT``. Whichever, onnxruntime-gpu 1.20+ rebuilds every
+    convolution's cuDNN plan when a context's input shape differs from its previous run's
+    (resnet18 ~35 ms, ocr_cls ~87 ms on the H200): ``DynamicBatching.pad_to_preferred``.
     ``cudnn_conv_use_max_workspace``: let cuDNN take workspaces as large as the arena allows
     (ONNX Runtime's default: faster convolutions; in FP32 ocr_rec asked for 2.1 GB at batch 6);
     false caps them (ONNX Runtime's 32 MB limit). ``device_id``: the CUDA device among the
@@ -155,11 +157,27 @@ class DynamicBatching(_Frozen):
     given); each request keeps its own rows. Needs a batch axis (``max_batch_size > 0``);
     every preferred size lies in ``[1, max_batch_size]``, so a batch never exceeds the
     profile max either. ``enabled: false`` keeps the section but turns batching off.
+
+    ``pad_to_preferred``: run every batch at a preferred size, padding it with zero rows to
+    the smallest ``preferred_batch_size`` that holds it (the padding's outputs are dropped), so
+    an execution context sees only those shapes. ``auto`` (default) pads where the backend makes
+    a change of input shape costly: ``onnxruntime_cuda``, whose convolutions rebuild their cuDNN
+    plans whenever a run's shape differs from the previous run's (resnet18 ~30 ms, the PaddleOCR
+    models ~0.5 s a change on the H200: bench/README.md) while a larger batch costs little
+    (resnet18 batch 8: 1.3x batch 1). Not on CPU, where every padded row costs its full
+    compute. ``true`` / ``false`` force it; padding needs ``preferred_batch_size``.
     """
 
     enabled: bool = True
     max_queue_delay_ms: float = Field(1.0, ge=0, le=10_000)
     preferred_batch_size: tuple[int, ...] = ()
+    pad_to_preferred: Union[bool, Literal["auto"]] = "auto"
+
+    @model_validator(mode="after")
+    def _padding_needs_sizes(self) -> "DynamicBatching":
+        if self.pad_to_preferred is True and not self.preferred_batch_size:
+            raise ValueError("dynamic_batching.pad_to_preferred needs preferred_batch_size (the sizes to pad to)")
+        return self
 
 
 class DeploymentOptions(_Frozen):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Callable, Iterable, Mapping, Sequence
@@ -12,10 +11,11 @@ import numpy as np
 
 from ..backends.base import Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
+from ..contract.datatypes import zeros
 from ..contract.errors import InferenceTimeout, ModelNotReady
 from ..contract.repository import ModelEntry
 from ..contract.validation import validate_request
-from .warmup import warmup_requests
+from .warmup import warmup_requests, warmup_shape
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,11 @@ class ModelHost:
     """Owns an ``Engine`` and ``config.instances`` execution contexts; one request per context.
 
     ``infer`` blocks the calling thread: call it from a worker thread in async code. Requests
-    beyond the pool size wait up to ``checkout_timeout_s`` for a free context.
+    beyond the pool size wait up to ``checkout_timeout_s`` for a free context. A request takes
+    a free context whose previous run had the same input shapes when there is one, else the
+    context free the longest: ONNX Runtime's CUDA provider rebuilds every convolution's cuDNN
+    plan when a context's input shape changes from its previous run (``DynamicBatching``), so
+    keeping shapes on their contexts saves that work where several shapes are in flight.
     ``in_flight`` counts requests that hold the model; ``unload`` waits for it to reach zero.
     ``on_execution``, when set, is called after every successful run with
     ``(name, version, rows, run_s)``: axis-0 rows (1 for a model without a batch axis) and the
@@ -39,7 +43,9 @@ class ModelHost:
         self.checkout_timeout_s = checkout_timeout_s
         self.engine: Engine | None = None
         self._contexts: list[ExecutionContext] = []
-        self._free: queue.SimpleQueue[ExecutionContext] = queue.SimpleQueue()
+        self._free: list[ExecutionContext] = []  # longest free first
+        self._last_shapes: dict[int, tuple] = {}  # id(context) -> input shapes of its last run
+        self._slots = threading.Condition()  # guards _free and _last_shapes
         self._lock = threading.Condition()
         self._in_flight = 0
         self._unloading = False
@@ -89,8 +95,9 @@ class ModelHost:
                     c.close()
                 engine.close()
                 raise
-            for c in contexts:
-                self._free.put(c)
+            with self._slots:  # every context last ran the last warmup request
+                self._free = list(contexts)
+                self._last_shapes = {id(c): _shapes(warmups[-1]) for c in contexts} if warmups else {}
             self._contexts, self.engine = contexts, engine
             self.load_ms = (loaded - start) * 1e3
             self.warmup_ms = (time.perf_counter() - loaded) * 1e3 if warmups else 0.0
@@ -159,18 +166,15 @@ class ModelHost:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
             self._in_flight += 1
         try:
-            try:
-                context = self._free.get(timeout=self.checkout_timeout_s)
-            except queue.Empty:
-                raise InferenceTimeout(
-                    f"model '{self.name}': no execution context free within "
-                    f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)") from None
+            context = self._checkout(_shapes(inputs))
             try:
                 start = time.perf_counter()
                 result = context.infer(inputs)
                 run_s = time.perf_counter() - start
             finally:
-                self._free.put(context)
+                with self._slots:
+                    self._free.append(context)
+                    self._slots.notify()
             if self.on_execution is not None:
                 self.on_execution(self.name, self.version, _rows(self.config.max_batch_size, inputs), run_s)
         finally:
@@ -178,6 +182,52 @@ class ModelHost:
                 self._in_flight -= 1
                 self._lock.notify_all()
         return {name: result[name] for name in wanted}
+
+    def _checkout(self, shapes: tuple) -> ExecutionContext:
+        """A free context, preferring one whose last run had ``shapes``; waits up to
+        ``checkout_timeout_s``. Raises InferenceTimeout."""
+        with self._slots:
+            if not self._slots.wait_for(lambda: self._free, timeout=self.checkout_timeout_s):
+                raise InferenceTimeout(
+                    f"model '{self.name}': no execution context free within "
+                    f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
+            context = next((c for c in self._free if self._last_shapes.get(id(c)) == shapes), self._free[0])
+            self._free.remove(context)
+            self._last_shapes[id(context)] = shapes
+            return context
+
+    def warm(self, batch_sizes: Sequence[int]) -> None:
+        """Run every context once more on zeros, context ``i`` at batch ``batch_sizes[i % len]``
+        (other axes as the config's warmup has them, ``warmup.warmup_shape``), so each size has
+        contexts that last ran it and the first requests of that size find the engine ready
+        for it. Unlike the config's warmup (every size on every context, at load), this spreads
+        the sizes over the contexts. Outputs are dropped.
+
+        Raises:
+            ModelNotReady: not loaded. InferenceTimeout: contexts stayed busy. InferenceError.
+        """
+        feeds = [{spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, size)) for spec in self.config.inputs}
+                 for size in batch_sizes]
+        with self._lock:
+            if self.engine is None:
+                raise ModelNotReady(f"model '{self.name}' is not loaded")
+            self._in_flight += 1
+        taken: list[ExecutionContext] = []
+        try:
+            for i in range(len(self._contexts)):
+                feed = feeds[i % len(feeds)]
+                context = self._checkout(("warming", i))  # any free one: the key never matches
+                taken.append(context)
+                context.infer(feed)
+                with self._slots:
+                    self._last_shapes[id(context)] = _shapes(feed)
+        finally:
+            with self._slots:
+                self._free.extend(taken)
+                self._slots.notify_all()
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
 
     def unload(self) -> None:
         """Wait for in-flight requests, then close contexts and the engine (in that order).
@@ -189,7 +239,8 @@ class ModelHost:
             self._unloading = True
             self._lock.wait_for(lambda: self._in_flight == 0)
             contexts, self._contexts = self._contexts, []
-            self._free = queue.SimpleQueue()
+            with self._slots:
+                self._free, self._last_shapes = [], {}
         try:
             for c in contexts:
                 c.close()
@@ -199,6 +250,11 @@ class ModelHost:
                 self._unloading = False
                 self._lock.notify_all()
         logger.info("unloaded model %s v%d", self.name, self.version)
+
+
+def _shapes(inputs: Mapping[str, np.ndarray]) -> tuple:
+    """The inputs' ``(name, shape)`` pairs, sorted: what a context's engine state depends on."""
+    return tuple(sorted((name, np.shape(value)) for name, value in inputs.items()))
 
 
 def _rows(max_batch_size: int, inputs: Mapping[str, np.ndarray]) -> int:
