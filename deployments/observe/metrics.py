@@ -317,8 +317,8 @@ class _Buffer:
             self.flush()
 
     def _tick(self) -> None:
-        while True:
-            time.sleep(self.interval_s)
+        idle = threading.Event()  # never set: a wait that samplers (py-spy) see as idle
+        while not idle.wait(self.interval_s):
             self.maybe_flush(time.perf_counter())
 
 
@@ -617,7 +617,7 @@ def serve_node_metrics(port: int, host: str = "0.0.0.0", retry_s: float = 5.0) -
             try:
                 server = make_server(host, port, app, ThreadingWSGIServer, handler_class=Quiet)
             except OSError:
-                time.sleep(retry_s)
+                threading.Event().wait(retry_s)  # as time.sleep, but idle to samplers (py-spy)
                 continue
             logger.info("node metrics on %s:%d/metrics (pid %d)", host, port, os.getpid())
             server.serve_forever()
