@@ -14,10 +14,12 @@ GPU memory (only where ``nv_gpu_*`` series exist).
 The load: ``tiny_cnn``, ``mid_cnn`` and ``resnet18`` from the pool (two replicas' worth of
 models: ``max_num_models_per_replica: 2``, so three models make it evict and reload) and
 ``ocr_cls_batched`` (ocr_cls with a 2 ms batching window). Phase 1: tiny_cnn and
-ocr_cls_batched; phase 2: all four; phase 3: ocr_cls_batched alone at 4x the clients.
+ocr_cls_batched; phase 2: also mid_cnn and resnet18 at one client each; phase 3:
+ocr_cls_batched alone at 4x the clients. ``--replot run.json`` redraws a saved run.
 
     python -m bench.dashboard                      # 3 phases of 20 s; PNG + JSON in bench/results
     python -m bench.dashboard --phase-s 10 --png bench/dashboard-cpu.png
+    python -m bench.dashboard --gpu-fraction 0.1   # on a GPU machine: GPU memory too (nvidia-ml-py)
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ class Scraper:
 # --- PromQL's arithmetic over the scrapes ------------------------------------------------------
 
 def select(values: dict, name: str, by: Sequence[str], **match: str) -> dict[tuple[str, ...], float]:
-    """``sum by (by) (name{match})`` of one scrape."""
+    """``sum by (by) (name{match})`` of one scrape (``name`` of a counter: with or without the
+    ``_total`` that prometheus_client's parser gives every counter sample)."""
     out: dict[tuple[str, ...], float] = defaultdict(float)
+    names = (name, name + "_total")
     for (sample, labels), v in values.items():
         d = dict(labels)
-        if sample == name and all(d.get(k) == m for k, m in match.items()):
+        if sample in names and all(d.get(k) == m for k, m in match.items()):
             out[tuple(d.get(k, "") for k in by)] += v
     return out
 
@@ -197,7 +201,7 @@ def draw(scrapes: list[Scrape], phases: list[tuple[float, str]], window_s: float
 
     def cache_events(ax: Any) -> None:
         for name, style in (("loads", "-"), ("reloads", "--"), ("evictions", ":")):
-            times, series = gauge(scrapes, f"trt_serve_cache_{name}_total", ("model",))
+            times, series = gauge(scrapes, f"trt_serve_cache_{name}", ("model",))
             ax.set_prop_cycle(None)
             lines(ax, times, series, lambda k, name=name: f"{k[0]} {name}", style)
 
@@ -218,20 +222,29 @@ def draw(scrapes: list[Scrape], phases: list[tuple[float, str]], window_s: float
               ("Pool cache residency", "MiB", residency),
               ("Pool cache loads, reloads, evictions (cumulative)", "count", cache_events),
               ("GPU memory", "GiB", gpu)]
+    end = scrapes[-1][0] if scrapes else 1.0
     for ax, (name, unit, fill) in zip(axes.flat, panels):
         fill(ax)
         for start, label in phases:
             ax.axvline(start, color="grey", lw=0.6)
-            ax.text(start, 1.0, f" {label}", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="grey")
+            ax.text(start, 1.0, f" {label.split(':')[0]}", transform=ax.get_xaxis_transform(), fontsize=8,
+                    va="top", color="grey")
+        ax.set_xlim(0, end)
         ax.set_title(name, fontsize=10)
         ax.set_ylabel(unit)
         ax.set_xlabel("s")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, 0.9))
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(title + "\nphases: " + "; ".join(label for _, label in phases), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
+
+
+def title(args: dict[str, Any]) -> str:
+    return (f"trt-serve over a 3-phase benchmark ({args['concurrency']} clients per model): the panels of "
+            f"cluster/grafana-dashboard.json from /metrics scraped every {args['scrape_s']:g} s, "
+            f"rate window {args['window_s']:g} s")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -240,9 +253,21 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--scrape-s", type=float, default=1.0)
     p.add_argument("--window-s", type=float, default=5.0, help="rate() window")
     p.add_argument("--concurrency", type=int, default=4, help="clients per model (phase 3: 4x)")
+    p.add_argument("--gpu-fraction", type=float, default=0.0, help="num_gpus of the pool and ocr_cls_batched (0: CPU)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--png", default="", help="the figure's path (default: in --out)")
+    p.add_argument("--replot", default="", help="draw from a previous run's JSON instead of running")
     a = p.parse_args(argv)
+    if a.replot:
+        saved = json.loads(Path(a.replot).read_text())
+        scrapes = [(t, {(n, tuple(sorted(labels.items()))): v for n, labels, v in values})
+                   for t, values in saved["scrapes"]]
+        png = Path(a.png or Path(a.replot).with_suffix(".png"))
+        draw(scrapes, [tuple(x) for x in saved["phases"]], saved["args"]["window_s"], png, title(saved["args"]))
+        print(f"wrote {png}", file=sys.stderr)
+        return
+    import matplotlib  # noqa: F401  (needed at the end: fail before the run, not after)
+
     scratch = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     png = Path(a.png) if a.png else Path(a.out) / f"dashboard-{stamp}.png"
@@ -250,10 +275,10 @@ def main(argv: Sequence[str]) -> None:
     repo.mkdir()
     for name in POOL_MODELS:
         (repo / name).symlink_to((ROOT / "engines" / name).resolve())
-    prepare_repository(repo, ROOT / "engines", [], ["ocr_cls"], 1, 2.0)
-    app = {"repository": str(repo), "models": [*POOL_MODELS, BATCHED], "use_gpus": False,
+    prepare_repository(repo, ROOT / "engines", [], ["ocr_cls"], 1, 2.0, a.gpu_fraction)
+    app = {"repository": str(repo), "models": [*POOL_MODELS, BATCHED], "use_gpus": bool(a.gpu_fraction),
            "router": {"num_cpus": 0.1, "max_ongoing_requests": 1024},
-           "pool": {"num_replicas": 1, "max_num_models_per_replica": 2}}
+           "pool": {"num_replicas": 1, "max_num_models_per_replica": 2, "num_gpus": a.gpu_fraction}}
     rng = np.random.default_rng(0)
     try:
         with Server("ray", repo, app_args=app) as server:
@@ -262,7 +287,8 @@ def main(argv: Sequence[str]) -> None:
                     for m in [*POOL_MODELS, BATCHED]}
             c = a.concurrency
             plan = [("1: tiny_cnn + ocr_cls_batched", [(load["tiny_cnn"], c), (load[BATCHED], c)]),
-                    ("2: + mid_cnn, resnet18 (pool evicts)", [(w, c) for w in load.values()]),
+                    ("2: + mid_cnn, resnet18 at 1 client (the pool evicts)",
+                     [(load["tiny_cnn"], c), (load[BATCHED], c), (load["mid_cnn"], 1), (load["resnet18"], 1)]),
                     ("3: ocr_cls_batched x4 clients", [(load[BATCHED], 4 * c)])]
             phases = []
             with Scraper(f"{server.url}/metrics", a.scrape_s) as scraper:
@@ -274,14 +300,12 @@ def main(argv: Sequence[str]) -> None:
                 time.sleep(a.window_s)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    draw(scraper.scrapes, phases, a.window_s, png,
-         f"trt-serve over a {len(plan)}-phase benchmark: the panels of cluster/grafana-dashboard.json "
-         f"from /metrics scraped every {a.scrape_s:g} s (rate window {a.window_s:g} s)")
     data = Path(a.out) / f"dashboard-{stamp}.json"
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text(json.dumps({"args": vars(a), "phases": phases,
                                 "scrapes": [[t, [[n, dict(l), v] for (n, l), v in values.items()]]
                                             for t, values in scraper.scrapes]}))
+    draw(scraper.scrapes, phases, a.window_s, png, title(vars(a)))
     print(f"wrote {png} and {data}", file=sys.stderr)
 
 

@@ -18,20 +18,21 @@ Three figures, all from this one run:
 2. **CPU per request.** The CPU time (``/proc/<pid>/stat`` utime + stime) of the side's Serve
    replica processes (``ray::ServeReplica:<app>:*``: router and model replicas) over the round
    divided by its requests; median of the per-pair ratios on / off as above.
-3. **The metrics code's own CPU per request**, measured two ways: (a) the recording path alone
-   (router and replica recorders for one request, 20,000 times, in a separate process, CPU
-   time), divided by the on side's CPU per request from 2; (b) with ``py-spy`` (if installed),
-   one extra on round per model sampled at 250 Hz in every replica process of ``/on``: the share
-   of non-idle samples spent in ``deployments/observe/`` or ``prometheus_client`` code
-   (``is_metrics_sample``). py-spy sees Python threads only (not Ray's C++ threads), so (b) is
-   an upper bound.
+3. **The metrics code's own CPU per request**, measured two ways: (a) the metrics layer alone
+   (``recording_cost_us``: the router's and a replica's infer wrappers around no work, metrics
+   on minus off, 20,000 times, CPU time), divided by the on side's CPU per request from 2; (b) with ``py-spy`` (if installed),
+   one extra on round per model sampled at 250 Hz in every replica process of ``/on``, only
+   the thread holding the GIL (``--gil``): the share of those samples spent in
+   ``deployments/observe/`` or ``prometheus_client`` code (``is_metrics_sample``). The
+   denominator is Python-level CPU only (not ONNX Runtime's or Ray's native work without the
+   GIL), so (b) is an upper bound of the share of all CPU.
 
 Results go to ``--out`` (``metrics-overhead-<time>.json``) and a markdown table to stdout.
 
     python -m bench.metrics_overhead                             # 3 models, 10 pairs of 3 s rounds
     python -m bench.metrics_overhead --models ocr_cls_batched --pairs 20
     python -m bench.metrics_overhead --gpu-fraction 0.1 --processes 4   # on a GPU machine
-    python -m bench.metrics_overhead --recording-only            # (a) alone, no Ray
+    python -m bench.metrics_overhead --recording-only            # (a) alone, no Ray (seconds)
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ from bench.throughput import BATCHED_SUFFIX, ROOT, SHAPES, _stop_leftovers, _wai
 # because the observe wrappers sit above every request's own handling in the stack.
 METRICS_FRAMES = ("deployments/observe/", "prometheus_client/")
 OWN_FRAMES = ("deployments/",) + METRICS_FRAMES
+
+
+# Innermost frames of a thread that waits (py-spy's idle detection misses some of them on a
+# busy machine): the metrics flush thread's wait, the node metrics server's select.
+WAITING_LEAVES = ("Condition.wait (threading.py", "Event.wait (threading.py", ".select (selectors.py",
+                  "sleep (")
+
+
+def is_waiting(stack: str) -> bool:
+    leaf = stack.rsplit(";", 1)[-1]
+    return any(part in leaf for part in WAITING_LEAVES)
 
 
 def is_metrics_sample(stack: str) -> bool:
@@ -98,29 +110,68 @@ def replica_cpu_s(app: str) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _recording_cost_us(requests: int) -> float:
+def _recording_cost_us(requests: int) -> dict[str, float]:
+    import asyncio
+
     scratch = tempfile.mkdtemp(prefix="bench-metrics-files-")
     os.environ["TRT_SERVE_METRICS_DIR"] = scratch
+    from starlette.requests import Request
+    from starlette.responses import Response
+
     from deployments.observe import metrics as m
+    from deployments.observe.deployment import observe_replica_infer
+    from deployments.observe.router import RouterObserver, observe_infer, phase
 
-    router, replica = m.RouterRecorder(), m.ReplicaRecorder()
-    start = time.process_time()
-    for _ in range(requests):
-        timing = m.RequestTiming(time.perf_counter())
-        with replica.request("tiny_cnn", 1):
-            replica.on_execution("tiny_cnn", 1, 1, 1e-4)
-        router.finished("tiny_cnn", "1", 200, timing)
+    response = Response(b"", 200)
+
+    class Router:  # the router's infer route as deployments.ingress has it, without the work
+        def __init__(self, observer: RouterObserver | None) -> None:
+            self.observer = observer
+
+        @observe_infer
+        async def infer(self, request: Request) -> Response:
+            with phase(request, "compute_input_s"):
+                pass
+            with phase(request, "compute_output_s"):
+                pass
+            return response
+
+    class Replica:  # a model replica's infer: one model run reported by the host
+        def __init__(self, recorder: m.ReplicaRecorder | None) -> None:
+            self.recorder = recorder
+
+        @observe_replica_infer(lambda self: ("tiny_cnn", 1))
+        async def infer(self) -> None:
+            if self.recorder is not None:
+                self.recorder.on_execution("tiny_cnn", 1, 1, 1e-4)
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/tiny_cnn/infer", "headers": [],
+             "query_string": b"", "path_params": {"name": "tiny_cnn"}}
+    router_on, router_off = Router(RouterObserver({"tiny_cnn": "1"})), Router(None)
+    replica_on, replica_off = Replica(m.ReplicaRecorder()), Replica(None)
+    sides = {"router_on": lambda: router_on.infer(Request(dict(scope))),
+             "router_off": lambda: router_off.infer(Request(dict(scope))),
+             "replica_on": replica_on.infer, "replica_off": replica_off.infer}
+
+    async def timed(make: Any) -> float:
+        start = time.process_time()
+        for _ in range(requests):
+            await make()
+        return (time.process_time() - start) / requests * 1e6
+
+    out = {side: asyncio.run(timed(make)) for side, make in sides.items()}
     m.flush()
-    cost = (time.process_time() - start) / requests * 1e6
     shutil.rmtree(scratch, ignore_errors=True)
-    return cost
+    out["total"] = out["router_on"] - out["router_off"] + out["replica_on"] - out["replica_off"]
+    return out
 
 
-def recording_cost_us(requests: int = 20000) -> float:
-    """Microseconds of one process's CPU per request for the whole recording path (router:
-    success, durations, histogram, last inference; replica: pending, queue, infer, execution
-    and batch series; the buffer's writes to the file included), in a fresh process (so this
-    one does not switch ``prometheus_client`` to multiprocess mode)."""
+def recording_cost_us(requests: int = 20000) -> dict[str, float]:
+    """Microseconds of one process's CPU per request of the metrics layer: the router's infer
+    route (``observe_infer``, two ``phase`` blocks, the recorder) and a replica's infer
+    (``observe_replica_infer``, one execution) with metrics on and off, around no work;
+    ``total`` = (router on - off) + (replica on - off). Buffer writes to the file included. In a
+    fresh process (so this one does not switch ``prometheus_client`` to multiprocess mode)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_recording_cost_us, (requests,))
 
@@ -132,14 +183,17 @@ def pyspy() -> str | None:
 
 
 def metrics_share(exe: str, pids: Sequence[int], duration_s: float, scratch: Path) -> dict[str, float]:
-    """Sample ``pids`` with py-spy for ``duration_s`` (non-blocking, 250 Hz, idle threads left
-    out): non-idle samples, and the share whose stack holds metrics code (``METRICS_FRAMES``)."""
+    """Sample ``pids`` with py-spy for ``duration_s`` (non-blocking, 250 Hz, only the thread
+    holding the GIL: a thread waiting for the GIL or in a wait py-spy does not see as idle would
+    otherwise count as busy on a loaded machine; ``WAITING_LEAVES`` are dropped too): the
+    samples, and the share that is metrics code (``is_metrics_sample``) with its most frequent
+    innermost frames."""
     procs = []
     for pid in pids:
         out = scratch / f"spy-{pid}.txt"
         procs.append((out, subprocess.Popen(
             [exe, "record", "--pid", str(pid), "--duration", str(max(1, int(duration_s))), "--rate", "250",
-             "--nonblocking", "--format", "raw", "--output", str(out)],
+             "--nonblocking", "--gil", "--format", "raw", "--output", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     samples: Counter[str] = Counter()
     leaves: Counter[str] = Counter()  # metrics stacks by their innermost frame
@@ -151,11 +205,14 @@ def metrics_share(exe: str, pids: Sequence[int], duration_s: float, scratch: Pat
             stack, _, count = line.rpartition(" ")
             if not count.isdigit():
                 continue
+            if is_waiting(stack):
+                samples["waiting"] += int(count)
+                continue
             samples["all"] += int(count)
             if is_metrics_sample(stack):
                 samples["metrics"] += int(count)
                 leaves[stack.rsplit(";", 1)[-1]] += int(count)
-    return {"samples": samples["all"], "metrics_samples": samples["metrics"],
+    return {"samples": samples["all"], "metrics_samples": samples["metrics"], "waiting_samples": samples["waiting"],
             "metrics_share": samples["metrics"] / max(samples["all"], 1),
             "top_metrics_frames": leaves.most_common(8)}
 
@@ -256,8 +313,10 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--recording-only", action="store_true", help="only the recording path's CPU per request")
     a = p.parse_args(argv)
-    recording_us = recording_cost_us()
-    print(f"recording path: {recording_us:.1f} us of CPU per request (router + replica, one process)", flush=True)
+    cost = recording_cost_us()
+    recording_us = cost["total"]
+    print(f"metrics layer: {recording_us:.1f} us of CPU per request (router {cost['router_on']:.1f} on / "
+          f"{cost['router_off']:.1f} off, replica {cost['replica_on']:.1f} / {cost['replica_off']:.1f} us)", flush=True)
     if a.recording_only:
         return
     models = a.models.split(",")
