@@ -253,15 +253,36 @@ def app_args(repo: Path, models: Sequence[str], gpu_fraction: float) -> dict[str
     return args
 
 
+def batch_counts(model: str, side: str) -> tuple[int, int] | None:
+    """(requests, model calls) so far of a batched model's replica (``ModelDeployment.batching``;
+    one replica), or None (not batched, or the call failed)."""
+    if not model.endswith(BATCHED_SUFFIX):
+        return None
+    try:
+        from ray import serve
+
+        stats = serve.get_deployment_handle(f"model-{model}", app_name=side).batching.remote().result()
+        return stats["requests"], sum(stats["calls_by_requests"].values())
+    except Exception as e:  # the figure is an explanation, not the measurement
+        print(f"batch counters of {model} ({side}) unavailable: {e}", file=sys.stderr)
+        return None
+
+
 def measure(a: argparse.Namespace, base: str, model: str, x: np.ndarray, side: str) -> dict[str, Any]:
-    """One round of one side: QPS, latency and replica CPU per request."""
+    """One round of one side: QPS, latency, replica CPU per request and, for a batched model,
+    requests per model call (CPU per request falls as batches grow)."""
     w = make_workload(f"{side}:{model}", f"{base}/{side}", model, input_name(model), x, binary=True)
+    batches_before = batch_counts(model, side)
     cpu_before = replica_cpu_s(side)
     [res] = run([(w, a.concurrency)], a.round_s, a.warmup_s, a.processes)
     served = res.qps * (a.warmup_s + a.round_s)  # requests of warm-up and window, at the window's rate
     cpu_us = (replica_cpu_s(side) - cpu_before) * 1e6 / max(served, 1)
+    batches_after = batch_counts(model, side)
+    per_call = None
+    if batches_before and batches_after and batches_after[1] > batches_before[1]:
+        per_call = (batches_after[0] - batches_before[0]) / (batches_after[1] - batches_before[1])
     return {"model": model, "side": side, "qps": res.qps, "p50_ms": res.p50_ms, "p99_ms": res.p99_ms,
-            "errors": res.errors, "replica_cpu_us_per_request": cpu_us}
+            "errors": res.errors, "replica_cpu_us_per_request": cpu_us, "requests_per_model_call": per_call}
 
 
 def summarize(rows: list[dict], model: str, recording_us: float, profile: dict | None) -> dict[str, Any]:
@@ -277,6 +298,10 @@ def summarize(rows: list[dict], model: str, recording_us: float, profile: dict |
            "cpu_us_on": cpu_on,
            "cpu_us_off": statistics.median(side[p, "off"]["replica_cpu_us_per_request"] for p in pairs),
            "recording_us": recording_us, "recording_share": recording_us / cpu_on}
+    per_call = {sd: [side[p, sd]["requests_per_model_call"] for p in pairs if side[p, sd]["requests_per_model_call"]]
+                for sd in ("on", "off")}
+    if per_call["on"] and per_call["off"]:
+        out["requests_per_model_call"] = {sd: statistics.median(v) for sd, v in per_call.items()}
     if profile:
         out["profile"] = profile
     return out
@@ -288,7 +313,7 @@ def markdown(summary: dict[str, dict]) -> str:
 
     lines = ["| model | pairs | QPS on / off: median (p25-p75; min-max) | QPS on | off | "
              "replica CPU us/request on | off | CPU on / off: median (p25-p75; min-max) | "
-             "recording path us/request (share of on's CPU) | py-spy: metrics share of samples |",
+             "metrics layer us/request (share of on's CPU) | py-spy: metrics share of GIL samples |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for model, s in summary.items():
         spy = s.get("profile")
@@ -352,8 +377,10 @@ def main(argv: Sequence[str]) -> None:
                 for side in ("on", "off") if pair % 2 == 0 else ("off", "on"):
                     row = {"pair": pair, **measure(a, base, model, x, side)}
                     rows.append(row)
+                    batch = row["requests_per_model_call"]
                     print(f"{model:16s} pair {pair:2d} {side:3s} {row['qps']:8.1f} QPS  p50 {row['p50_ms']:.2f} ms  "
-                          f"CPU {row['replica_cpu_us_per_request']:.0f} us/request  errors {row['errors']}", flush=True)
+                          f"CPU {row['replica_cpu_us_per_request']:.0f} us/request  errors {row['errors']}"
+                          + (f"  {batch:.2f} requests/model call" if batch else ""), flush=True)
             if exe:
                 w = make_workload(f"on:{model}", f"{base}/on", model, input_name(model), x, binary=True)
                 pids = replica_pids("on")
@@ -370,6 +397,10 @@ def main(argv: Sequence[str]) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = {m: summarize(rows, m, recording_us, profiles.get(m)) for m in models}
     print("\n" + markdown(summary))
+    for model, s in summary.items():
+        if "requests_per_model_call" in s:
+            print(f"{model}: requests per model call, median over rounds: on {s['requests_per_model_call']['on']:.2f}, "
+                  f"off {s['requests_per_model_call']['off']:.2f}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"metrics-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"

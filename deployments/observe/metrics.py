@@ -13,13 +13,14 @@ as one series whose value is the sum, the moment they count; across nodes Promet
 node; ``:port/metrics`` (``serve_node_metrics``) every application's on the node, summed.
 Ray's own ``ray_*`` series are untouched.
 
-A request's values are added in the process first (``_Buffer``: plain floats under one lock,
-about 3 us of CPU per request for router and replica together) and written to the process's
-file at most every ``FLUSH_INTERVAL_S`` (at the end of a request, or by a daemon thread when
-the process is idle): writing every value through ``prometheus_client`` costs about 1.2 us
-each, 15 per request (24 us measured, ``python -m bench.metrics_overhead --recording-only``).
-So a scrape sees a request's counts at most ``FLUSH_INTERVAL_S`` (plus scheduling delay)
-after its answer.
+A request's values are added in the process first (``_Buffer``: plain floats under one lock)
+and written to the process's file at most every ``FLUSH_INTERVAL_S`` (at the end of a request,
+or by a daemon thread when the process is idle): writing every value through
+``prometheus_client`` costs about 1.2 us each (a lock, ``os.getpid()``, a struct write), 15 per
+request. The recorders of one request, router and replica, cost 24 us of CPU written through
+and 5 us buffered (bench/README.md, "Metrics on vs off"). So a scrape sees a request's counts at
+most ``FLUSH_INTERVAL_S`` (plus scheduling delay) after its answer; a replica killed outright
+loses what it had not written.
 
 Series (labels ``model``, ``version`` as Triton's; units in names; counters rendered without
 ``_total`` exactly as Triton does):
