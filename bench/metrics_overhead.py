@@ -259,9 +259,14 @@ def batch_counts(model: str, side: str) -> tuple[int, int] | None:
     if not model.endswith(BATCHED_SUFFIX):
         return None
     try:
+        import asyncio
+
         from ray import serve
 
-        stats = serve.get_deployment_handle(f"model-{model}", app_name=side).batching.remote().result()
+        async def ask() -> dict:  # in Ray's throughput-optimized mode a handle needs a running loop
+            return await serve.get_deployment_handle(f"model-{model}", app_name=side).batching.remote()
+
+        stats = asyncio.run(ask())
         return stats["requests"], sum(stats["calls_by_requests"].values())
     except Exception as e:  # the figure is an explanation, not the measurement
         print(f"batch counters of {model} ({side}) unavailable: {e}", file=sys.stderr)
