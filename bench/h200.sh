@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | scaleout | cpu   (outputs to $OUT)
+#   tests | engine | serve | batching | scaleout | cpu | metrics | dashboard   (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
 export PYTHONPATH=/tmp/w:/tmp/site:/tmp/extra:/tmp/py/site PYTHONUNBUFFERED=1 PATH=/tmp/py/site/bin:$PATH
@@ -30,5 +30,9 @@ case "$1" in
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   cpu) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models resnet18,ocr --backend onnxruntime \
       --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
+  metrics) cd /tmp/w && timeout 580 python3 -m bench.metrics_overhead --gpu-fraction 0.1 --concurrency 32 \
+      --processes 4 --pairs 10 --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -45 ;;
+  dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
+      --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

@@ -12,12 +12,11 @@ message the client got), ``request_id`` (Ray Serve's, also sent back as ``X-Requ
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -73,6 +72,9 @@ def _request_id(request: Request) -> str | None:
     return found or request.headers.get("x-request-id")
 
 
+_TIMING_KEY = "trt_serve.timing"  # the request's RequestTiming in its ASGI scope (cheaper than request.state)
+
+
 def observe_infer(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
     """Wrap an infer route of an object with an ``observer`` attribute (None: no recording)."""
 
@@ -81,7 +83,7 @@ def observe_infer(route: Callable[..., Awaitable[Response]]) -> Callable[..., Aw
         observer: RouterObserver | None = getattr(self, "observer", None)
         if observer is None:
             return await route(self, request)
-        timing = request.state.timing = RequestTiming(time.perf_counter())
+        timing = request.scope[_TIMING_KEY] = RequestTiming(time.perf_counter())
         response = await route(self, request)
         observer.finished(request, response, timing)
         return response
@@ -89,15 +91,21 @@ def observe_infer(route: Callable[..., Awaitable[Response]]) -> Callable[..., Aw
     return wrapper
 
 
-@contextlib.contextmanager
-def phase(request: Request, field: str) -> Iterator[None]:
-    """Add the block's seconds to ``field`` of the request's ``RequestTiming`` (if observed)."""
-    timing = getattr(request.state, "timing", None)
-    if timing is None:
-        yield
-        return
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        setattr(timing, field, getattr(timing, field) + time.perf_counter() - start)
+class phase:
+    """``with phase(request, "compute_input_s"):`` adds the block's seconds to that field of the
+    request's ``RequestTiming`` (if observed). A class, not ``contextlib.contextmanager``: it
+    runs twice per request, and a generator-based one cost about 1.5 us each."""
+
+    __slots__ = ("_timing", "_field", "_start")
+
+    def __init__(self, request: Request, field: str) -> None:
+        self._timing: RequestTiming | None = request.scope.get(_TIMING_KEY)
+        self._field = field
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        timing = self._timing
+        if timing is not None:
+            setattr(timing, self._field, getattr(timing, self._field) + time.perf_counter() - self._start)

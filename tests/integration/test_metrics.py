@@ -10,12 +10,14 @@ and the statistics extension with tritonclient.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,11 +71,14 @@ def infer_json(url: str, model: str, x: np.ndarray, datatype: str = "FP32") -> r
 
 
 def infer_binary(url: str, model: str, x: np.ndarray) -> int:
-    """tritonclient's default: binary input and output. Returns 200 or raises."""
+    """tritonclient's default: binary input and output. Returns 200 or the error's status."""
     client = httpclient.InferenceServerClient(url.split("//", 1)[1], network_timeout=120)
     tensor = httpclient.InferInput("x" if model == "ocr_cls" else "input", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
-    client.infer(model, [tensor])
+    try:
+        client.infer(model, [tensor])
+    except InferenceServerException as e:
+        return int(e.status())
     return 200
 
 
@@ -106,13 +111,32 @@ def sent(observed):
     assert statuses == [200] * 7
     bad_shape = rng.random((1, 3, 100, 100), dtype=np.float32)
     assert [infer_json(url, "tiny_cnn", bad_shape).status_code for _ in range(2)] == [400, 400]
+    assert infer_binary(url, "tiny_cnn", bad_shape) == 400
     assert infer_json(url, "no_such_model", image(1)).status_code == 404  # not a model: not counted
     calls = [lambda: infer_json(url, "ocr_cls", crops(1)).status_code for _ in range(4)]
     calls += [lambda: infer_binary(url, "ocr_cls", crops(3)) for _ in range(2)]
     calls += [lambda: infer_json(url, "ocr_cls", crops(1).astype(np.int32), "INT32").status_code]
     assert send_together(calls) == [200] * 6 + [400]
-    return {  # model -> (success, failures with reason OTHER, rows run)
-        "tiny_cnn": (5, 2, 3 + 2 * 2), "mid_cnn": (2, 0, 2), "ocr_cls": (6, 1, 4 + 2 * 3)}
+    expected = {  # model -> (success, failures with reason OTHER, rows run)
+        "tiny_cnn": (5, 3, 3 + 2 * 2), "mid_cnn": (2, 0, 2), "ocr_cls": (6, 1, 4 + 2 * 3)}
+    settle(url, expected)
+    return expected
+
+
+def settle(url: str, expected: dict, timeout_s: float = 30.0) -> None:
+    """Wait until every replica process has written its counts (each writes its buffered values
+    at most ``FLUSH_INTERVAL_S`` after a request): success and failure counts as ``expected``
+    and no request pending. Exactness is asserted by the tests; this only waits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, fams = scrape(f"{url}/metrics")
+        if "nv_inference_pending_request_count" in fams and all(value(fams["nv_inference_request_success"], model=m) == ok
+               and value(fams["nv_inference_request_failure"], model=m) == failed
+               and value(fams["nv_inference_count"], model=m) == rows
+               and value(fams["nv_inference_pending_request_count"], model=m) == 0
+               for m, (ok, failed, rows) in expected.items()):
+            return
+        time.sleep(0.05)
 
 
 def test_metrics_count_every_request_under_tritons_names_and_types(observed, sent):

@@ -27,6 +27,7 @@ def _record(root: str, ok: int, rows: int) -> None:
         router.finished("tiny_cnn", "1", 200, timing)
     router.finished("tiny_cnn", "1", 400, m.RequestTiming(time.perf_counter()))
     router.finished("tiny_cnn", "1", 504, m.RequestTiming(time.perf_counter()))
+    m.flush()  # what the flush thread and exit would do
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,7 @@ def _pipeline_steps(root: str) -> str:
             await step("ocr_det", {"bad": True})
 
     asyncio.run(calls())
+    m.flush()
     return m.render(m.node_directory()).decode()
 
 
@@ -176,3 +178,40 @@ def test_pipeline_steps_count_as_requests_of_their_models(tmp_path):
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert _value(fams["nv_inference_request_success"], model="ocr_det", version="1") == 2
     assert _value(fams["nv_inference_request_failure"], model="ocr_det", reason="OTHER") == 1
+
+
+def _buffered_and_direct(root: str) -> tuple[str, str]:
+    """In a fresh process: the same observations through a buffered histogram cell and through
+    ``Histogram.observe``; returns both series' bucket, count and sum samples, and the text
+    before the buffer's flush."""
+    from prometheus_client import Histogram
+
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+    b = m.buffer()
+    b.interval_s = 3600.0  # no write but the explicit one below
+    buckets = m.LATENCY_BUCKETS_S
+    direct = Histogram("direct_seconds", "", ["model"], buckets=buckets, registry=None).labels("x")
+    cell = b.histogram(Histogram("buffered_seconds", "", ["model"], buckets=buckets, registry=None).labels("x"))
+    counter = b.counter(m.families().success.labels("x", "1"))
+    for v in (0.0001, 0.0005, 0.0006, 0.002, 0.5, 10.0, 11.0, 0.0005):  # on, between and above bounds
+        direct.observe(v)
+        with b.lock:
+            cell.observe(v)
+            counter.add(1)
+    before = m.render(m.node_directory()).decode()
+    m.flush()
+    m.flush()  # a second flush writes nothing twice
+    return before, m.render(m.node_directory()).decode()
+
+
+def test_buffered_values_reach_the_file_on_flush_with_observes_buckets(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        before, after = pool.apply(_buffered_and_direct, (str(tmp_path),))
+    fams = {f.name: f for f in text_string_to_metric_families(before)}
+    assert _value(fams["nv_inference_request_success"]) == 0  # buffered, not written yet
+    assert [s.value for s in fams["buffered_seconds"].samples if s.name.endswith("_count")] == [0]
+    fams = {f.name: f for f in text_string_to_metric_families(after)}
+    assert _value(fams["nv_inference_request_success"], model="x") == 8
+    direct = [(s.name.replace("direct", "x"), s.labels, s.value) for s in fams["direct_seconds"].samples]
+    buffered = [(s.name.replace("buffered", "x"), s.labels, s.value) for s in fams["buffered_seconds"].samples]
+    assert buffered == direct and ("x_seconds_count", {"model": "x"}, 8.0) in buffered
