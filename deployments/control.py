@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 
 from ray import serve
 
+from .loopback import replica_grpc_on_loopback
 from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, ServingError
 
 logger = logging.getLogger("ray.serve")
@@ -45,6 +46,7 @@ class ControlDeployment:
     """
 
     def __init__(self, models: Desired) -> None:
+        replica_grpc_on_loopback()
         self.revision = 0
         self.models: Desired = dict(models)
         self.reports: dict[str, dict[str, Any]] = {}  # replica id -> its last report

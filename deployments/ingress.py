@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from . import __version__
 from .client import ModelClient
+from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
 from .observe.options import start as start_metrics
@@ -639,6 +640,7 @@ class Router(RouterApp):
         super().__init__(repo, ModelClient(dedicated, pool, pool_models, control), options,
                          router_observer(repo, metrics), initial)
         show_on_terminal()
+        replica_grpc_on_loopback()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._announce_when_ready())
         self._watcher = loop.create_task(self.watch_replicas())

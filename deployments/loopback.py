@@ -22,6 +22,10 @@ What listens where, and why each setting (Ray 2.60):
   from a fixed template (``ray/serve/_private/haproxy_templates.py``) with no host setting:
   ``bind_loopback`` rewrites those two lines in the generated file before HAProxy reads it.
   The ports themselves are Ray's ``RAY_SERVE_HAPROXY_STATS_PORT`` / ``_METRICS_PORT``.
+- Each Serve replica's inter-deployment gRPC server: Ray 2.60 binds ``[::]:0`` whatever the
+  node IP (``serve/_private/replica.py``, ``_on_initialized``); ``replica_grpc_on_loopback``,
+  called in every deployment's constructor (which runs before that), binds it to 127.0.0.1 on a
+  node whose IP is loopback, where its callers dial it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,27 @@ HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROX
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|"
                       r"http-errors|ring|cache|mailers)\b")
 _BIND = re.compile(r"^(?P<indent>\s+bind\s+)(?P<host>[^\s:]*|\[[^\]]*\]):(?P<port>\d+)(?P<rest>.*)$")
+
+
+def replica_grpc_on_loopback() -> None:
+    """In a Serve replica on a node whose IP is loopback (``make serve``'s single-machine
+    cluster), make Ray 2.60's replica gRPC server bind 127.0.0.1 instead of ``[::]`` (it is
+    bound after the deployment's constructor, through ``replica.add_port_to_grpc_server``,
+    which this wraps). Elsewhere (a cluster, another process) it does nothing. Idempotent."""
+    import ray
+    from ray.serve._private import replica
+
+    original = replica.add_port_to_grpc_server
+    if getattr(original, "_on_loopback", False) or ray.util.get_node_ip_address() != LOOPBACK:
+        return
+
+    def add_port(server, address: str):  # type: ignore[no-untyped-def]
+        if address.startswith("[::]:"):
+            address = f"{LOOPBACK}:{address[len('[::]:'):]}"
+        return original(server, address)
+
+    add_port._on_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port
 
 
 def bind_loopback(config: str) -> str:

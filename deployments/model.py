@@ -16,6 +16,7 @@ import numpy as np
 from ray import serve
 
 from .control import Desired, follow, outcome
+from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
@@ -40,6 +41,7 @@ class ModelDeployment:
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None) -> None:
         show_on_terminal()
+        replica_grpc_on_loopback()
         loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
         self.host = ModelHost(ModelRepository(repository, [name]).get(name), backend)
         self.gate = Gate(name, open_=loaded)

@@ -8,6 +8,7 @@ import numpy as np
 from ray import serve
 
 from .client import ModelClient
+from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps
 from .pipelines import create_pipeline
@@ -25,6 +26,7 @@ class PipelineDeployment:
     def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
                  pool_models: Iterable[str], metrics: dict[str, Any] | None = None) -> None:
         show_on_terminal()
+        replica_grpc_on_loopback()
         repo = ModelRepository(repository)
         self.config = repo.get(name).config
         steps = observed_steps(ModelClient(dedicated, pool, pool_models).infer, metrics,

@@ -9,6 +9,7 @@ import numpy as np
 from ray import serve
 
 from .control import Desired, follow, outcome
+from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .runtime.backends.select import requested_backend, resolve_backend
@@ -50,6 +51,7 @@ class PoolDeployment:
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None) -> None:
         show_on_terminal()
+        replica_grpc_on_loopback()
         names = list(names)
         self.repo = repo = ModelRepository(repository, names)
         self.backend_request = backend

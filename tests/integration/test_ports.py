@@ -2,11 +2,9 @@
 (``deployments.run`` under ``make print-serve-env``'s environment), then every listening socket
 of its processes (Ray's GCS, raylet, agents, dashboard, every worker's gRPC server, HAProxy,
 the replicas' metrics port) is on 127.0.0.1 / ::1, but for what Ray 2.60 hard-codes
-(README, "Threat model"):
+(README, "Threat model"); each replica's gRPC server, which Ray binds to ``[::]``, is moved
+to 127.0.0.1 (``loopback.replica_grpc_on_loopback``):
 
-- each Serve replica's inter-deployment gRPC server: ``ray/serve/_private/replica.py``,
-  ``_on_initialized``, ``add_port_to_grpc_server(self._server, "[::]:0")`` (one TCP listener
-  on ``::`` per replica process; Ray's token authentication guards it);
 - HAProxy's syslog sender (``log 127.0.0.1:514`` in Ray's template): a UDP socket the kernel
   binds to ``0.0.0.0:<ephemeral>`` on the first datagram sent; HAProxy never reads it.
 """
@@ -63,17 +61,9 @@ def _is_loopback(address: str) -> bool:
 
 
 def _beyond_loopback(listeners: list[tuple[str, int, str, str, int]]) -> list[tuple[str, int, str, str, int]]:
-    """``listeners`` not on loopback, less Ray 2.60's hard-coded two (module docstring): one
-    ``::`` TCP listener per Serve replica process, HAProxy's UDP syslog sender."""
-    exposed = [entry for entry in listeners if not _is_loopback(entry[0])]
-    replicas_seen: set[int] = set()
-    left = []
-    for address, port, protocol, name, pid in exposed:
-        if protocol == "tcp" and address == "::" and "ServeReplica" in name and pid not in replicas_seen:
-            replicas_seen.add(pid)
-        elif not (protocol == "udp" and name == "haproxy"):
-            left.append((address, port, protocol, name, pid))
-    return sorted(left)
+    """``listeners`` not on loopback, less HAProxy's UDP syslog sender (module docstring)."""
+    return sorted(entry for entry in listeners
+                  if not _is_loopback(entry[0]) and not (entry[2] == "udp" and entry[3] == "haproxy"))
 
 
 @pytest.fixture(scope="module")
