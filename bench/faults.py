@@ -1,7 +1,8 @@
 """Faults injected into a live server: each must give a clear error and heal by itself.
 
 - ``pool_kill_mid_load``: a request for a cold pool model starts its load; once the repository
-  index says ``LOADING``, the pool replica is killed (SIGKILL). The request is answered (200
+  index says ``LOADING``, the pool replica is killed (SIGKILL); a load done before the index
+  showed it is tried again, with ``resnet18`` made cold. The request is answered (200
   after the router's one retry on the replacement, or 503 naming the model), and the model
   serves again once Serve has replaced the replica.
 - ``router_kill_under_load``: clients send requests back to back; the router replica is
@@ -103,38 +104,57 @@ def _state(base_url: str, model: str) -> str | None:
     return next((m.get("state") for m in index if m.get("name") == model), None)
 
 
-COLD_CANDIDATES = ("resnet18", "mid_cnn", "tiny_cnn")
+COLD_CANDIDATES = ("resnet18", "mid_cnn", "tiny_cnn")  # slowest load first
 
 
-def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s: float = 90.0) -> FaultResult:
-    """Kill the pool replica while a pool CNN that is not resident (the first of
-    ``COLD_CANDIDATES`` the repository index shows ``UNAVAILABLE``) loads for a request."""
+def _cold_model(base_url: str) -> str | None:
+    """A pool CNN the repository index shows ``UNAVAILABLE``, ``resnet18`` (the slowest load)
+    made cold first by asking for the two others (a pool of 2 models, the campaign's, evicts it)."""
+    if _state(base_url, COLD_CANDIDATES[0]) != "UNAVAILABLE":
+        for other in COLD_CANDIDATES[1:]:
+            _post(f"{base_url}/v2/models/{other}/infer", tensor_body())
+    return next((m for m in COLD_CANDIDATES if _state(base_url, m) == "UNAVAILABLE"), None)
+
+
+def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s: float = 90.0,
+                       attempts: int = 3) -> FaultResult:
+    """Kill the pool replica while a cold pool CNN (``_cold_model``) loads for a request. A load
+    can finish before the index is seen ``LOADING``: then its answer is recorded and a cold model
+    is tried again, ``attempts`` times in all."""
     result = FaultResult("kill a pool replica in the middle of a model load")
-    model = next((m for m in COLD_CANDIDATES if _state(base_url, m) == "UNAVAILABLE"), None)
-    if model is None:
-        result.detail = f"no cold model among {COLD_CANDIDATES}"
-        result.lost = 1
-        return result
-    url = f"{base_url}/v2/models/{model}/infer"
     body = tensor_body()
-    answer: list[tuple[int | None, str | None, dict | None]] = []
-    sender = threading.Thread(target=lambda: answer.append(_post(url, body)))
-    sender.start()
-    deadline = time.monotonic() + 60
-    while _state(base_url, model) != "LOADING":
-        if time.monotonic() > deadline or not sender.is_alive():
-            result.detail = f"never saw '{model}' LOADING (state {_state(base_url, model)})"
+    url = None
+    for attempt in range(1, attempts + 1):
+        model = _cold_model(base_url)
+        if model is None:
+            result.detail = f"no cold model among {COLD_CANDIDATES}"
+            result.lost += 1
+            return result
+        url = f"{base_url}/v2/models/{model}/infer"
+        answer: list[tuple[int | None, str | None, dict | None]] = []
+        sender = threading.Thread(target=lambda: answer.append(_post(url, body)))
+        sender.start()
+        deadline = time.monotonic() + 60
+        killed = False
+        while not killed:
+            state = _state(base_url, model)
+            if state == "LOADING":
+                pid = kill_replica(session, app, "pool")
+                result.detail = f"killed pool replica pid {pid} while '{model}' was LOADING (attempt {attempt})"
+                killed = True
+            elif time.monotonic() > deadline or not sender.is_alive():
+                result.detail = f"never saw '{model}' LOADING (state {state}) in {attempt} attempts"
+                break
+            else:
+                time.sleep(0.02)
+        sender.join(120)
+        status, error, _ = answer[0] if answer else (None, "no answer within 120 s", None)
+        result.record(status, error)
+        # documented: 200 (the router retried on the replacement) or 503 naming the model
+        if not (status == 200 or (status == 503 and error is not None and f"model '{model}'" in error)):
+            result.lost += 1
+        if killed:
             break
-        time.sleep(0.02)
-    else:
-        pid = kill_replica(session, app, "pool")
-        result.detail = f"killed pool replica pid {pid} while '{model}' was LOADING"
-    sender.join(120)
-    status, error, _ = answer[0] if answer else (None, "no answer within 120 s", None)
-    result.record(status, error)
-    # documented: 200 (the router retried on the replacement) or 503 naming the model
-    if not (status == 200 or (status == 503 and error is not None and f"model '{model}'" in error)):
-        result.lost += 1
     result.recovery_s = _wait_serving(url, body, recover_timeout_s)
     result.recovered = result.recovery_s is not None
     return result
