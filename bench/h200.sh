@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | scaleout | cpu | metrics | dashboard   (outputs to $OUT)
+#   tests | engine | serve | batching | scaleout | cpu | metrics | warmup | dashboard   (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
 export PYTHONPATH=/tmp/w:/tmp/site:/tmp/extra:/tmp/py/site PYTHONUNBUFFERED=1 PATH=/tmp/py/site/bin:$PATH
@@ -32,6 +32,8 @@ case "$1" in
       --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
   metrics) cd /tmp/w && timeout 580 python3 -m bench.metrics_overhead --gpu-fraction 0.1 --concurrency 32 \
       --processes 4 --pairs 10 --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -45 ;;
+  warmup) cd /tmp/w && python3 -m bench.warmup --backend onnxruntime_cuda --models tiny_cnn,resnet18,ocr_cls \
+      --rounds 5 --requests 30 --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -12 ;;
   dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
       --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
   *) echo "unknown step $1"; exit 2 ;;

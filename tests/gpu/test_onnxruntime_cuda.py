@@ -19,6 +19,7 @@ import pytest
 from deployments.runtime.backends import onnxruntime_cuda
 from deployments.runtime.backends.gpu_memory import process_gpu_bytes
 from deployments.runtime.backends.select import choose_backend
+from deployments.runtime.contract.config import Warmup
 from deployments.runtime.contract.errors import ConfigError
 from deployments.runtime.contract.shapes import max_profile_shapes
 from deployments.runtime.residency.cache import ModelCache
@@ -184,3 +185,21 @@ def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
     finally:
         cache.close()
     assert process_gpu_bytes().bytes - base <= 64 * MB
+
+
+def test_warmup_runs_on_every_cuda_context_and_the_first_request_matches(model_repository):
+    """A ``warmup:`` section on the CUDA provider (issue 14): every context runs each warmup
+    size at load (the host records each context's last shape as the last warmup's), and the
+    first real request, at another batch size, still matches the CPU provider."""
+    entry = with_cuda_options(model_repository.get("resnet18"), use_tf32=False)
+    config = entry.config.model_copy(update={"instances": 2, "warmup": Warmup(batch_sizes=(1, 8))})
+    entry = dataclasses.replace(entry, config=config)
+    host = ModelHost(entry, "onnxruntime_cuda").load()
+    try:
+        assert host.backend == "onnxruntime_cuda" and host.warmup_ms > 0
+        assert sorted(host._last_shapes) == sorted(id(c) for c in host._contexts)
+        assert set(host._last_shapes.values()) == {(("input", (8, 3, 224, 224)),)}
+        feeds = {"input": np.random.default_rng(4).random((3, 3, 224, 224), dtype=np.float32)}
+        assert_close(host.infer(feeds), cpu_reference(entry, feeds), onnxruntime_cuda.TOLERANCE[False])
+    finally:
+        host.unload()
