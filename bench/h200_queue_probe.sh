@@ -2,13 +2,7 @@
 # H200: overload probe of ocr_cls, default config vs variants; py-spy during the DUMP_AT level.
 # Carry .device/overload (site.tar.xz: pruned Ray 2.60; extra.tar.xz: pyclipper, shapely; models.tar.xz:
 # the OCR ONNX files): see "Running it on the H200 machine". Results go to $OUT.
-set -u
-D=$PWD/.device/overload
-mkdir -p /tmp/py
-[ -d /tmp/py/site/ray ] || { tar xJf $D/site.tar.xz -C /tmp/py; tar xJf $D/extra.tar.xz -C /tmp/py; }
-[ -d engines/ocr_cls/1 ] || tar xJf $D/models.tar.xz
-export PYTHONPATH=/tmp/py/site:/tmp/py/extra:$PWD PATH=/tmp/py/site/bin:$PATH PYTHONUNBUFFERED=1
-python3 -c "from pathlib import Path; from deployments.runtime.tools.prepare import prepare_generated; prepare_generated(Path('engines'))" > $OUT/prepare.log 2>&1 || { tail -20 $OUT/prepare.log; exit 1; }
+. bench/h200_overload_env.sh
 export RAY_AUTH_MODE=token RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0
 MODEL=${MODEL:-ocr_cls}; SHAPE=${SHAPE:-1,3,48,192}
 i=0
