@@ -220,7 +220,9 @@ class RouterApp:
                 deleting = counts.deleting
                 if self.initial is not None:
                     self.follow_desired((await self.client.control_desired())["models"])
-            except Exception:  # the controller did not answer: keep what we know
+            except Exception as e:  # the controller did not answer: keep what we know
+                if isinstance(e, RuntimeError) and "after shutdown" in str(e):
+                    return  # the loop's executor is shut down: this replica is stopping
                 logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
             await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
 
@@ -275,7 +277,7 @@ class RouterApp:
         if entry.name in self.ready_models:
             return None
         return ModelNotReady(
-            f"model '{entry.name}' is not ready: its deployment is still loading or has no "
+            f"model '{entry.name}' is not ready: its deployment is starting, stopping or has no "
             "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
                 "{name}", entry.name))
 

@@ -12,7 +12,8 @@ prefixed with the replica's name and pid):
   model loads and unloads, the pool cache's loads, evictions and refusals. These records also
   go to the replica's Serve log file.
 * ``ray.serve`` at WARNING and above: failed requests (5xx, with the error; internal errors
-  with their traceback), replicas lost mid-request.
+  with their traceback), replicas lost mid-request. A client error (4xx) a replica raised, which
+  Serve logs as "Request failed." with a traceback, becomes one INFO line without it (file only).
 
 Where Serve already copies its log to stderr (``RAY_SERVE_LOG_TO_STDERR`` on, e.g.
 ``make serve FAST=0``), the ``deployments`` records go through Serve's handlers only, so no
@@ -29,6 +30,25 @@ APP_LOGGER = "deployments"
 ready_logger = logging.getLogger(f"{APP_LOGGER}.ready")  # the router's "ready: ... at URL" line
 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+class _ClientErrorsAsInfo(logging.Filter):
+    """Serve's replica logs every exception a request raised at ERROR, "Request failed." with
+    its traceback (``ray/serve/_private/replica.py``, ``_handle_errors_and_metrics``). An error
+    the error table answers with a 4xx is the client's: it becomes an INFO line naming it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or record.msg != "Request failed.":
+            return True
+        from .protocol.errors import table_status  # imports Ray: only where a replica logs
+
+        status = table_status(exc)
+        if status is not None and status < 500:
+            record.msg, record.args = "Request failed with client error %d: %s", (status, exc)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
 
 
 class _TerminalHandler(logging.StreamHandler):
@@ -59,6 +79,7 @@ def show_on_terminal() -> None:
     app.setLevel(logging.INFO)
     app.propagate = False
     app.addHandler(_ToServeLog())
+    serve.addFilter(_ClientErrorsAsInfo())
     if _serve_streams(serve):
         return
     for logger, level in ((app, logging.INFO), (serve, logging.WARNING)):

@@ -74,6 +74,15 @@ def retry_after_headers(exc: BaseException) -> dict[str, str]:
     return {}
 
 
+def table_status(exc: BaseException) -> int | None:
+    """The HTTP status the error table gives ``exc`` (unwrapped; 500 for a ``ServingError`` not
+    in it), or None for an exception that is not a ``ServingError`` (a real fault). Logs nothing."""
+    exc = _serving_error(exc)
+    if not isinstance(exc, ServingError):
+        return None
+    return next((STATUS_BY_ERROR[c] for c in type(exc).__mro__ if c in STATUS_BY_ERROR), 500)
+
+
 def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     """HTTP status and client-safe message for an exception.
 
@@ -83,12 +92,7 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     """
     exc = _serving_error(exc)
     if isinstance(exc, ServingError):
-        for cls in type(exc).__mro__:
-            if cls in STATUS_BY_ERROR:
-                status = STATUS_BY_ERROR[cls]
-                break
-        else:
-            status = 500
+        status = table_status(exc) or 500
         if status >= 500 and log and not isinstance(exc, Overloaded):  # shedding is the plan, not a fault
             logger.warning("serving error %d: %s", status, exc.message)
         return status, exc.message

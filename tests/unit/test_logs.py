@@ -22,7 +22,7 @@ class Records(logging.Handler):
 def loggers():
     """``ray.serve`` set up as in a replica (one handler standing for its log file), restored after."""
     app, serve = logging.getLogger(APP_LOGGER), logging.getLogger(SERVE_LOGGER)
-    saved = [(lg, lg.handlers[:], lg.level, lg.propagate) for lg in (app, serve)]
+    saved = [(lg, lg.handlers[:], lg.filters[:], lg.level, lg.propagate) for lg in (app, serve)]
     app.handlers.clear()
     serve.handlers.clear()
     serve.setLevel(logging.INFO)
@@ -30,8 +30,9 @@ def loggers():
     log_file = Records()
     serve.addHandler(log_file)
     yield serve, log_file
-    for lg, handlers, level, propagate in saved:
+    for lg, handlers, filters, level, propagate in saved:
         lg.handlers[:] = handlers
+        lg.filters[:] = filters
         lg.setLevel(level)
         lg.propagate = propagate
 
@@ -56,3 +57,28 @@ def test_where_serve_streams_itself_app_lines_go_through_serves_handlers_only(lo
     logging.getLogger("deployments.ready").info("ready: 7 models")
     assert capfd.readouterr().err.splitlines() == ["ready: 7 models"]
     assert log_file.messages == ["ready: 7 models"]
+
+
+def _request_failed(serve: logging.Logger, exc: BaseException) -> None:
+    try:
+        raise exc
+    except Exception:
+        serve.exception("Request failed.")  # what Serve's replica logs (replica.py)
+
+
+def test_a_client_error_a_replica_raised_is_one_info_line_in_the_file_and_nothing_on_the_terminal(loggers, capfd):
+    from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
+
+    serve, log_file = loggers
+    show_on_terminal()
+    _request_failed(serve, InvalidInput("inference input 'x' data-type is 'FP64', model expects 'FP32'"))
+    assert capfd.readouterr().err == ""
+    assert log_file.messages == [
+        "Request failed with client error 400: inference input 'x' data-type is 'FP64', model expects 'FP32'"]
+    # a 503 and a real fault keep Serve's ERROR line with its traceback, on the terminal too
+    _request_failed(serve, ModelNotReady("model 'm' is not ready"))
+    _request_failed(serve, KeyError("boom"))
+    err = capfd.readouterr().err
+    assert err.count("ERROR ray.serve: Request failed.") == 2
+    assert "ModelNotReady: model 'm' is not ready" in err and "KeyError: 'boom'" in err
+    assert log_file.messages[1:] == ["Request failed.", "Request failed."]

@@ -23,6 +23,23 @@ def _datatype_text(array: np.ndarray) -> str:
         return str(array.dtype)
 
 
+_LISTED = 8  # names an error lists at most: its body stays small however many a request sends
+_NAME_CHARS = 64
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _NAME_CHARS else f"{name[:_NAME_CHARS]}..."
+
+
+def _listed(names: Iterable[str]) -> str:
+    """``names`` as a list text, at most ``_LISTED`` of them (each cut to ``_NAME_CHARS``), then
+    how many more: an error body must not grow with the request."""
+    names = list(names)
+    text = ", ".join(repr(_short(n)) for n in names[:_LISTED])
+    more = f", ... and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
+    return f"[{text}{more}]"
+
+
 def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> None:
     """Check names, dtypes, ranks, the batch size and every axis against the optimization profile.
 
@@ -43,13 +60,13 @@ def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> No
     unknown = sorted(inputs.keys() - expected)
     if missing or unknown:
         if unknown:
-            triton = f"unexpected inference input '{unknown[0]}' for model '{model}'"
+            triton = f"unexpected inference input '{_short(unknown[0])}' for model '{model}'"
         else:
             triton = (f"expected {len(expected)} inputs but got {len(inputs)} inputs for model '{model}'. "
-                      f"Got input(s) {sorted(inputs)}, but missing required input(s) {missing}. "
+                      f"Got input(s) {_listed(sorted(inputs))}, but missing required input(s) {missing}. "
                       "Please provide all required input(s)")
         raise InvalidInput(
-            f"{triton}; model '{model}' expects inputs {sorted(expected)}; missing {missing}, unknown {unknown}")
+            f"{triton}; model '{model}' expects inputs {sorted(expected)}; missing {missing}, unknown {_listed(unknown)}")
     batch = None
     for spec in config.inputs:
         array = inputs[spec.name]
@@ -102,8 +119,8 @@ def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list
     unknown = [n for n in wanted if n not in declared]
     if unknown:
         raise InvalidInput(
-            f"unexpected inference output '{unknown[0]}' for model '{config.name}'; model "
-            f"'{config.name}' has no outputs {unknown}; outputs: {declared}")
+            f"unexpected inference output '{_short(unknown[0])}' for model '{config.name}'; model "
+            f"'{config.name}' has no outputs {_listed(unknown)}; outputs: {declared}")
     return wanted
 
 
