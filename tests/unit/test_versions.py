@@ -1,0 +1,84 @@
+"""Versions (issue 14, item 3): a model's ``version_policy`` picks its served versions; the pool's
+cache holds each served version as an entry of its own under the same limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import yaml
+
+from deployments.runtime.contract.config import CacheOptions, VersionPolicy
+from deployments.runtime.contract.errors import ConfigError, ModelNotFound
+from deployments.runtime.contract.repository import ModelRepository
+from deployments.runtime.residency.cache import ModelCache
+from deployments.runtime.tools.prepare import build_tiny_cnn
+
+ROOT = Path(__file__).resolve().parents[2]
+X = np.random.default_rng(3).random((1, 3, 224, 224), dtype=np.float32)
+
+
+def versioned_repository(root: Path, versions: dict[int, int], policy: dict | None) -> Path:
+    """``root/cnn``: tiny_cnn's config (with ``policy``), version v built with seed ``versions[v]``."""
+    raw = yaml.safe_load((ROOT / "engines" / "tiny_cnn" / "config.yaml").read_text())
+    raw.pop("warmup", None)
+    if policy is not None:
+        raw["version_policy"] = policy
+    (root / "cnn").mkdir(parents=True, exist_ok=True)
+    (root / "cnn" / "config.yaml").write_text(yaml.safe_dump(raw))
+    for version, seed in versions.items():
+        (root / "cnn" / str(version)).mkdir(exist_ok=True)
+        onnx.save(build_tiny_cnn(seed), root / "cnn" / str(version) / "model.onnx")
+    return root
+
+
+@pytest.mark.parametrize("policy, served", [
+    ({}, (5,)),
+    ({"latest": {}}, (5,)),
+    ({"latest": {"num_versions": 2}}, (2, 5)),
+    ({"latest": {"num_versions": 9}}, (1, 2, 5)),
+    ({"all": {}}, (1, 2, 5)),
+    ({"specific": {"versions": [5, 1, 1]}}, (1, 5)),
+])
+def test_each_policy_serves_its_versions_as_triton_does(policy, served):
+    assert VersionPolicy.model_validate(policy).select((1, 2, 5)) == served
+
+
+def test_a_bad_policy_fails_naming_the_file_and_the_field(tmp_path):
+    for policy, words in [({"latest": {"num_versions": 0}}, "version_policy.latest.num_versions"),
+                          ({"all": {}, "latest": {}}, "give one of latest, all, specific"),
+                          ({"specific": {"versions": [2, 3]}}, "version_policy.specific.versions: [3] have no version folder"),
+                          ({"newest": {}}, "version_policy.newest: unknown field; allowed: latest, all, specific")]:
+        versioned_repository(tmp_path / str(len(words)), {1: 0, 2: 1}, policy)
+        with pytest.raises(ConfigError) as e:
+            ModelRepository(tmp_path / str(len(words)))
+        assert "config.yaml" in e.value.message and words in e.value.message, e.value.message
+
+
+def test_the_repository_serves_the_policys_versions_and_names_them_for_one_not_served(tmp_path):
+    repo = ModelRepository(versioned_repository(tmp_path, {1: 0, 2: 1, 3: 2}, {"specific": {"versions": [1, 2]}}))
+    entry = repo.get("cnn", "1")
+    assert (entry.versions, entry.served, entry.latest) == ((1, 2, 3), (1, 2), 2)
+    assert entry.keys() == {"cnn@1": 1, "cnn": 2}
+    with pytest.raises(ModelNotFound) as e:
+        repo.get("cnn", "3")
+    assert "served versions: [1, 2]" in e.value.message
+
+
+def test_the_cache_holds_each_version_as_an_entry_of_its_own_under_the_same_count_cap(tmp_path):
+    root = versioned_repository(tmp_path, {1: 0, 2: 5}, {"all": {}})
+    cache = ModelCache(ModelRepository(root), options=CacheOptions(max_num_models_per_replica=1))
+    assert cache.names == ["cnn", "cnn@1"]
+    outputs = {}
+    for key, version in (("cnn@1", 1), ("cnn", 2)):
+        outputs[version] = cache.infer(key, {"input": X})["logits"]
+        expected = ort.InferenceSession(str(root / "cnn" / str(version) / "model.onnx")).run(None, {"input": X})[0]
+        np.testing.assert_allclose(outputs[version], expected, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(outputs[1], outputs[2])
+    assert cache.resident() == ["cnn"]  # the count cap of 1 evicted version 1 for version 2
+    assert [(e["event"], e["model"]) for e in cache.timeline()] == [
+        ("load", "cnn@1"), ("evict", "cnn@1"), ("load", "cnn")]
+    cache.close()
