@@ -82,3 +82,21 @@ def test_the_cache_holds_each_version_as_an_entry_of_its_own_under_the_same_coun
     assert [(e["event"], e["model"]) for e in cache.timeline()] == [
         ("load", "cnn@1"), ("evict", "cnn@1"), ("load", "cnn")]
     cache.close()
+
+
+def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_versions(tmp_path):
+    from .test_router_routes import make_router
+
+    repo = ModelRepository(versioned_repository(tmp_path, {1: 0, 2: 5, 3: 6}, {"specific": {"versions": [1, 2]}}))
+    router, client = make_router(repo)
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
+    for route, key, version in (("cnn/versions/1", "cnn@1", "1"), ("cnn/versions/2", "cnn", "2"), ("cnn", "cnn", "2")):
+        r = router.post(f"/v2/models/{route}/infer", json=body)
+        assert r.status_code == 200 and r.json()["model_version"] == version, r.text
+        assert client.keys[-1] == key
+    r = router.post("/v2/models/cnn/versions/3/infer", json=body)
+    assert r.status_code == 404 and "served versions: [1, 2]" in r.json()["error"], r.text
+    assert router.get("/v2/models/cnn").json()["versions"] == ["1", "2"]
+    assert router.get("/v2/models/cnn/versions/1/config").json()["version_policy"] == {"specific": {"versions": [1, 2]}}
+    index = router.post("/v2/repository/index").json()
+    assert [(i["name"], i["version"]) for i in index] == [("cnn", "1"), ("cnn", "2")]
