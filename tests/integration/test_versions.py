@@ -1,7 +1,8 @@
 """Versions (issue 14, item 3) on a running server: two versions of one pool model served side by
-side (``version_policy: {all: {}}``), each by its route, with different outputs that match ONNX
-Runtime run directly on that version's file; a version not served answers 404 naming the served
-ones; metadata and the repository index list both; a dedicated model serves its newest only.
+side (``version_policy: {all: {}}``), each by its route and by tritonclient.http's
+``model_version``, with different outputs that match ONNX Runtime run directly on that version's
+file; a version not served answers 404 naming the served ones; metadata and the repository index
+list both; a dedicated model serves its newest only.
 
 A second application ("versions", under /versions) serves a temporary repository: ``cnn``
 (pool; version 1 is tiny_cnn, version 2 the same graph with other weights, seed 5) and
@@ -58,15 +59,15 @@ def infer(url: str, route: str) -> requests.Response:
 
 def test_two_versions_of_a_pool_model_serve_side_by_side_each_by_its_route(versions):
     url, root = versions
-    outputs = {}
+    expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
+                for v in (1, 2)}
+    assert not np.allclose(expected[1], expected[2])
     for route, version in (("cnn/versions/1", 1), ("cnn/versions/2", 2), ("cnn", 2)):
         r = infer(url, route)
         assert r.status_code == 200, r.text
         assert r.json()["model_version"] == str(version)
-        expected = ort.InferenceSession(str(root / "cnn" / str(version) / "model.onnx")).run(None, {"input": X})[0]
-        outputs[route] = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected.shape)
-        np.testing.assert_allclose(outputs[route], expected, rtol=1e-4, atol=1e-5)
-    assert not np.allclose(outputs["cnn/versions/1"], outputs["cnn/versions/2"])
+        got = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected[version].shape)
+        np.testing.assert_allclose(got, expected[version], rtol=1e-4, atol=1e-5)
     memory = requests.get(f"{url}/v2/memory").json()["pool"]["models"]
     assert {key: memory[key]["state"] for key in ("cnn", "cnn@1")} == {"cnn": "ready", "cnn@1": "ready"}
 
@@ -79,6 +80,23 @@ def test_two_versions_of_a_pool_model_serve_side_by_side_each_by_its_route(versi
     assert requests.get(f"{url}/v2/models/cnn/versions/1/config").json()["version_policy"] == {"all": {}}
     index = [(i["name"], i["version"], i["state"]) for i in requests.post(f"{url}/v2/repository/index").json()]
     assert ("cnn", "1", "READY") in index and ("cnn", "2", "READY") in index
+
+
+def test_tritonclient_picks_each_version_by_model_version(versions):
+    import tritonclient.http as httpclient
+
+    url, root = versions
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=120)
+    for version in ("1", "2"):
+        expected = ort.InferenceSession(str(root / "cnn" / version / "model.onnx")).run(None, {"input": X})[0]
+        tensor = httpclient.InferInput("input", list(X.shape), "FP32")
+        tensor.set_data_from_numpy(X)  # binary tensor data
+        result = client.infer("cnn", [tensor], model_version=version)
+        assert result.get_response()["model_version"] == version
+        np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-4, atol=1e-5)
+        assert client.is_model_ready("cnn", version)
+        assert client.get_model_metadata("cnn", version)["versions"] == ["1", "2"]
+    client.close()
 
 
 def test_a_dedicated_model_serves_its_newest_version_only(versions):
