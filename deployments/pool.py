@@ -108,6 +108,7 @@ class PoolDeployment:
                     entry = self.repo.read(name)
                     self.cache.add(entry, enabled=False)
                     self.versions[name] = entry.latest
+                    self.keys = {k: kv for k, kv in self.keys.items() if kv[0] != name}  # versions it no longer serves
                     self.keys.update((key, (name, v)) for key, v in entry.keys().items())
                     self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
                 for key in self._keys_of(name):

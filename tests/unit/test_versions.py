@@ -100,3 +100,35 @@ def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_ver
     assert router.get("/v2/models/cnn/versions/1/config").json()["version_policy"] == {"specific": {"versions": [1, 2]}}
     index = router.post("/v2/repository/index").json()
     assert [(i["name"], i["version"]) for i in index] == [("cnn", "1"), ("cnn", "2")]
+
+
+def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_unload(tmp_path):
+    from deployments.model import ModelDeployment
+    from deployments.pool import PoolDeployment
+    from deployments.runtime.residency.gate import Gate
+    from deployments.runtime.residency.host import ModelHost
+
+    root = versioned_repository(tmp_path, {1: 0}, {"latest": {"num_versions": 2}})
+    pool = PoolDeployment.func_or_class.__new__(PoolDeployment.func_or_class)
+    pool.repo = ModelRepository(root)
+    pool.cache = ModelCache(pool.repo)
+    pool.keys, pool.versions = {"cnn": ("cnn", 1)}, {"cnn": 1}
+    pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
+    dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    dedicated.repo = ModelRepository(root)
+    dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
+    unload, load = ({"cnn": {"loaded": flag, "placement": "pool"}} for flag in (False, True))
+    for replica in (pool, dedicated):
+        assert replica.apply(unload)["cnn"]["error"] is None
+    versioned_repository(root, {2: 5}, {"latest": {"num_versions": 2}})  # version 2 arrives
+    for replica in (pool, dedicated):
+        assert replica.apply(load)["cnn"]["error"] is None
+    expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
+                for v in (1, 2)}
+    assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}
+    for key, version in (("cnn@1", 1), ("cnn", 2)):
+        np.testing.assert_allclose(pool.cache.infer(key, {"input": X})["logits"], expected[version], rtol=1e-4, atol=1e-5)
+    assert dedicated.host.version == 2  # a dedicated model serves its newest only
+    np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], expected[2], rtol=1e-4, atol=1e-5)
+    pool.cache.close()
+    dedicated.host.unload()
