@@ -67,8 +67,9 @@ class ModelClient:
         self._cut: set[Any] = set()  # responses cut_unassigned cancelled
         self._last_done: dict[str, float] = {}  # model name -> time.monotonic() its last call finished
 
-    def handle(self, name: str) -> Any:
-        """The deployment handle serving ``name``.
+    def handle(self, name: str, key: str | None = None) -> Any:
+        """The deployment handle serving ``name`` (for the pool: the version whose cache key,
+        ``ModelEntry.key``, is ``key``; default the newest served).
 
         Raises:
             ModelNotFound: no deployment serves this model.
@@ -76,12 +77,13 @@ class ModelClient:
         if name in self.dedicated:
             return self.dedicated[name]
         if name in self.pool_models and self.pool is not None:
-            return self.pool.options(multiplexed_model_id=name)
+            return self.pool.options(multiplexed_model_id=key or name)
         raise unknown_model(name, "no deployment serves it")
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray],
-                    outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Run ``inputs`` on model ``name``; returns its outputs by name.
+                    outputs: list[str] | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+        """Run ``inputs`` on model ``name`` (pool: its version keyed ``key``, as ``handle``);
+        returns its outputs by name.
 
         A replica that dies holding the request surfaces as ``ray.exceptions.RayActorError``
         (``ActorDiedError``); Serve has dropped it from routing by then, so the request is sent
@@ -94,7 +96,7 @@ class ModelClient:
                 or ``cut_unassigned``).
             ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
         """
-        handle = self.handle(name)
+        handle = self.handle(name, key)
         if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
             handle = handle.options(_by_reference=True)
         waiting = self._waiting.setdefault(name, set())

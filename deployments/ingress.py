@@ -263,8 +263,36 @@ class RouterApp:
                 self.ready_models.discard(name)
 
     def _entry(self, request: Request) -> ModelEntry:
+        """The model (and, on a versioned route, the version: ``_version``) a request names.
+
+        Raises:
+            ModelNotFound: unknown model, or a version it does not serve (the message names
+                the served versions).
+        """
         params = request.path_params
-        return self.repo.get(params["name"], params.get("version"))
+        entry = self.repo.get(params["name"], params.get("version"))
+        self._version(request, entry)
+        return entry
+
+    def _served(self, entry: ModelEntry) -> tuple[int, ...]:
+        """The versions ``entry`` serves here: its ``version_policy``'s for a pool model; a
+        dedicated model (or pipeline) serves its newest served version only (README, "Versions")."""
+        return entry.served if entry.name in self.client.pool_models and entry.served else (entry.latest,)
+
+    def _version(self, request: Request, entry: ModelEntry) -> int:
+        """The version a request names (the newest served on an unversioned route).
+
+        Raises:
+            ModelNotFound: a version this application does not serve.
+        """
+        asked = request.path_params.get("version")
+        if asked is None:
+            return entry.latest
+        served = self._served(entry)
+        if int(asked) not in served:
+            raise unknown_model(entry.name, f"version {asked} of model '{entry.name}' is not served; served "
+                                f"versions: {list(served)} (a dedicated model serves its newest only)", asked)
+        return int(asked)
 
     def _not_ready(self, entry: ModelEntry) -> ServingError | None:
         """The 503 error for a model whose deployment has no loaded replica yet or that is
@@ -325,7 +353,7 @@ class RouterApp:
     async def metadata(self, request: Request) -> JSONResponse:
         entry = self._entry(request)
         backend = await self._backend(entry)
-        return JSONResponse(model_metadata(entry.config, (entry.latest,), platform_of(backend), backend or None))
+        return JSONResponse(model_metadata(entry.config, self._served(entry), platform_of(backend), backend or None))
 
     @_answers_errors
     async def model_config(self, request: Request) -> JSONResponse:
@@ -353,23 +381,27 @@ class RouterApp:
         pool = await self._pool_models()
         index = []
         for entry in self.repo.entries():
-            item = {"name": entry.name, "version": str(entry.latest),
-                    "state": "READY" if entry.name in self.ready_models else "LOADING"}
-            if entry.name in pool:
-                cached = pool[entry.name]
-                item["state"], item["reason"] = _POOL_STATES[cached["state"]]
-                if cached["state"] == "absent" and cached["evictions"]:
-                    item["reason"] = "evicted from the pool replica's cache; loads on next request"
-            if entry.name in self.changing:
-                item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
-            elif entry.name not in self.loaded:
-                item["state"], item["reason"] = "UNAVAILABLE", self._unavailable_reason(entry.name)
-            index.append(item)
+            for version in self._served(entry):
+                index.append(self._index_item(entry, version, pool.get(entry.key(version))))
         if self.initial is not None:  # folders added since start, not read yet
             index += [{"name": name, "state": "UNAVAILABLE", "reason": self._unavailable_reason(name)}
                       for name in self.repo.folders() if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
+        """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
+        item = {"name": entry.name, "version": str(version),
+                "state": "READY" if entry.name in self.ready_models else "LOADING"}
+        if cached is not None:
+            item["state"], item["reason"] = _POOL_STATES[cached["state"]]
+            if cached["state"] == "absent" and cached["evictions"]:
+                item["reason"] = "evicted from the pool replica's cache; loads on next request"
+        if entry.name in self.changing:
+            item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
+        elif entry.name not in self.loaded:
+            item["state"], item["reason"] = "UNAVAILABLE", self._unavailable_reason(entry.name)
+        return item
 
     def _unavailable_reason(self, name: str) -> str:
         if name in self.unloaded:
@@ -539,10 +571,11 @@ class RouterApp:
         return chunks
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
-                          timeout_s: float | None = None) -> dict:
+                          timeout_s: float | None = None, key: str | None = None) -> dict:
+        """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``)."""
         timeout_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         try:
-            return await asyncio.wait_for(self.client.infer(name, inputs, outputs), timeout_s)
+            return await asyncio.wait_for(self.client.infer(name, inputs, outputs, key), timeout_s)
         except asyncio.TimeoutError:
             if name not in self.ready_models:  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
@@ -552,16 +585,17 @@ class RouterApp:
     @_answers_errors
     async def infer(self, request: Request) -> Response:
         entry = self._entry(request)
+        version = self._version(request, entry)
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
         self._require_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
-                                         infer_request.timeout_s)
+                                         infer_request.timeout_s, entry.key(version))
         with phase(request, "compute_output_s"):
             outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
                                            infer_request.output_parameters, outputs)
-            content, headers = encode_response(entry.name, str(entry.latest), infer_request, outputs)
+            content, headers = encode_response(entry.name, str(version), infer_request, outputs)
         return Response(content, headers=headers)
 
     # --- observability (deployments.observe) -----------------------------------------------
@@ -584,7 +618,7 @@ class RouterApp:
             entry = self._entry(request)
             models = [(entry.name, request.path_params.get("version") or str(entry.latest))]
         else:
-            models = [(e.name, str(e.latest)) for e in self.repo.entries()]
+            models = [(e.name, str(v)) for e in self.repo.entries() for v in self._served(e)]
         families = await asyncio.to_thread(node_families, node_directory())
         return JSONResponse(statistics(families, models))
 

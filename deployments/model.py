@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ class ModelDeployment:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
-        self.host = ModelHost(ModelRepository(repository, [name]).get(name), backend)
+        self.repo = ModelRepository(repository, [name])
+        self.host = ModelHost(self.repo.get(name), backend)
         self.gate = Gate(name, open_=loaded)
         if loaded:
             self.host.load()
@@ -102,6 +104,8 @@ class ModelDeployment:
             return {}
         try:
             if state["loaded"]:
+                if not self.host.ready:
+                    self._take_new_version()
                 self.host.load()
                 self.gate.open()
                 return {self.host.name: outcome(None, True, self.host.backend)}
@@ -110,6 +114,22 @@ class ModelDeployment:
             return {self.host.name: outcome(None, False)}
         except Exception as error:
             return {self.host.name: outcome(error, False)}
+
+    def _take_new_version(self) -> None:
+        """Before a load of the unloaded model: read its folder again (the validation the router
+        did) and serve its newest served version from now on, as the router reports it (a version
+        folder added since; README "Versions"). The config stays the one this replica started
+        with (its batch queue was built from it).
+
+        Raises:
+            ConfigError, ModelNotFound: as ``ModelRepository.read``.
+        """
+        entry = self.repo.read(self.host.name)
+        if entry.latest != self.host.version:
+            host = ModelHost(replace(entry, config=self.host.config), self.host.backend_request,
+                             self.host.checkout_timeout_s)
+            host.on_execution = self.host.on_execution
+            self.host = host
 
     def batching(self) -> dict:
         """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""

@@ -58,13 +58,14 @@ class PoolDeployment:
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
         self.recorder = replica_recorder(metrics)
         self.versions = {n: repo.get(n).latest for n in names}
+        self.keys = {key: (n, v) for n in names for key, v in repo.get(n).keys().items()}  # cache key -> model, version
         self.cache = ModelCache(
             repo, names, options, backend=backend,
             on_event=cache_recorder(self.recorder, options.budget_bytes),
             on_execution=self.recorder and self.recorder.on_execution)
         for name, state in (initial or {}).items():  # explicit model control: not loaded at start
             if name in self.versions and not state["loaded"]:
-                self.cache.unload(name)
+                self._unload(name)
         self.cache.start()
         self._follower = follow(control, initial or {}, self.apply)
 
@@ -76,9 +77,11 @@ class PoolDeployment:
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
-    @observe_replica_infer(lambda self: (serve.get_multiplexed_model_id(), None))
+    @observe_replica_infer(lambda self: self.keys.get(serve.get_multiplexed_model_id(),
+                                                      (serve.get_multiplexed_model_id(), None)))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """Run one request on the model named by the multiplexed model id.
+        """Run one request on the model version named by the multiplexed model id (its cache
+        key, ``ModelEntry.key``: the model name for its newest served version).
 
         The cache validates the request once, before any load (``ModelCache.infer_async``).
 
@@ -98,19 +101,30 @@ class PoolDeployment:
             try:
                 if not state["loaded"]:
                     if name in self.versions:
-                        self.cache.unload(name)
+                        self._unload(name)
                     done[name] = outcome(None, False)
                     continue
                 if not self.cache.serves(name):
                     entry = self.repo.read(name)
                     self.cache.add(entry, enabled=False)
                     self.versions[name] = entry.latest
+                    self.keys = {k: kv for k, kv in self.keys.items() if kv[0] != name}  # versions it no longer serves
+                    self.keys.update((key, (name, v)) for key, v in entry.keys().items())
                     self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
-                self.cache.load(name)
+                for key in self._keys_of(name):
+                    self.cache.load(key)
                 done[name] = outcome(None, True, self.backends[name])
             except Exception as error:
                 done[name] = outcome(error, False)
         return done
+
+    def _keys_of(self, name: str) -> list[str]:
+        """The cache keys of model ``name``'s served versions."""
+        return [key for key, (model, _) in self.keys.items() if model == name]
+
+    def _unload(self, name: str) -> None:
+        for key in self._keys_of(name):
+            self.cache.unload(key)
 
     def check_health(self) -> None:
         """Ray's periodic probe: fails (so Serve replaces the replica) when a loaded model's
@@ -118,11 +132,12 @@ class PoolDeployment:
         self.cache.check_health()
 
     def models(self) -> dict[str, dict[str, Any]]:
-        """Per pool model on this replica: ``state`` in the cache (``absent``, ``loading``,
-        ``ready``, ``evicting``), ``evictions`` so far, and the ``backend`` it runs (or will run) on."""
+        """Per served version of each pool model on this replica, by cache key (``ModelEntry.key``):
+        ``state`` in the cache (``absent``, ``loading``, ``ready``, ``evicting``), ``evictions`` so
+        far, and the ``backend`` it runs (or will run) on."""
         cached = self.cache.status()["models"]
-        return {name: {"state": cached[name]["state"], "evictions": cached[name]["evictions"],
-                       "backend": backend} for name, backend in self.backends.items()}
+        return {key: {"state": cached[key]["state"], "evictions": cached[key]["evictions"],
+                      "backend": self.backends[name]} for key, (name, _) in self.keys.items() if key in cached}
 
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready)."""

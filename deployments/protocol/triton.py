@@ -49,7 +49,7 @@ def model_configuration(config: ModelConfig, backend: str) -> dict[str, Any]:
         "name": config.name,
         "platform": platform_of(backend),
         "backend": "" if backend == "pipeline" else backend,
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": config.version_policy.model_dump(exclude_none=True) or {"latest": {"num_versions": 1}},
         "max_batch_size": config.max_batch_size,
         "input": tensors(config.inputs),
         "output": tensors(config.outputs),

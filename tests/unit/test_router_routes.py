@@ -47,9 +47,12 @@ class FakeModelClient:
         self.calls: list[tuple[str, dict[str, np.ndarray], list[str] | None]] = []
         self.raises: BaseException | None = None
         self.delay_s = 0.0
+        self.keys: list[str | None] = []
 
-    async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None):
+    async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                    key: str | None = None):
         self.calls.append((name, inputs, outputs))
+        self.keys.append(key)
         await asyncio.sleep(self.delay_s)
         if self.raises is not None:
             raise self.raises

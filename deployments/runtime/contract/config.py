@@ -259,6 +259,58 @@ class Warmup(_Frozen):
         return self
 
 
+class LatestVersions(_Frozen):
+    """``latest: {num_versions: N}``: the N highest version numbers."""
+
+    num_versions: int = Field(1, ge=1)
+
+
+class AllVersions(_Frozen):
+    """``all: {}``: every version folder."""
+
+
+class SpecificVersions(_Frozen):
+    """``specific: {versions: [..]}``: these version numbers (each must have a folder)."""
+
+    versions: tuple[int, ...] = Field(min_length=1)
+
+
+class VersionPolicy(_Frozen):
+    """Which of a model's version folders are served (the optional ``version_policy:`` section,
+    as Triton's model configuration has it): exactly one of ``latest: {num_versions: N}``
+    (default: ``latest: {num_versions: 1}``), ``all: {}`` or ``specific: {versions: [..]}``.
+    The unversioned routes serve the newest served version.
+    """
+
+    latest: Optional[LatestVersions] = None
+    all: Optional[AllVersions] = None
+    specific: Optional[SpecificVersions] = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "VersionPolicy":
+        given = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of latest, all, specific; got {given}")
+        return self
+
+    def select(self, versions: tuple[int, ...]) -> tuple[int, ...]:
+        """The served versions (ascending) among ``versions`` (the folders on disk, ascending).
+
+        Raises:
+            ValueError: ``specific`` names versions without a folder.
+        """
+        if self.all is not None:
+            return versions
+        if self.specific is not None:
+            missing = sorted(set(self.specific.versions) - set(versions))
+            if missing:
+                raise ValueError(f"version_policy.specific.versions: {missing} have no version folder; "
+                                 f"versions on disk: {list(versions)}")
+            return tuple(sorted(set(self.specific.versions)))
+        count = (self.latest or LatestVersions()).num_versions
+        return versions[-count:]
+
+
 class ModelConfig(_Frozen):
     """A model's contract, parsed from its ``config.yaml``.
 
@@ -281,6 +333,7 @@ class ModelConfig(_Frozen):
     onnxruntime_cuda: OnnxRuntimeCudaOptions = OnnxRuntimeCudaOptions()
     dynamic_batching: Optional[DynamicBatching] = None
     warmup: Optional[Warmup] = None
+    version_policy: VersionPolicy = VersionPolicy()
 
     @model_validator(mode="after")
     def _contract(self) -> "ModelConfig":

@@ -7,7 +7,7 @@ reaches the filesystem: ``../x`` or ``a%2Fb`` is simply an unknown name (``Model
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import ModelConfig, load_model_config
@@ -20,11 +20,13 @@ _VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also ac
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A model found in the repository: its config, folder and version numbers (ascending)."""
+    """A model found in the repository: its config, folder, version numbers on disk and the
+    versions its ``version_policy`` serves (both ascending)."""
 
     config: ModelConfig
     path: Path
     versions: tuple[int, ...]
+    served: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -32,7 +34,22 @@ class ModelEntry:
 
     @property
     def latest(self) -> int:
-        return self.versions[-1]
+        """The newest served version (the unversioned routes' version)."""
+        return (self.served or self.versions)[-1]
+
+    def at(self, version: int) -> "ModelEntry":
+        """This model served at ``version`` alone (what one engine loads)."""
+        return replace(self, served=(version,))
+
+    def key(self, version: int | None = None) -> str:
+        """The cache / multiplexing key of ``version`` (the newest served by default): the model
+        name for the newest served version, ``<name>@<version>`` for an older one."""
+        version = self.latest if version is None else version
+        return self.name if version == self.latest else f"{self.name}@{version}"
+
+    def keys(self) -> dict[str, int]:
+        """Key (``key``) -> version, for every served version."""
+        return {self.key(v): v for v in (self.served or (self.latest,))}
 
     def onnx_path(self, version: int | None = None) -> Path:
         """Path of ``<version>/model.onnx`` (latest version by default)."""
@@ -42,8 +59,8 @@ class ModelEntry:
 class ModelRepository:
     """Index of ``root/<model>/config.yaml`` and its integer version folders.
 
-    A pipeline model has no version folders; it is served as version 1.
-    Only the latest version of a model is served (Triton's ``latest: 1`` policy).
+    A pipeline model has no version folders; it is served as version 1. The config's
+    ``version_policy`` picks the served versions (default: the latest one, as Triton's).
 
     ``names`` restricts the index to those models (the rest of the folder is not read).
     ``require_versions=False`` indexes a model with no ``<version>/model.onnx`` too, with
@@ -88,7 +105,11 @@ class ModelRepository:
                 raise ConfigError(
                     f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
                     "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
-        return ModelEntry(config=config, path=folder, versions=versions)
+        try:
+            served = config.version_policy.select(versions) if versions else ()
+        except ValueError as e:
+            raise ConfigError(f"{config_path}: {e}") from None
+        return ModelEntry(config=config, path=folder, versions=versions, served=served)
 
     def folders(self) -> list[str]:
         """Names of the model folders (``<root>/<name>/config.yaml``) on disk now, read or not."""
@@ -118,7 +139,7 @@ class ModelRepository:
         return [self._entries[n] for n in self.names()]
 
     def get(self, name: str, version: str | None = None) -> ModelEntry:
-        """The entry for ``name``; with ``version``, check that it is the served version.
+        """The entry for ``name``; with ``version``, check that it is a served version.
 
         Raises:
             ModelNotFound: unknown name, a version that does not exist, or one not served.
@@ -130,7 +151,7 @@ class ModelRepository:
             if not _VERSION.fullmatch(version) or int(version) not in entry.versions:
                 raise unknown_model(name, f"model '{name}' has no version '{version}'; versions: "
                                     f"{list(entry.versions)}", version)
-            if int(version) != entry.latest:
+            if int(version) not in entry.served:
                 raise unknown_model(name, f"version {version} of model '{name}' is not served; served "
-                                    f"version: {entry.latest}", version)
+                                    f"versions: {list(entry.served)} (version_policy in its config.yaml)", version)
         return entry

@@ -121,7 +121,10 @@ class ModelCache:
 
     Args:
         repository: the model repository.
-        names: the models this cache serves (default: every non-pipeline model).
+        names: the models this cache serves (default: every non-pipeline model). Each served
+            version of a model (its ``version_policy``) is a cache entry of its own, under the
+            same limits, keyed by ``ModelEntry.key``: the model name for its newest served
+            version, ``<name>@<version>`` for older ones; the methods below take these keys.
         options: ``CacheOptions``: load policy, byte budget (``memory_budget_mib``), count cap
             (``max_num_models_per_replica``; both limits apply together), and how long a load
             waits for held models to be released (``wait_timeout_s``, ``lru``).
@@ -164,7 +167,8 @@ class ModelCache:
         self._given = dict(footprints or {})
         self._checkout_timeout_s = checkout_timeout_s
         self._on_execution = on_execution
-        self._slots = {e.name: _Slot(e.name, self._host(e)) for e in entries}
+        self._slots = {key: _Slot(key, self._host(e.at(version))) for e in entries
+                       for key, version in e.keys().items()}
         self._on_event = on_event
         self._cond = threading.Condition()
         self._resident_bytes = 0
@@ -195,21 +199,22 @@ class ModelCache:
         return host
 
     def add(self, entry: ModelEntry, enabled: bool = True) -> None:
-        """Serve ``entry`` too (a model added to the repository after start), or take a model's
-        re-read entry. A model that is loaded, loading or held keeps the entry it loaded with
+        """Serve ``entry``'s served versions too (a model added to the repository after start), or
+        take a model's re-read entry. A model that is loaded, loading or held keeps the entry it loaded with
         (unload it first); otherwise its next load uses ``entry``. ``enabled=False`` adds it
         unloaded (requests get ``ModelNotReady`` until ``load``).
 
         Raises:
             ConfigError: a pipeline model (no engine to cache).
         """
-        host = self._host(entry)
-        with self._cond:
-            slot = self._slots.get(entry.name)
-            if slot is None:
-                self._slots[entry.name] = _Slot(entry.name, host, enabled=enabled)
-            elif slot.state == _ABSENT and not slot.refcount and not slot.enabled:
-                slot.host, slot.backend, slot.footprint, slot.footprint_source = host, "", None, ""
+        for key, version in entry.keys().items():
+            host = self._host(entry.at(version))
+            with self._cond:
+                slot = self._slots.get(key)
+                if slot is None:
+                    self._slots[key] = _Slot(key, host, enabled=enabled)
+                elif slot.state == _ABSENT and not slot.refcount and not slot.enabled:
+                    slot.host, slot.backend, slot.footprint, slot.footprint_source = host, "", None, ""
 
     def load(self, name: str) -> None:
         """Serve ``name`` (again, after ``unload``) and load it now, as a first request would

@@ -38,7 +38,7 @@ class ModelHost:
     def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
         self.entry = entry
         self.config = entry.config
-        self.version = entry.latest
+        self.version = entry.latest  # the newest served version (``ModelEntry.at`` picks one)
         self.backend_request = backend
         self.checkout_timeout_s = checkout_timeout_s
         self.engine: Engine | None = None

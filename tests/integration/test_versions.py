@@ -1,0 +1,110 @@
+"""Versions (issue 14, item 3) on a running server: two versions of one pool model served side by
+side (``version_policy: {all: {}}``), each by its route and by tritonclient.http's
+``model_version``, with different outputs that match ONNX Runtime run directly on that version's
+file; a version not served answers 404 naming the served ones; metadata and the repository index
+list both; a dedicated model serves its newest only.
+
+A second application ("versions", under /versions) serves a temporary repository: ``cnn``
+(pool; version 1 is tiny_cnn, version 2 the same graph with other weights, seed 5) and
+``simple_dedicated`` (Triton's ``simple`` on a dedicated deployment, versions 1 and 2 on disk).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+import yaml
+
+from ..unit.test_versions import versioned_repository
+from .conftest import REPOSITORY, wait_ready
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "/versions"
+X = np.random.default_rng(11).random((2, 3, 224, 224), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def versions(serve_instance, tmp_path_factory):
+    """(base URL, repository root) of the application with versioned models."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    root = versioned_repository(tmp_path_factory.mktemp("versions-repo"), {1: 0, 2: 5}, {"all": {}})
+    raw = yaml.safe_load((Path(REPOSITORY) / "simple" / "config.yaml").read_text())
+    raw.update(deployment={"mode": "dedicated"}, version_policy={"all": {}})
+    (root / "simple_dedicated").mkdir()
+    (root / "simple_dedicated" / "config.yaml").write_text(yaml.safe_dump(raw))
+    for version in (1, 2):
+        (root / "simple_dedicated" / str(version)).mkdir()
+        shutil.copy(Path(REPOSITORY) / "simple" / "1" / "model.onnx", root / "simple_dedicated" / str(version))
+    serve.run(build_app({"repository": str(root), "pool": {"max_num_models_per_replica": 2}}),
+              name="versions", route_prefix=PREFIX)
+    url = f"{serve_instance}{PREFIX}"
+    wait_ready(url)
+    yield url, root
+    serve.delete("versions")
+
+
+def infer(url: str, route: str) -> requests.Response:
+    body = {"inputs": [{"name": "input", "shape": list(X.shape), "datatype": "FP32", "data": X.ravel().tolist()}]}
+    return requests.post(f"{url}/v2/models/{route}/infer", json=body)
+
+
+def test_two_versions_of_a_pool_model_serve_side_by_side_each_by_its_route(versions):
+    url, root = versions
+    expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
+                for v in (1, 2)}
+    assert not np.allclose(expected[1], expected[2])
+    for route, version in (("cnn/versions/1", 1), ("cnn/versions/2", 2), ("cnn", 2)):
+        r = infer(url, route)
+        assert r.status_code == 200, r.text
+        assert r.json()["model_version"] == str(version)
+        got = np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected[version].shape)
+        np.testing.assert_allclose(got, expected[version], rtol=1e-4, atol=1e-5)
+    memory = requests.get(f"{url}/v2/memory").json()["pool"]["models"]
+    assert {key: memory[key]["state"] for key in ("cnn", "cnn@1")} == {"cnn": "ready", "cnn@1": "ready"}
+
+    r = infer(url, "cnn/versions/3")
+    assert r.status_code == 404
+    assert r.json()["error"].startswith("Request for unknown model: 'cnn' version 3 is not found")
+    assert "versions: [1, 2]" in r.json()["error"]
+    assert requests.get(f"{url}/v2/models/cnn").json()["versions"] == ["1", "2"]
+    assert requests.get(f"{url}/v2/models/cnn/versions/1/ready").status_code == 200
+    assert requests.get(f"{url}/v2/models/cnn/versions/1/config").json()["version_policy"] == {"all": {}}
+    index = [(i["name"], i["version"], i["state"]) for i in requests.post(f"{url}/v2/repository/index").json()]
+    assert ("cnn", "1", "READY") in index and ("cnn", "2", "READY") in index
+
+
+def test_tritonclient_picks_each_version_by_model_version(versions):
+    import tritonclient.http as httpclient
+
+    url, root = versions
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=120)
+    for version in ("1", "2"):
+        expected = ort.InferenceSession(str(root / "cnn" / version / "model.onnx")).run(None, {"input": X})[0]
+        tensor = httpclient.InferInput("input", list(X.shape), "FP32")
+        tensor.set_data_from_numpy(X)  # binary tensor data
+        result = client.infer("cnn", [tensor], model_version=version)
+        assert result.get_response()["model_version"] == version
+        np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-4, atol=1e-5)
+        assert client.is_model_ready("cnn", version)
+        assert client.get_model_metadata("cnn", version)["versions"] == ["1", "2"]
+    client.close()
+
+
+def test_a_dedicated_model_serves_its_newest_version_only(versions):
+    url, _ = versions
+    pair = [{"name": f"INPUT{i}", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))} for i in range(2)]
+    r = requests.post(f"{url}/v2/models/simple_dedicated/versions/2/infer", json={"inputs": pair})
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{url}/v2/models/simple_dedicated/versions/1/infer", json={"inputs": pair})
+    assert r.status_code == 404
+    assert "served versions: [2] (a dedicated model serves its newest only)" in r.json()["error"]
+    assert requests.get(f"{url}/v2/models/simple_dedicated").json()["versions"] == ["2"]

@@ -1,0 +1,134 @@
+"""Versions (issue 14, item 3): a model's ``version_policy`` picks its served versions; the pool's
+cache holds each served version as an entry of its own under the same limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import yaml
+
+from deployments.runtime.contract.config import CacheOptions, VersionPolicy
+from deployments.runtime.contract.errors import ConfigError, ModelNotFound
+from deployments.runtime.contract.repository import ModelRepository
+from deployments.runtime.residency.cache import ModelCache
+from deployments.runtime.tools.prepare import build_tiny_cnn
+
+ROOT = Path(__file__).resolve().parents[2]
+X = np.random.default_rng(3).random((1, 3, 224, 224), dtype=np.float32)
+
+
+def versioned_repository(root: Path, versions: dict[int, int], policy: dict | None) -> Path:
+    """``root/cnn``: tiny_cnn's config (with ``policy``), version v built with seed ``versions[v]``."""
+    raw = yaml.safe_load((ROOT / "engines" / "tiny_cnn" / "config.yaml").read_text())
+    raw.pop("warmup", None)
+    if policy is not None:
+        raw["version_policy"] = policy
+    (root / "cnn").mkdir(parents=True, exist_ok=True)
+    (root / "cnn" / "config.yaml").write_text(yaml.safe_dump(raw))
+    for version, seed in versions.items():
+        (root / "cnn" / str(version)).mkdir(exist_ok=True)
+        onnx.save(build_tiny_cnn(seed), root / "cnn" / str(version) / "model.onnx")
+    return root
+
+
+@pytest.mark.parametrize("policy, served", [
+    ({}, (5,)),
+    ({"latest": {}}, (5,)),
+    ({"latest": {"num_versions": 2}}, (2, 5)),
+    ({"latest": {"num_versions": 9}}, (1, 2, 5)),
+    ({"all": {}}, (1, 2, 5)),
+    ({"specific": {"versions": [5, 1, 1]}}, (1, 5)),
+])
+def test_each_policy_serves_its_versions_as_triton_does(policy, served):
+    assert VersionPolicy.model_validate(policy).select((1, 2, 5)) == served
+
+
+def test_a_bad_policy_fails_naming_the_file_and_the_field(tmp_path):
+    for policy, words in [({"latest": {"num_versions": 0}}, "version_policy.latest.num_versions"),
+                          ({"all": {}, "latest": {}}, "give one of latest, all, specific"),
+                          ({"specific": {"versions": [2, 3]}}, "version_policy.specific.versions: [3] have no version folder"),
+                          ({"newest": {}}, "version_policy.newest: unknown field; allowed: latest, all, specific")]:
+        versioned_repository(tmp_path / str(len(words)), {1: 0, 2: 1}, policy)
+        with pytest.raises(ConfigError) as e:
+            ModelRepository(tmp_path / str(len(words)))
+        assert "config.yaml" in e.value.message and words in e.value.message, e.value.message
+
+
+def test_the_repository_serves_the_policys_versions_and_names_them_for_one_not_served(tmp_path):
+    repo = ModelRepository(versioned_repository(tmp_path, {1: 0, 2: 1, 3: 2}, {"specific": {"versions": [1, 2]}}))
+    entry = repo.get("cnn", "1")
+    assert (entry.versions, entry.served, entry.latest) == ((1, 2, 3), (1, 2), 2)
+    assert entry.keys() == {"cnn@1": 1, "cnn": 2}
+    with pytest.raises(ModelNotFound) as e:
+        repo.get("cnn", "3")
+    assert "served versions: [1, 2]" in e.value.message
+
+
+def test_the_cache_holds_each_version_as_an_entry_of_its_own_under_the_same_count_cap(tmp_path):
+    root = versioned_repository(tmp_path, {1: 0, 2: 5}, {"all": {}})
+    cache = ModelCache(ModelRepository(root), options=CacheOptions(max_num_models_per_replica=1))
+    assert cache.names == ["cnn", "cnn@1"]
+    outputs = {}
+    for key, version in (("cnn@1", 1), ("cnn", 2)):
+        outputs[version] = cache.infer(key, {"input": X})["logits"]
+        expected = ort.InferenceSession(str(root / "cnn" / str(version) / "model.onnx")).run(None, {"input": X})[0]
+        np.testing.assert_allclose(outputs[version], expected, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(outputs[1], outputs[2])
+    assert cache.resident() == ["cnn"]  # the count cap of 1 evicted version 1 for version 2
+    assert [(e["event"], e["model"]) for e in cache.timeline()] == [
+        ("load", "cnn@1"), ("evict", "cnn@1"), ("load", "cnn")]
+    cache.close()
+
+
+def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_versions(tmp_path):
+    from .test_router_routes import make_router
+
+    repo = ModelRepository(versioned_repository(tmp_path, {1: 0, 2: 5, 3: 6}, {"specific": {"versions": [1, 2]}}))
+    router, client = make_router(repo)
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
+    for route, key, version in (("cnn/versions/1", "cnn@1", "1"), ("cnn/versions/2", "cnn", "2"), ("cnn", "cnn", "2")):
+        r = router.post(f"/v2/models/{route}/infer", json=body)
+        assert r.status_code == 200 and r.json()["model_version"] == version, r.text
+        assert client.keys[-1] == key
+    r = router.post("/v2/models/cnn/versions/3/infer", json=body)
+    assert r.status_code == 404 and "served versions: [1, 2]" in r.json()["error"], r.text
+    assert router.get("/v2/models/cnn").json()["versions"] == ["1", "2"]
+    assert router.get("/v2/models/cnn/versions/1/config").json()["version_policy"] == {"specific": {"versions": [1, 2]}}
+    index = router.post("/v2/repository/index").json()
+    assert [(i["name"], i["version"]) for i in index] == [("cnn", "1"), ("cnn", "2")]
+
+
+def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_unload(tmp_path):
+    from deployments.model import ModelDeployment
+    from deployments.pool import PoolDeployment
+    from deployments.runtime.residency.gate import Gate
+    from deployments.runtime.residency.host import ModelHost
+
+    root = versioned_repository(tmp_path, {1: 0}, {"latest": {"num_versions": 2}})
+    pool = PoolDeployment.func_or_class.__new__(PoolDeployment.func_or_class)
+    pool.repo = ModelRepository(root)
+    pool.cache = ModelCache(pool.repo)
+    pool.keys, pool.versions = {"cnn": ("cnn", 1)}, {"cnn": 1}
+    pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
+    dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
+    dedicated.repo = ModelRepository(root)
+    dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
+    unload, load = ({"cnn": {"loaded": flag, "placement": "pool"}} for flag in (False, True))
+    for replica in (pool, dedicated):
+        assert replica.apply(unload)["cnn"]["error"] is None
+    versioned_repository(root, {2: 5}, {"latest": {"num_versions": 2}})  # version 2 arrives
+    for replica in (pool, dedicated):
+        assert replica.apply(load)["cnn"]["error"] is None
+    expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
+                for v in (1, 2)}
+    assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}
+    for key, version in (("cnn@1", 1), ("cnn", 2)):
+        np.testing.assert_allclose(pool.cache.infer(key, {"input": X})["logits"], expected[version], rtol=1e-4, atol=1e-5)
+    assert dedicated.host.version == 2  # a dedicated model serves its newest only
+    np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], expected[2], rtol=1e-4, atol=1e-5)
+    pool.cache.close()
+    dedicated.host.unload()
