@@ -2,7 +2,8 @@
 
 ``observe_infer`` wraps the router's infer route (outside its error handler, so it sees the
 final status); ``phase(request, "compute_input_s")`` times a block inside the route. A request
-for an unknown model is not counted (Triton counts per model), only logged.
+for an unknown model or a version not served is not counted (Triton counts per model), only
+logged.
 
 Request logs (logger ``ray.serve.requests``, one JSON object per line): every failed request
 with ``model``, ``version``, ``status``, ``reason`` (Triton's failure reason), ``error`` (the
@@ -38,11 +39,13 @@ class RouterObserver:
         name = request.path_params.get("name", "")
         version = self.versions.get(name)
         status = response.status_code
-        if version is not None:
-            asked = request.path_params.get("version")
+        asked = request.path_params.get("version")
+        if version is not None and not (asked is not None and status == 404):
+            # a 404 on a versioned route is a version not served: a label per made-up version
+            # would let clients grow the series without bound
             self.recorder.finished(name, asked if asked is not None else version, status, timing)
         if status != 200 or self.access_log:
-            self._log(request, response, name, version, timing)
+            self._log(request, response, name, asked if asked is not None else version, timing)
 
     def _log(self, request: Request, response: Response, name: str, version: str | None,
              timing: RequestTiming) -> None:

@@ -221,7 +221,16 @@ def decode_request(body: Body, header_length: int | None) -> InferRequest:
         header, section = view, _BinarySection(view[:0], has_header=False)
     else:
         header, section = view[:header_length], _BinarySection(view[header_length:], has_header=True)
-    request = decode_infer_request(parse_json(bytes(header)), decode=section.decode)
+    try:
+        parsed = parse_json(bytes(header))
+    except InvalidInput as e:
+        if header_length is None:
+            raise
+        raise InvalidInput(
+            f"the body's first {header_length} bytes (Inference-Header-Content-Length) are not one "
+            f"JSON object: {e.message}; the header must give the exact length of the JSON part, "
+            "with the binary tensor data after it") from None
+    request = decode_infer_request(parsed, decode=section.decode)
     section.finish()
     return request
 

@@ -222,6 +222,15 @@ def test_malformed_json_header_is_400():
         decode(b"{not json" + bytes(8), "9")
 
 
+@pytest.mark.parametrize("delta", [-3, 5])
+def test_a_header_length_that_misses_the_json_part_names_the_header(delta):
+    body, header = binary_body({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32",
+                                            "parameters": {"binary_data_size": 8}}]}, bytes(8))
+    with pytest.raises(InvalidInput, match=rf"the body's first {int(header) + delta} bytes "
+                       r"\(Inference-Header-Content-Length\) are not one JSON object: .*exact length"):
+        decode(body, str(int(header) + delta))
+
+
 def request_with(parameters=None, output_parameters=None) -> InferRequest:
     return InferRequest("id-7", {}, None, output_parameters or {}, parameters or {})
 

@@ -145,6 +145,43 @@ def test_one_structured_log_line_per_failed_request_and_successes_only_with_acce
     assert [(o["model"], o["status"]) for o in ok] == ([("tiny_cnn", 200)] if access_log else [])
 
 
+def _versioned_routes(root: str) -> str:
+    """In a fresh process: a served and a made-up version of tiny_cnn through the router's
+    observer; returns /metrics text."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from deployments.observe.router import RouterObserver, observe_infer
+
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+
+    class Ingress:
+        observer = RouterObserver({"tiny_cnn": "2"})
+
+        @observe_infer
+        async def infer(self, request):
+            if request.path_params["version"] not in ("1", "2"):
+                return JSONResponse({"error": "version not served"}, 404)
+            return JSONResponse({"outputs": []})
+
+    client = TestClient(Starlette(routes=[Route("/v2/models/{name}/versions/{version}/infer",
+                                                Ingress().infer, methods=["POST"])]))
+    for version in ("1", "zz1", "zz2", "1"):
+        client.post(f"/v2/models/tiny_cnn/versions/{version}/infer", json={})
+    m.flush()
+    return m.render(os.path.join(root, "default")).decode()
+
+
+def test_a_version_not_served_adds_no_series(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        text = pool.apply(_versioned_routes, (str(tmp_path),))
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 2
+    assert "zz" not in text  # no series, success or failure, for the made-up versions
+
+
 def _pipeline_steps(root: str) -> str:
     """In a fresh process: two good and one bad step call of a pipeline; returns /metrics text."""
     import asyncio
