@@ -57,6 +57,7 @@ import yaml
 
 from bench import batch_trace, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
+from deployments import loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -128,7 +129,10 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
 def ray_env(config: str, scratch: Path) -> dict[str, str]:
     """Environment for a Ray cluster in ``config``; HAProxy's files and ports are this run's own
     (its defaults under /tmp/haproxy-serve and ports 8404/9101 would collide with other
-    clusters on the machine)."""
+    clusters on the machine). With HAProxy, the rest of what ``make serve`` sets
+    (``deployments.loopback.local_env``): the cluster on 127.0.0.1, and HAProxy run through the
+    wrapper that keeps it there and makes it retry or answer a request whose ingress replica
+    dies."""
     if config not in RAY_CONFIGS:
         raise ValueError(f"unknown Ray config {config!r}; one of {RAY_CONFIGS}")
     env: dict[str, str] = {}
@@ -150,6 +154,8 @@ def ray_env(config: str, scratch: Path) -> dict[str, str]:
         # gRPC between deployments caps messages at 4 MiB by default: a (1, 3, 640, 640) FP32
         # tensor (4.9 MB) would fail. Raise it to gRPC's own 2 GiB limit.
         env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] = str(2**31 - 1)
+    if config != "proxy":
+        env.update(loopback.local_env({**os.environ, **env}))
     return env
 
 

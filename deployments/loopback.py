@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""A local cluster that listens on 127.0.0.1 only (what ``make serve`` starts).
+"""A local cluster that listens on 127.0.0.1 only (what ``make serve`` starts), and an HAProxy
+that answers every request.
 
 Imported by ``deployments.run``: ``local_env`` gives the environment that a Ray cluster started
 by this process needs so that none of its sockets listens on another interface. Executed by
 Ray Serve as its HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``): moves the two listeners
-of Ray's HAProxy config that Ray 2.60 binds on every interface onto 127.0.0.1, then runs the
-real HAProxy. Standard library only (it runs under the first ``python3`` on PATH).
+of Ray's HAProxy config that Ray 2.60 binds on every interface onto 127.0.0.1
+(``bind_loopback``), makes HAProxy retry or answer a request whose ingress replica dies while
+it holds it (``answer_replica_deaths``), then runs the real HAProxy. Standard library only (it
+runs under the first ``python3`` on PATH).
 
 What listens where, and why each setting (Ray 2.60):
 
@@ -31,6 +34,7 @@ What listens where, and why each setting (Ray 2.60):
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import socket
@@ -48,6 +52,10 @@ HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROX
 
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|"
                       r"http-errors|ring|cache|mailers)\b")
+_DEFAULTS = re.compile(r"^defaults\b")
+_RETRY_ON = re.compile(r"^\s+retry-on\s+(?P<tokens>.*?)\s*$")
+_RETRIES = re.compile(r"^\s+retries\s")
+_ERRORFILE = re.compile(r"^\s+errorfile\s+(?P<status>\d+)\s")
 _BIND = re.compile(r"^(?P<indent>\s+bind\s+)(?P<host>[^\s:]*|\[[^\]]*\]):(?P<port>\d+)(?P<rest>.*)$")
 
 
@@ -97,6 +105,92 @@ def bind_loopback(config: str) -> str:
         raise ValueError(f"HAProxy config has no `bind [host]:port` line in {missing}: Ray's template "
                          f"changed, so its listeners cannot be kept on {LOOPBACK}")
     return "".join(lines)
+
+
+# What HAProxy does with a request whose ingress replica (the ``Router``, or Ray's Python proxy
+# as the fallback) dies before answering it (README, "Reliability campaigns"):
+# 1. Retry it when no byte of an answer came back (``empty-response``; ``conn-failure`` is
+#    Ray's own default) and the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
+#    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``, 16 KiB): ``option http-buffer-request`` makes HAProxy
+#    hold the whole body of such a request before sending it, so that it can send it again.
+#    Ray's ``option redispatch 1`` sends each retry to a server picked anew, at once; the dead
+#    one stays a candidate until HAProxy marks it down (3 failed connections, ``observe
+#    layer4``), so ``RETRIES`` (HAProxy's default: 3, all spent on the dead replica when 4
+#    requests died together; measured) leaves room to reach a live replica or Ray's fallback
+#    proxy (the ``backup`` server), which waits for Serve's replacement. A replay is safe on
+#    this server: an infer is a pure function of its request (the only trace of a replay is
+#    one more count in ``/v2/models/{m}/stats``), load and unload set a desired state, the
+#    rest are reads.
+# 2. Else answer 502/503/504 with a JSON ``{"error": ...}`` body and ``Retry-After`` (Ray's
+#    template answers a plain-text 500 "Internal Server Error" for all three). HAProxy sends
+#    no answer at all on a connection the client reused for a request it cannot retry (its
+#    keep-alive rule: close silently, the client retries; ``http_ana.c``, ``abort_keep_alive``).
+RETRY_ON = ("conn-failure", "empty-response")
+RETRIES = 10
+RETRY_AFTER_S = 1
+ERROR_ANSWERS = {
+    502: "the ingress replica that held this request closed its connection without an answer (it died "
+         "or restarted; Serve replaces it within seconds); the request may or may not have run: send it again",
+    503: "no ingress replica can take this request now (Serve is starting or replacing it): send it again",
+    504: "the ingress replica did not answer in time: send it again",
+}
+ANSWERS_MARKER = "# trt-serve: retry or answer a request whose ingress replica dies (deployments/loopback.py)"
+
+
+def _haproxy_quoted(text: str) -> str:
+    """``text`` as one double-quoted HAProxy config word (backslash and ``"`` escaped; ``text``
+    must not contain ``$``, which HAProxy expands inside double quotes)."""
+    if "$" in text:
+        raise ValueError(f"'$' in {text!r}: HAProxy would expand it")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def answer_replica_deaths(config: str) -> str:
+    """``config`` (an HAProxy configuration file's text) with its ``defaults`` section made to
+    retry or answer a request whose server dies before answering (``RETRY_ON``, ``ERROR_ANSWERS``,
+    the comment above them): ``retry-on`` gets ``RETRY_ON`` added to Ray's tokens (a ``none``
+    is left as it stands), ``retries RETRIES`` and ``option http-buffer-request`` are added
+    (``retries`` only where Ray wrote none: ``RAY_SERVE_HAPROXY_RETRIES`` stands), Ray's
+    ``errorfile`` lines for 502/503/504 give way to ``http-error`` answers,
+    ``application/json``, with ``Retry-After``.
+
+    Idempotent (a marker comment). A config without a ``defaults`` section is returned
+    unchanged: Ray's own answers are worse, but no reason to run no HAProxy.
+    """
+    lines = config.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if _DEFAULTS.match(line)), None)
+    if start is None:
+        return config
+    end = next((i for i in range(start + 1, len(lines)) if _SECTION.match(lines[i])), len(lines))
+    section = lines[start:end]
+    if any(line.strip() == ANSWERS_MARKER for line in section):
+        return config
+    kept, has_retry_on = [], False
+    has_retries = any(_RETRIES.match(line) for line in section)
+    for line in section:
+        retry_on = _RETRY_ON.match(line)
+        if retry_on and "none" not in retry_on["tokens"].split():
+            tokens = retry_on["tokens"].split()
+            line = f"    retry-on {' '.join(tokens + [t for t in RETRY_ON if t not in tokens])}\n"
+        has_retry_on = has_retry_on or retry_on is not None
+        errorfile = _ERRORFILE.match(line)
+        if errorfile and int(errorfile["status"]) in ERROR_ANSWERS:
+            continue
+        kept.append(line)
+    added = [ANSWERS_MARKER, "option http-buffer-request"]
+    added += [] if has_retry_on else [f"retry-on {' '.join(RETRY_ON)}"]
+    added += [] if has_retries else [f"retries {RETRIES}"]
+    added += [f"http-error status {status} content-type application/json "
+              f"string {_haproxy_quoted(json.dumps({'error': text}))} hdr Retry-After {RETRY_AFTER_S}"
+              for status, text in ERROR_ANSWERS.items()]
+    kept = [line if line.endswith("\n") else line + "\n" for line in kept]
+    return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
+
+
+def rewrite_config(config: str) -> str:
+    """What the wrapper does to Ray's HAProxy config: ``bind_loopback`` then
+    ``answer_replica_deaths``."""
+    return answer_replica_deaths(bind_loopback(config))
 
 
 def _port_or_free(preferred: int) -> int:
@@ -168,9 +262,10 @@ def _config_path(args: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """As Ray's HAProxy binary: rewrite the ``-f`` config (under the lock Ray writes it with),
-    then become the real HAProxy with the same arguments. Exit status 2 with one line on
-    stderr when the config cannot be kept on loopback or no real binary is named."""
+    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, under the lock
+    Ray writes it with), then become the real HAProxy with the same arguments. Exit status 2
+    with one line on stderr when the config cannot be kept on loopback or no real binary is
+    named; one line of warning when it has no ``defaults`` section to answer from."""
     args = list(sys.argv[1:] if argv is None else argv)
     real = os.environ.get(REAL_BINARY_ENV)
     if not real:
@@ -182,10 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             path = Path(config)
             try:
-                path.write_text(bind_loopback(path.read_text()))
+                text = path.read_text()
+                rewritten = rewrite_config(text)
+                path.write_text(rewritten)
             except (OSError, ValueError) as e:
                 print(f"trt-serve loopback HAProxy wrapper: {config}: {e}", file=sys.stderr)
                 return 2
+            if ANSWERS_MARKER not in rewritten:
+                print(f"trt-serve loopback HAProxy wrapper: {config}: no `defaults` section: a request whose "
+                      "ingress replica dies gets Ray's answer (no retry, plain-text 500)", file=sys.stderr)
     os.execv(real, [real, *args])
     return 0  # not reached
 

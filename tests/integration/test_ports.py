@@ -7,6 +7,10 @@ to 127.0.0.1 (``loopback.replica_grpc_on_loopback``):
 
 - HAProxy's syslog sender (``log 127.0.0.1:514`` in Ray's template): a UDP socket the kernel
   binds to ``0.0.0.0:<ephemeral>`` on the first datagram sent; HAProxy never reads it.
+
+The same server, last: its router replica killed under load, every request gets an HTTP answer
+(HAProxy as ``deployments.loopback`` configures it; the Python proxy's answer:
+``test_campaigns.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import psutil
 import pytest
 import requests
 import yaml
+
+from bench import faults
 
 from .conftest import ROOT, _free_port, wait_ready
 
@@ -122,3 +128,13 @@ def test_make_serve_listens_on_loopback_only(make_serve):
     haproxy_ports = {port for _, port, protocol, name, _ in listeners if name == "haproxy" and protocol == "tcp"}
     assert len(haproxy_ports) >= 3, haproxy_ports  # API, stats, Prometheus
     assert requests.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+
+
+def test_make_serve_answers_every_request_in_flight_when_its_router_replica_is_killed(make_serve):
+    url, pid, _ = make_serve  # the server leads its own session (start_new_session)
+    result = faults.router_kill_under_load(url, pid, "models")
+    print(result)
+    assert result.lost == 0 and "None" not in result.answers, result
+    # sent again by HAProxy (200: on Ray's fallback proxy) or a JSON 502/503 with Retry-After
+    assert sum(result.in_flight.values()) >= 1 and set(result.in_flight) <= {"200", "502", "503"}, result
+    assert result.recovered, result

@@ -1,12 +1,18 @@
 """deployments.loopback: Ray's own HAProxy config (rendered by Ray 2.60's code) keeps its stats and
-Prometheus listeners on 127.0.0.1 and stays valid for the real HAProxy; the environment a
-local cluster gets; the wrapper as Ray runs it."""
+Prometheus listeners on 127.0.0.1 and stays valid for the real HAProxy; it retries or answers
+(JSON) a request whose server dies, tried on the real HAProxy; the environment a local cluster
+gets; the wrapper as Ray runs it."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
+import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +107,157 @@ def test_a_port_held_on_any_interface_gives_way_to_a_free_one():
         taken = held.getsockname()[1]
         chosen = loopback._port_or_free(taken)
     assert chosen != taken and chosen > 0
+
+
+def _defaults_of(config: str) -> list[str]:
+    lines = config.splitlines()
+    start = lines.index("defaults")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    return [line.strip() for line in lines[start + 1:end]]
+
+
+def _http_error_bodies(defaults: list[str]) -> dict[int, tuple[dict, str]]:
+    """status -> (JSON body, Retry-After) of each ``http-error status N ... string "..." hdr
+    Retry-After S`` line."""
+    found = {}
+    for line in defaults:
+        if line.startswith("http-error status "):
+            quoted = line[line.index(' string "') + len(' string "'):line.rindex('" hdr Retry-After ')]
+            found[int(line.split()[2])] = (json.loads(quoted.replace('\\"', '"')), line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_path):
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1")
+    original = path.read_text()
+    assert "    retry-on conn-failure\n" in original and "errorfile 502" in original  # Ray's, as it stands
+    rewritten = loopback.rewrite_config(original)
+    defaults = _defaults_of(rewritten)
+    assert "retry-on conn-failure empty-response" in defaults and "retries 10" in defaults
+    assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults  # Ray's kept
+    assert not [line for line in defaults if line.startswith("errorfile")]
+    assert _http_error_bodies(defaults) == {status: ({"error": text}, "1")
+                                            for status, text in loopback.ERROR_ANSWERS.items()}
+    assert loopback.rewrite_config(rewritten) == rewritten
+    assert rewritten.count("\n") == original.count("\n") - 3 + 6  # errorfile x3 out; marker, buffer, retries, http-error x3 in
+    path.write_text(rewritten)
+    check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_answers_keep_what_ray_was_told_and_skip_a_config_without_defaults():
+    told = "defaults\n    mode http\n    retry-on none\n    retries 2\nbackend b\n    server s 127.0.0.1:1\n"
+    defaults = _defaults_of(loopback.answer_replica_deaths(told))
+    assert "retry-on none" in defaults and "retries 2" in defaults  # RAY_SERVE_HAPROXY_RETRY_ON / _RETRIES
+    assert not [line for line in defaults if line.startswith(("retries 1", "retry-on conn"))]
+    assert set(_http_error_bodies(defaults)) == {502, 503, 504}
+    bare = "defaults\n    mode http\n"  # no retry-on at all: the policy is added
+    assert "retry-on conn-failure empty-response" in _defaults_of(loopback.answer_replica_deaths(bare))
+    without = "global\n    maxconn 10\nfrontend f\n    bind 127.0.0.1:1\n"
+    assert loopback.answer_replica_deaths(without) == without
+
+
+_BACKEND = '''
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+name = sys.argv[2]
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def answer(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.answer(name.encode())
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if name == "dying":  # holds the request until the test kills this process
+            print("holding", flush=True)
+            time.sleep(600)
+        self.answer(json.dumps({"by": name}).encode())
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((loopback.LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _get(port: int, path: str) -> tuple[int, bytes] | None:
+    try:
+        conn = http.client.HTTPConnection(loopback.LOOPBACK, port, timeout=5)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    except OSError:
+        return None
+
+
+def test_haproxy_retries_a_request_whose_server_died_and_answers_json_where_it_cannot(tmp_path):
+    """Ray's global and defaults sections, rewritten, in front of a server that dies holding the
+    request (as the Router replica does) and a backup (as Ray's fallback proxy)."""
+    ray_config = _ray_haproxy_config(tmp_path, "127.0.0.1").read_text()
+    head = ray_config[:ray_config.index("\nfrontend ") + 1]
+    front, dying, backup, closed = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = loopback.answer_replica_deaths(head + f"""frontend api
+    bind 127.0.0.1:{front}
+    use_backend nothing if {{ path_beg /nothing }}
+    default_backend app
+backend app
+    option httpchk GET /-/healthz
+    default-server fastinter 250ms downinter 250ms fall 2 rise 2 inter 5s check
+    server router 127.0.0.1:{dying} check observe layer4 error-limit 3 on-error mark-down
+    server fallback 127.0.0.1:{backup} check backup
+backend nothing
+    server gone 127.0.0.1:{closed} check observe layer4 error-limit 3 on-error mark-down
+""")
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = []
+
+    def start(*args: str) -> subprocess.Popen:
+        processes.append(subprocess.Popen(list(args), stdout=subprocess.PIPE, text=True))
+        return processes[-1]
+
+    try:
+        start(sys.executable, str(tmp_path / "backend.py"), str(backup), "fallback")
+        start(_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg"))
+        for body, fresh in ((b"x" * 400, False), (b"x" * 65536, True)):
+            server = start(sys.executable, str(tmp_path / "backend.py"), str(dying), "dying")
+            _until(lambda: _get(front, "/who") == (200, b"dying"))  # HAProxy sees it up
+            conn = http.client.HTTPConnection(loopback.LOOPBACK, front, timeout=30)
+            if not fresh:  # a request on a reused client connection (HAProxy's keep-alive case)
+                conn.request("GET", "/who")
+                conn.getresponse().read()
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            assert server.stdout.readline() == "holding\n"
+            server.send_signal(signal.SIGKILL)
+            server.wait()
+            response = conn.getresponse()
+            answer = (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
+                      json.loads(response.read()))
+            if not fresh:  # fits HAProxy's buffer: sent again, to the backup
+                assert answer == (200, None, None, {"by": "fallback"})
+            else:  # larger than HAProxy's buffer (16 KiB): cannot be sent again
+                assert answer == (502, "application/json", "1", {"error": loopback.ERROR_ANSWERS[502]})
+        conn = http.client.HTTPConnection(loopback.LOOPBACK, front, timeout=30)
+        conn.request("POST", "/nothing", body=b"{}")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
+                json.loads(response.read())) == (503, "application/json", "1", {"error": loopback.ERROR_ANSWERS[503]})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
