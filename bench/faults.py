@@ -24,6 +24,7 @@
 Each scenario returns a ``FaultResult``; ``run_all`` runs every scenario ``rounds`` times.
 
     python -m bench.faults --rounds 3        # starts its own server over a scratch repository
+    python -m bench.faults --rounds 3 --router-pad-bytes 32768   # router-kill requests of 32 KiB
 
 The short form (one round) runs in ``make test`` (``tests/integration/test_campaigns.py``).
 """
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -77,10 +80,16 @@ class FaultResult:
             self.errors.setdefault(str(status), error[:300])
 
 
-def _post(url: str, body: dict[str, Any], timeout_s: float = 90.0) -> tuple[int | None, str | None, dict | None]:
-    """(status, error text of a non-200 answer, JSON of a 200 answer); status None: no answer."""
+def _post(url: str, body: dict[str, Any], timeout_s: float = 90.0,
+          pad_bytes: int = 0) -> tuple[int | None, str | None, dict | None]:
+    """(status, error text of a non-200 answer, JSON of a 200 answer); status None: no answer.
+    ``pad_bytes``: that many spaces after the JSON (the same request, a larger body)."""
     try:
-        r = requests.post(url, json=body, timeout=timeout_s)
+        if pad_bytes:
+            r = requests.post(url, data=json.dumps(body) + " " * pad_bytes, timeout=timeout_s,
+                              headers={"Content-Type": "application/json"})
+        else:
+            r = requests.post(url, json=body, timeout=timeout_s)
     except requests.RequestException as e:
         return None, f"{type(e).__name__}: {e}", None
     if r.status_code == 200:
@@ -183,10 +192,12 @@ def documented_router_kill_answer(status: int | None, error: str | None, in_flig
 
 
 def router_kill_under_load(base_url: str, session: int, app: str, threads: int = 4,
-                           recover_timeout_s: float = 90.0, python_proxy: bool = False) -> FaultResult:
+                           recover_timeout_s: float = 90.0, python_proxy: bool = False,
+                           pad_bytes: int = 0) -> FaultResult:
     """Kill the router replica while ``threads`` clients send ``simple`` requests back to back;
     ``python_proxy``: the server's ingress is Ray's Python proxy, not HAProxy
-    (``documented_router_kill_answer``)."""
+    (``documented_router_kill_answer``); ``pad_bytes``: spaces after each JSON body (over
+    HAProxy's 16 KiB buffer, HAProxy cannot send a request again)."""
     result = FaultResult("kill the router replica under load")
     url = f"{base_url}/v2/models/simple/infer"
     stop = threading.Event()
@@ -197,7 +208,7 @@ def router_kill_under_load(base_url: str, session: int, app: str, threads: int =
     def client() -> None:
         while not stop.is_set():
             sent = time.monotonic()
-            status, error, out = _post(url, SIMPLE_BODY, 60.0)
+            status, error, out = _post(url, SIMPLE_BODY, 60.0, pad_bytes)
             if status == 200 and {o["name"]: o["data"] for o in out["outputs"]}["OUTPUT0"] != SIMPLE_SUM:
                 status, error = None, "wrong answer"
             with lock:
@@ -207,8 +218,9 @@ def router_kill_under_load(base_url: str, session: int, app: str, threads: int =
     for w in workers:
         w.start()
     time.sleep(3)
-    killed_at.append(time.monotonic())  # [0]: before the process scan, [1]: right after the kill
-    pid = kill_replica(session, app, "router")
+    pid = replica_pids(session, app, "router")[0]
+    killed_at.append(time.monotonic())  # [0]: right before the kill, [1]: right after it
+    os.kill(pid, signal.SIGKILL)
     killed_at.append(time.monotonic())
     result.detail = f"killed router replica pid {pid}"
     recovered = None
@@ -281,13 +293,14 @@ def scratch_repository(dest: Path, source: Path = ROOT / "engines") -> Path:
 
 
 def run_all(base_url: str, session: int, app: str, repository: Path, rounds: int = 1,
-            log: Callable[[str], None] = lambda s: None) -> list[FaultResult]:
-    """Every scenario, ``rounds`` times, one after another (each waits for the server to heal)."""
+            log: Callable[[str], None] = lambda s: None, router_pad_bytes: int = 0) -> list[FaultResult]:
+    """Every scenario, ``rounds`` times, one after another (each waits for the server to heal);
+    ``router_pad_bytes``: ``router_kill_under_load``'s ``pad_bytes``."""
     results = []
     for r in range(rounds):
         for scenario in (lambda: damaged_model_file(base_url, repository),
                          lambda: pool_kill_mid_load(base_url, session, app),
-                         lambda: router_kill_under_load(base_url, session, app)):
+                         lambda: router_kill_under_load(base_url, session, app, pad_bytes=router_pad_bytes)):
             results.append(scenario())
             log(f"round {r + 1}: {json.dumps(asdict(results[-1]))}")
             wait_replicas(session, app, ("router", "pool"))
@@ -310,6 +323,8 @@ def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--router-pad-bytes", type=int, default=0,
+                   help="spaces after each JSON body of the router kill's requests (default 0: ~400 bytes)")
     a = p.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="faults-"))
     repository = scratch_repository(scratch / "engines")
@@ -320,7 +335,8 @@ def main(argv: Sequence[str]) -> int:
         app_args["pool"] = {**app_args.get("pool", {}), "max_num_models_per_replica": 2}
         with Server("ray", repository, app_args=app_args) as server:
             results = run_all(server.url, server.process.pid, "models", repository, a.rounds,
-                              log=lambda s: print(s, file=sys.stderr, flush=True))
+                              log=lambda s: print(s, file=sys.stderr, flush=True),
+                              router_pad_bytes=a.router_pad_bytes)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out = Path(a.out)
@@ -329,9 +345,9 @@ def main(argv: Sequence[str]) -> int:
     path.write_text(json.dumps({"command": "python -m bench.faults " + " ".join(argv),
                                 "results": [asdict(r) for r in results]}, indent=2))
     for r in results:
-        print(f"{r.fault}: answers {r.answers} (in flight at the kill: {r.in_flight}), recovered {r.recovered} "
-              f"after {r.recovery_s} s, lost {r.lost}; "
-              f"{r.detail}; errors {r.errors}")
+        in_flight = f" (in flight at the kill: {r.in_flight})" if r.in_flight else ""
+        print(f"{r.fault}: answers {r.answers}{in_flight}, recovered {r.recovered} after {r.recovery_s} s, "
+              f"lost {r.lost}; {r.detail}; errors {r.errors}")
     print(f"wrote {path}", file=sys.stderr)
     return 0 if all(r.recovered and not r.lost for r in results) else 1
 

@@ -3,6 +3,9 @@
 Ray Serve's ``BackPressureError`` (a deployment handle refused a call because the model's
 ``max_queued_requests`` callers already wait) is translated to ``Overloaded`` here: 503 with
 ``Retry-After`` (``retry_after_headers``), in the same body shape as every other error.
+
+When the router replica itself cannot answer (it died holding the request, or none runs),
+HAProxy answers 502/503/504 in the same shape: ``deployments/loopback.py``, ``ERROR_ANSWERS``.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_
     assert _http_error_bodies(defaults) == {status: ({"error": text}, "1")
                                             for status, text in loopback.ERROR_ANSWERS.items()}
     assert loopback.rewrite_config(rewritten) == rewritten
-    assert rewritten.count("\n") == original.count("\n") - 3 + 6  # errorfile x3 out; marker, buffer, retries, http-error x3 in
+    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x3
+    assert rewritten.count("\n") == original.count("\n") - 3 + 6
     path.write_text(rewritten)
     check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
