@@ -134,6 +134,18 @@ ERROR_ANSWERS = {
     503: "no ingress replica can take this request now (Serve is starting or replacing it): send it again",
     504: "the ingress replica did not answer in time: send it again",
 }
+# HAProxy's own answers to a request it cannot read, in the same JSON shape (no Retry-After:
+# sending it again unchanged would not help), and how long it waits for a request's headers
+# (and, with ``option http-buffer-request``, its first buffer of body): Ray's template sets no
+# ``timeout http-request``, so a client that sends less body than its Content-Length held its
+# connection for ``timeout client`` (3600 s).
+HTTP_REQUEST_TIMEOUT_S = 30
+# (A request HAProxy cannot parse gets its own HTML 400: HAProxy 2.8's HTTP/1 parser answers it
+# before any errorfile or http-error applies; measured, tests/unit/test_loopback.py.)
+CLIENT_ERROR_ANSWERS = {
+    408: f"the request did not arrive in full within {HTTP_REQUEST_TIMEOUT_S} s: send the whole body, "
+         "exactly as long as its Content-Length says",
+}
 ANSWERS_MARKER = "# trt-serve: retry or answer a request whose ingress replica dies (deployments/loopback.py)"
 
 
@@ -152,7 +164,9 @@ def answer_replica_deaths(config: str) -> str:
     is left as it stands), ``retries RETRIES`` and ``option http-buffer-request`` are added
     (``retries`` only where Ray wrote none: ``RAY_SERVE_HAPROXY_RETRIES`` stands), Ray's
     ``errorfile`` lines for 502/503/504 give way to ``http-error`` answers,
-    ``application/json``, with ``Retry-After``.
+    ``application/json``, with ``Retry-After``; HAProxy's own 408 answers JSON too
+    (``CLIENT_ERROR_ANSWERS``), and ``timeout http-request HTTP_REQUEST_TIMEOUT_S`` is added
+    where Ray wrote none.
 
     Idempotent (a marker comment). A config without a ``defaults`` section is returned
     unchanged: Ray's own answers are worse, but no reason to run no HAProxy.
@@ -167,6 +181,7 @@ def answer_replica_deaths(config: str) -> str:
         return config
     kept, has_retry_on = [], False
     has_retries = any(_RETRIES.match(line) for line in section)
+    has_request_timeout = any(line.split()[:2] == ["timeout", "http-request"] for line in section)
     for line in section:
         retry_on = _RETRY_ON.match(line)
         if retry_on and "none" not in retry_on["tokens"].split():
@@ -174,7 +189,7 @@ def answer_replica_deaths(config: str) -> str:
             line = f"    retry-on {' '.join(tokens + [t for t in RETRY_ON if t not in tokens])}\n"
         has_retry_on = has_retry_on or retry_on is not None
         errorfile = _ERRORFILE.match(line)
-        if errorfile and int(errorfile["status"]) in ERROR_ANSWERS:
+        if errorfile and int(errorfile["status"]) in {**ERROR_ANSWERS, **CLIENT_ERROR_ANSWERS}:
             continue
         kept.append(line)
     added = [ANSWERS_MARKER, "option http-buffer-request"]
@@ -183,6 +198,9 @@ def answer_replica_deaths(config: str) -> str:
     added += [f"http-error status {status} content-type application/json "
               f"string {_haproxy_quoted(json.dumps({'error': text}))} hdr Retry-After {RETRY_AFTER_S}"
               for status, text in ERROR_ANSWERS.items()]
+    added += [] if has_request_timeout else [f"timeout http-request {HTTP_REQUEST_TIMEOUT_S}s"]
+    added += [f"http-error status {status} content-type application/json "
+              f"string {_haproxy_quoted(json.dumps({'error': text}))}" for status, text in CLIENT_ERROR_ANSWERS.items()]
     kept = [line if line.endswith("\n") else line + "\n" for line in kept]
     return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
 

@@ -116,14 +116,16 @@ def _defaults_of(config: str) -> list[str]:
     return [line.strip() for line in lines[start + 1:end]]
 
 
-def _http_error_bodies(defaults: list[str]) -> dict[int, tuple[dict, str]]:
-    """status -> (JSON body, Retry-After) of each ``http-error status N ... string "..." hdr
-    Retry-After S`` line."""
+def _http_error_bodies(defaults: list[str]) -> dict[int, tuple[dict, str | None]]:
+    """status -> (JSON body, Retry-After or None) of each ``http-error status N ... string "..."
+    [hdr Retry-After S]`` line."""
     found = {}
     for line in defaults:
         if line.startswith("http-error status "):
-            quoted = line[line.index(' string "') + len(' string "'):line.rindex('" hdr Retry-After ')]
-            found[int(line.split()[2])] = (json.loads(quoted.replace('\\"', '"')), line.rsplit(" ", 1)[1])
+            retry = line.rsplit(" ", 1)[1] if '" hdr Retry-After ' in line else None
+            end = line.rindex('" hdr Retry-After ') if retry else len(line) - 1
+            quoted = line[line.index(' string "') + len(' string "'):end]
+            found[int(line.split()[2])] = (json.loads(quoted.replace('\\"', '"')), retry)
     return found
 
 
@@ -136,11 +138,13 @@ def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_
     assert "retry-on conn-failure empty-response" in defaults and "retries 10" in defaults
     assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults  # Ray's kept
     assert not [line for line in defaults if line.startswith("errorfile")]
-    assert _http_error_bodies(defaults) == {status: ({"error": text}, "1")
-                                            for status, text in loopback.ERROR_ANSWERS.items()}
+    assert _http_error_bodies(defaults) == {
+        **{status: ({"error": text}, "1") for status, text in loopback.ERROR_ANSWERS.items()},
+        **{status: ({"error": text}, None) for status, text in loopback.CLIENT_ERROR_ANSWERS.items()}}
+    assert "timeout http-request 30s" in defaults
     assert loopback.rewrite_config(rewritten) == rewritten
-    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x3
-    assert rewritten.count("\n") == original.count("\n") - 3 + 6
+    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x4, timeout
+    assert rewritten.count("\n") == original.count("\n") - 3 + 8
     path.write_text(rewritten)
     check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -151,7 +155,7 @@ def test_the_answers_keep_what_ray_was_told_and_skip_a_config_without_defaults()
     defaults = _defaults_of(loopback.answer_replica_deaths(told))
     assert "retry-on none" in defaults and "retries 2" in defaults  # RAY_SERVE_HAPROXY_RETRY_ON / _RETRIES
     assert not [line for line in defaults if line.startswith(("retries 1", "retry-on conn"))]
-    assert set(_http_error_bodies(defaults)) == {502, 503, 504}
+    assert set(_http_error_bodies(defaults)) == {408, 502, 503, 504}
     bare = "defaults\n    mode http\n"  # no retry-on at all: the policy is added
     assert "retry-on conn-failure empty-response" in _defaults_of(loopback.answer_replica_deaths(bare))
     without = "global\n    maxconn 10\nfrontend f\n    bind 127.0.0.1:1\n"
@@ -258,6 +262,46 @@ backend nothing
         response = conn.getresponse()
         assert (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
                 json.loads(response.read())) == (503, "application/json", "1", {"error": loopback.ERROR_ANSWERS[503]})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _raw(port: int, data: bytes) -> tuple[int, str | None, dict]:
+    """Send ``data`` as is; (status, Content-Type, JSON body) of the answer."""
+    with socket.create_connection((loopback.LOOPBACK, port), timeout=30) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers.get("content-type"), json.loads(body)
+
+
+def test_haproxy_answers_a_request_that_never_arrives_in_full_in_json(tmp_path):
+    """HAProxy's own 408 (less body than Content-Length) in the ``{"error": ...}`` shape, with Ray's defaults rewritten (its http-request timeout, here 1 s,
+    kept where set)."""
+    ray_config = _ray_haproxy_config(tmp_path, "127.0.0.1").read_text()
+    head = ray_config[:ray_config.index("\nfrontend ") + 1].replace("    timeout connect", "    timeout http-request 1s\n    timeout connect", 1)
+    front, backend = _free_port(), _free_port()
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = loopback.answer_replica_deaths(head + f"""frontend api
+    bind 127.0.0.1:{front}
+    default_backend app
+backend app
+    server s 127.0.0.1:{backend}
+""")
+    assert "timeout http-request 1s" in _defaults_of(config) and "timeout http-request 30s" not in config
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(backend), "ok"]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")])]
+    try:
+        _until(lambda: _get(front, "/who") == (200, b"ok"))
+        assert _raw(front, b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                    + b"x" * 10) == (408, "application/json", {"error": loopback.CLIENT_ERROR_ANSWERS[408]})
     finally:
         for process in processes:
             process.kill()
