@@ -263,7 +263,15 @@ class RouterApp:
                 self.ready_models.discard(name)
 
     def _entry(self, request: Request) -> ModelEntry:
-        """The model (and, on a versioned route, the version: ``_version``) a request names.
+        """The model a request names (its version checked: ``_entry_version``).
+
+        Raises:
+            ModelNotFound: as ``_entry_version``.
+        """
+        return self._entry_version(request)[0]
+
+    def _entry_version(self, request: Request) -> tuple[ModelEntry, int]:
+        """The model and the version a request names (``_version``).
 
         Raises:
             ModelNotFound: unknown model, or a version it does not serve (the message names
@@ -271,8 +279,7 @@ class RouterApp:
         """
         params = request.path_params
         entry = self.repo.get(params["name"], params.get("version"))
-        self._version(request, entry)
-        return entry
+        return entry, self._version(request, entry)
 
     def _served(self, entry: ModelEntry) -> tuple[int, ...]:
         """The versions ``entry`` serves here: its ``version_policy``'s for a pool model; a
@@ -584,8 +591,7 @@ class RouterApp:
     @observe_infer
     @_answers_errors
     async def infer(self, request: Request) -> Response:
-        entry = self._entry(request)
-        version = self._version(request, entry)
+        entry, version = self._entry_version(request)
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))

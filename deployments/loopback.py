@@ -157,6 +157,13 @@ def _haproxy_quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _http_error(status: int, text: str, retry_after_s: int | None = None) -> str:
+    """An ``http-error`` line: ``status`` answered ``{"error": text}`` as JSON, with
+    ``Retry-After`` when ``retry_after_s`` is given."""
+    line = f"http-error status {status} content-type application/json string {_haproxy_quoted(json.dumps({'error': text}))}"
+    return line if retry_after_s is None else f"{line} hdr Retry-After {retry_after_s}"
+
+
 def answer_replica_deaths(config: str) -> str:
     """``config`` (an HAProxy configuration file's text) with its ``defaults`` section made to
     retry or answer a request whose server dies before answering (``RETRY_ON``, ``ERROR_ANSWERS``,
@@ -195,12 +202,9 @@ def answer_replica_deaths(config: str) -> str:
     added = [ANSWERS_MARKER, "option http-buffer-request"]
     added += [] if has_retry_on else [f"retry-on {' '.join(RETRY_ON)}"]
     added += [] if has_retries else [f"retries {RETRIES}"]
-    added += [f"http-error status {status} content-type application/json "
-              f"string {_haproxy_quoted(json.dumps({'error': text}))} hdr Retry-After {RETRY_AFTER_S}"
-              for status, text in ERROR_ANSWERS.items()]
+    added += [_http_error(status, text, RETRY_AFTER_S) for status, text in ERROR_ANSWERS.items()]
     added += [] if has_request_timeout else [f"timeout http-request {HTTP_REQUEST_TIMEOUT_S}s"]
-    added += [f"http-error status {status} content-type application/json "
-              f"string {_haproxy_quoted(json.dumps({'error': text}))}" for status, text in CLIENT_ERROR_ANSWERS.items()]
+    added += [_http_error(status, text) for status, text in CLIENT_ERROR_ANSWERS.items()]
     kept = [line if line.endswith("\n") else line + "\n" for line in kept]
     return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
 

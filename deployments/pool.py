@@ -77,8 +77,7 @@ class PoolDeployment:
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
-    @observe_replica_infer(lambda self: self.keys.get(serve.get_multiplexed_model_id(),
-                                                      (serve.get_multiplexed_model_id(), None)))
+    @observe_replica_infer(lambda self: self._model_version(serve.get_multiplexed_model_id()))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model version named by the multiplexed model id (its cache
         key, ``ModelEntry.key``: the model name for its newest served version).
@@ -117,6 +116,10 @@ class PoolDeployment:
             except Exception as error:
                 done[name] = outcome(error, False)
         return done
+
+    def _model_version(self, key: str) -> tuple[str, int | None]:
+        """(model, version) of a cache key; (key, None) for a key this replica does not serve."""
+        return self.keys.get(key, (key, None))
 
     def _keys_of(self, name: str) -> list[str]:
         """The cache keys of model ``name``'s served versions."""

@@ -40,12 +40,13 @@ class RouterObserver:
         version = self.versions.get(name)
         status = response.status_code
         asked = request.path_params.get("version")
+        label = asked if asked is not None else version
         if version is not None and not (asked is not None and status == 404):
             # a 404 on a versioned route is a version not served: a label per made-up version
             # would let clients grow the series without bound
-            self.recorder.finished(name, asked if asked is not None else version, status, timing)
+            self.recorder.finished(name, label, status, timing)
         if status != 200 or self.access_log:
-            self._log(request, response, name, asked if asked is not None else version, timing)
+            self._log(request, response, name, label, timing)
 
     def _log(self, request: Request, response: Response, name: str, version: str | None,
              timing: RequestTiming) -> None:
