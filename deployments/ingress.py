@@ -138,6 +138,7 @@ class RouterApp:
             name for name, state in initial.items() if state["loaded"]}
         self.unloaded: set[str] = set()  # unloaded through the API (index reason "unloaded")
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while this router acts
+        self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the backend call in flight
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=[
@@ -172,14 +173,30 @@ class RouterApp:
         while pending:
             pending &= self.loaded
             for name in sorted(pending):
-                try:
-                    self.backends[name] = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
-                    self.ready_models.add(name)
+                if await self._probe(name):
                     pending.discard(name)
-                except Exception:  # no replica yet, or still loading: poll again
-                    pass
             if pending:
                 await asyncio.sleep(_READY_POLL_S)
+
+    async def _probe(self, name: str) -> bool:
+        """Ask dedicated model ``name``'s replicas for their backend (waiting at most
+        ``_READY_POLL_S``); on an answer, mark it ready. Concurrent callers share one call.
+
+        Returns:
+            Whether a replica answered.
+        """
+        task = self._probes.get(name)
+        if task is None or task.done():
+            task = self._probes[name] = asyncio.ensure_future(self._ask_backend(name))
+        return await asyncio.shield(task)
+
+    async def _ask_backend(self, name: str) -> bool:
+        try:
+            self.backends[name] = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
+        except Exception:  # no replica yet, or still loading
+            return False
+        self.ready_models.add(name)
+        return True
 
     async def _backend(self, entry: ModelEntry) -> str:
         """The backend serving ``entry``: ``pipeline``, the one a dedicated replica loaded
@@ -320,6 +337,22 @@ class RouterApp:
         error = self._not_ready(entry)
         if error is not None:
             raise error
+
+    async def _await_ready(self, entry: ModelEntry) -> None:
+        """``_require_ready``, except that a loaded dedicated model this router has never seen
+        answer is asked once first (``_probe``): Serve can report the application RUNNING, and
+        send requests here, before ``poll_ready``'s next pass has seen the model's replica.
+
+        Raises:
+            ModelNotReady, ModelNotFound: as ``_not_ready``.
+        """
+        error = self._not_ready(entry)
+        if error is None:
+            return
+        if (isinstance(error, ModelNotReady) and entry.name in self.client.dedicated
+                and entry.name not in self.backends and await self._probe(entry.name)):
+            return
+        raise error
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -595,7 +628,7 @@ class RouterApp:
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
-        self._require_ready(entry)
+        await self._await_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                          infer_request.timeout_s, entry.key(version))
         with phase(request, "compute_output_s"):

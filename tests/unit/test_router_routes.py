@@ -12,6 +12,7 @@ import asyncio
 import gzip
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,8 @@ class FakeModelClient:
         self.raises: BaseException | None = None
         self.delay_s = 0.0
         self.keys: list[str | None] = []
+        self.backend_calls: list[str] = []
+        self.backend_delay_s = 0.0
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
                     key: str | None = None):
@@ -60,6 +63,8 @@ class FakeModelClient:
         return {"logits": 2 * x.reshape(x.shape[0], -1)[:, :1000]}
 
     async def backend(self, name: str) -> str:
+        self.backend_calls.append(name)
+        await asyncio.sleep(self.backend_delay_s)
         if name in self.not_ready:
             raise ModelNotReady(f"model '{name}' has no replica")
         return "pipeline" if name == "ocr" else "onnxruntime"
@@ -363,6 +368,23 @@ def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(re
     assert client.calls == []
     app.refresh_ready({"ocr_det": 1, "tiny_cnn": 2})
     assert router.get("/v2/health/ready").status_code == 200
+
+
+def test_a_request_before_the_routers_first_readiness_pass_asks_the_replica_once(repo):
+    """Serve can route to the router before ``poll_ready`` saw a dedicated model's replica:
+    the request asks it (concurrent requests share one call) and is served, not 503."""
+    client = FakeModelClient(repo)
+    client.backend_delay_s = 0.5  # the replica answers after the four requests all arrived
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    with TestClient(app.build_app(), raise_server_exceptions=False) as router:  # one event loop
+        assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
+        with ThreadPoolExecutor(4) as threads:
+            answers = list(threads.map(lambda _: post(router, "/v2/models/ocr_det/infer", body), range(4)))
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+        assert client.backend_calls == ["ocr_det"] and len(client.calls) == 4
+        assert router.get("/v2/models/ocr_det/ready").json() == {"name": "ocr_det", "ready": True}
+        assert router.get("/v2/models/ocr_det").json()["platform"] == "onnxruntime_onnx"
 
 
 def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(repo):
