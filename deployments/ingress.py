@@ -338,21 +338,19 @@ class RouterApp:
         if error is not None:
             raise error
 
-    async def _await_ready(self, entry: ModelEntry) -> None:
-        """``_require_ready``, except that a loaded dedicated model this router has never seen
-        answer is asked once first (``_probe``): Serve can report the application RUNNING, and
-        send requests here, before ``poll_ready``'s next pass has seen the model's replica.
+    def _unseen(self, name: str) -> bool:
+        """Whether ``name`` is a loaded dedicated model (or pipeline) this router has never seen
+        answer: Serve can report the application RUNNING, and send requests here, before
+        ``poll_ready``'s next pass has seen its replica, so callers ask it first (``_probe``)."""
+        return (name in self.client.dedicated and name in self.loaded
+                and name not in self.backends and name not in self.ready_models)
 
-        Raises:
-            ModelNotReady, ModelNotFound: as ``_not_ready``.
-        """
-        error = self._not_ready(entry)
-        if error is None:
-            return
-        if (isinstance(error, ModelNotReady) and entry.name in self.client.dedicated
-                and entry.name not in self.backends and await self._probe(entry.name)):
-            return
-        raise error
+    async def _ready_error(self, entry: ModelEntry) -> ServingError | None:
+        """``_not_ready``, after asking the replicas of a model this router has never seen
+        answer (``_unseen``; at most ``_READY_POLL_S``)."""
+        if self._unseen(entry.name):
+            await self._probe(entry.name)
+        return self._not_ready(entry)
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -381,6 +379,9 @@ class RouterApp:
 
     @_answers_errors
     async def server_ready(self, request: Request) -> Response:
+        unseen = [name for name in self.repo.names() if self._unseen(name)]
+        if unseen:
+            await asyncio.gather(*map(self._probe, unseen))
         loading = sorted((set(self.repo.names()) & self.loaded) - self.ready_models)
         if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
             return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
@@ -404,7 +405,7 @@ class RouterApp:
     @_answers_errors
     async def model_ready(self, request: Request) -> Response:
         entry = self._entry(request)
-        error = self._not_ready(entry)
+        error = await self._ready_error(entry)
         if error is not None:  # a probe's answer, not a failure
             return error_response(error, log=False)
         return JSONResponse({"name": entry.name, "ready": True})
@@ -628,7 +629,9 @@ class RouterApp:
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
-        await self._await_ready(entry)
+        error = await self._ready_error(entry)
+        if error is not None:
+            raise error
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                          infer_request.timeout_s, entry.key(version))
         with phase(request, "compute_output_s"):

@@ -370,21 +370,24 @@ def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(re
     assert router.get("/v2/health/ready").status_code == 200
 
 
-def test_a_request_before_the_routers_first_readiness_pass_asks_the_replica_once(repo):
+def test_requests_before_the_routers_first_readiness_pass_ask_the_replica_once(repo):
     """Serve can route to the router before ``poll_ready`` saw a dedicated model's replica:
-    the request asks it (concurrent requests share one call) and is served, not 503."""
+    infer and the ready routes ask it (concurrent requests share one call) and are answered as
+    a ready model, not 503."""
     client = FakeModelClient(repo)
-    client.backend_delay_s = 0.5  # the replica answers after the four requests all arrived
+    client.backend_delay_s = 0.5  # the replica answers after every request below arrived
     app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
     body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    calls = [lambda: post(router, "/v2/models/ocr_det/infer", body)] * 4 + [
+        lambda: router.get("/v2/models/ocr_det/ready"), lambda: router.get("/v2/health/ready")]
     with TestClient(app.build_app(), raise_server_exceptions=False) as router:  # one event loop
-        assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
-        with ThreadPoolExecutor(4) as threads:
-            answers = list(threads.map(lambda _: post(router, "/v2/models/ocr_det/infer", body), range(4)))
-        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
-        assert client.backend_calls == ["ocr_det"] and len(client.calls) == 4
-        assert router.get("/v2/models/ocr_det/ready").json() == {"name": "ocr_det", "ready": True}
+        with ThreadPoolExecutor(len(calls)) as threads:
+            answers = list(threads.map(lambda call: call(), calls))
+        assert [r.status_code for r in answers] == [200] * len(calls), [r.text for r in answers]
+        assert client.backend_calls.count("ocr_det") == 1 and len(client.calls) == 4
+        assert answers[4].json() == {"name": "ocr_det", "ready": True}
         assert router.get("/v2/models/ocr_det").json()["platform"] == "onnxruntime_onnx"
+        assert client.backend_calls.count("ocr_det") == 1  # known now: no more calls
 
 
 def test_a_model_that_never_answered_stays_loading_whatever_the_replica_count(repo):
