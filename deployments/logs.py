@@ -32,10 +32,11 @@ ready_logger = logging.getLogger(f"{APP_LOGGER}.ready")  # the router's "ready: 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
-class _ClientErrorsAsInfo(logging.Filter):
+class _AnsweredErrorsOnOneLine(logging.Filter):
     """Serve's replica logs every exception a request raised at ERROR, "Request failed." with
     its traceback (``ray/serve/_private/replica.py``, ``_handle_errors_and_metrics``). An error
-    the error table answers with a 4xx is the client's: it becomes an INFO line naming it."""
+    the error table answers by design is one line naming it: a 4xx (the client's) at INFO, a
+    503 or 504 (not ready, over budget, shed, timed out) at WARNING. A 500 keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -44,9 +45,11 @@ class _ClientErrorsAsInfo(logging.Filter):
         from .protocol.errors import table_status  # imports Ray: only where a replica logs
 
         status = table_status(exc)
-        if status is not None and status < 500:
-            record.msg, record.args = "Request failed with client error %d: %s", (status, exc)
-            record.levelno, record.levelname = logging.INFO, "INFO"
+        if status is not None and status != 500:
+            level = logging.INFO if status < 500 else logging.WARNING
+            what = "client error" if status < 500 else "error"
+            record.msg, record.args = f"Request failed with {what} %d: %s", (status, exc)
+            record.levelno, record.levelname = level, logging.getLevelName(level)
             record.exc_info = record.exc_text = None
         return True
 
@@ -79,7 +82,7 @@ def show_on_terminal() -> None:
     app.setLevel(logging.INFO)
     app.propagate = False
     app.addHandler(_ToServeLog())
-    serve.addFilter(_ClientErrorsAsInfo())
+    serve.addFilter(_AnsweredErrorsOnOneLine())
     if _serve_streams(serve):
         return
     for logger, level in ((app, logging.INFO), (serve, logging.WARNING)):

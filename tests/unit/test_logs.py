@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+import deployments.protocol.errors  # noqa: F401  imports ray.serve, which sets up its logger at import, as in a replica
 from deployments.logs import APP_LOGGER, SERVE_LOGGER, show_on_terminal
 
 
@@ -66,7 +67,7 @@ def _request_failed(serve: logging.Logger, exc: BaseException) -> None:
         serve.exception("Request failed.")  # what Serve's replica logs (replica.py)
 
 
-def test_a_client_error_a_replica_raised_is_one_info_line_in_the_file_and_nothing_on_the_terminal(loggers, capfd):
+def test_an_error_a_replica_raised_by_design_is_one_line_and_a_real_fault_keeps_its_traceback(loggers, capfd):
     from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
 
     serve, log_file = loggers
@@ -75,10 +76,11 @@ def test_a_client_error_a_replica_raised_is_one_info_line_in_the_file_and_nothin
     assert capfd.readouterr().err == ""
     assert log_file.messages == [
         "Request failed with client error 400: inference input 'x' data-type is 'FP64', model expects 'FP32'"]
-    # a 503 and a real fault keep Serve's ERROR line with its traceback, on the terminal too
+    # a 503 (an answer by design) is one WARNING line; a real fault keeps Serve's ERROR line
+    # with its traceback, on the terminal too
     _request_failed(serve, ModelNotReady("model 'm' is not ready"))
     _request_failed(serve, KeyError("boom"))
     err = capfd.readouterr().err
-    assert err.count("ERROR ray.serve: Request failed.") == 2
-    assert "ModelNotReady: model 'm' is not ready" in err and "KeyError: 'boom'" in err
-    assert log_file.messages[1:] == ["Request failed.", "Request failed."]
+    assert err.count("ERROR ray.serve: Request failed.") == 1 and "KeyError: 'boom'" in err
+    assert "ModelNotReady" not in err and "Traceback" in err
+    assert log_file.messages[1:] == ["Request failed with error 503: model 'm' is not ready", "Request failed."]
