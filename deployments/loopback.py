@@ -7,7 +7,8 @@ by this process needs so that none of its sockets listens on another interface. 
 Ray Serve as its HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``): moves the two listeners
 of Ray's HAProxy config that Ray 2.60 binds on every interface onto 127.0.0.1
 (``bind_loopback``), makes HAProxy retry or answer a request whose ingress replica dies while
-it holds it (``answer_replica_deaths``), then runs the real HAProxy. Standard library only (it
+it holds it (``answer_replica_deaths``), answers a request no application takes in JSON
+(``answer_unrouted``: 503 while the server starts or stops), then runs the real HAProxy. Standard library only (it
 runs under the first ``python3`` on PATH).
 
 What listens where, and why each setting (Ray 2.60):
@@ -209,10 +210,64 @@ def answer_replica_deaths(config: str) -> str:
     return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
 
 
+# A request no application takes (README, "Stopping"): Ray answers a plain-text 404 "Path '...'
+# not found", from HAProxy's ``default_backend`` (no route prefix matches) or from its Python
+# proxy behind an application's backend (the fallback server, once Serve removed the route).
+# While the server starts or stops that is a transition, not an unknown model: a client (and
+# tritonclient) must read it as "retry", so it becomes a JSON 503 with Retry-After: always
+# behind an application's backend (HAProxy matched the path to that application), and from
+# ``default_backend`` when the config routes to no application at all. A path outside every
+# route prefix of a running server stays a 404, in JSON.
+UNROUTED_ANSWERS = {
+    503: "no application serves {path} now: the server is starting, stopping or redeploying; send it again shortly",
+    404: "no application route matches {path}; GET /-/routes lists the route prefixes",
+}
+UNROUTED_MARKER = "# trt-serve: a request no application takes answers JSON (deployments/loopback.py)"
+_NO_ROUTE_RETURN = re.compile(r"^\s+http-request\s+return\s+status\s+404\b")
+
+
+def _unrouted_answer(status: int, rule: str, path: str, condition: str = "") -> str:
+    """An ``http-request``/``http-response`` (``rule``) ``return`` line answering
+    ``UNROUTED_ANSWERS[status]`` as JSON, the request's path (the sample ``path``) escaped by
+    HAProxy (``json``)."""
+    body = json.dumps({"error": UNROUTED_ANSWERS[status]}).replace("{path}", f"%[{path},json(utf8s)]")
+    line = f"{rule} return status {status} content-type application/json lf-string {_haproxy_quoted(body)}"
+    line += f" hdr Retry-After {RETRY_AFTER_S}" if status == 503 else ""
+    return f"    {line}{condition}\n"
+
+
+def answer_unrouted(config: str) -> str:
+    """``config`` with Ray's plain-text 404 for a request no application takes answered as
+    ``UNROUTED_ANSWERS`` says (the comment above them): ``default_backend``'s ``return`` line
+    replaced, and in every other backend a plain-text 404 from its server (Ray's Python proxy)
+    answered 503. Idempotent (a marker comment)."""
+    if UNROUTED_MARKER in config:
+        return config
+    lines = config.splitlines(keepends=True)
+    routed = any(line.startswith("backend ") and line.split()[1:2] != ["default_backend"] for line in lines)
+    out, backend = [], None
+    for line in lines:
+        if _SECTION.match(line):
+            backend = line.split()[1] if line.startswith("backend ") and len(line.split()) > 1 else None
+            out.append(line if line.endswith("\n") else line + "\n")
+            if backend is not None:
+                out.append(f"    {UNROUTED_MARKER}\n")
+                if backend != "default_backend":  # the path is a request fetch: kept for the answer
+                    out.append("    http-request set-var(txn.trt_serve_path) path\n")
+                    out.append(_unrouted_answer(503, "http-response", "var(txn.trt_serve_path)",
+                                                " if { status 404 } { res.hdr(content-type) -m beg text/plain }"))
+            continue
+        if backend == "default_backend" and _NO_ROUTE_RETURN.match(line):
+            out.append(_unrouted_answer(404 if routed else 503, "http-request", "path"))
+            continue
+        out.append(line)
+    return "".join(out)
+
+
 def rewrite_config(config: str) -> str:
-    """What the wrapper does to Ray's HAProxy config: ``bind_loopback`` then
-    ``answer_replica_deaths``."""
-    return answer_replica_deaths(bind_loopback(config))
+    """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``
+    then ``answer_unrouted``."""
+    return answer_unrouted(answer_replica_deaths(bind_loopback(config)))
 
 
 def _port_or_free(preferred: int) -> int:

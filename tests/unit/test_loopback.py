@@ -143,8 +143,9 @@ def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_
         **{status: ({"error": text}, None) for status, text in loopback.CLIENT_ERROR_ANSWERS.items()}}
     assert "timeout http-request 30s" in defaults
     assert loopback.rewrite_config(rewritten) == rewritten
-    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x4, timeout
-    assert rewritten.count("\n") == original.count("\n") - 3 + 8
+    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x4, timeout;
+    # answer_unrouted's marker in default_backend (its 404 line is replaced in place)
+    assert rewritten.count("\n") == original.count("\n") - 3 + 8 + 1
     path.write_text(rewritten)
     check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -302,6 +303,83 @@ backend app
         _until(lambda: _get(front, "/who") == (200, b"ok"))
         assert _raw(front, b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
                     + b"x" * 10) == (408, "application/json", {"error": loopback.CLIENT_ERROR_ANSWERS[408]})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+_ROUTES_BACKEND = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def do_GET(self):
+        if self.path == "/who":
+            status, kind, body = 200, "text/plain", b"up"
+        elif self.path.startswith("/app/json"):  # the application's own 404
+            status, kind, body = 404, "application/json", json.dumps({"error": "unknown model"}).encode()
+        else:  # Ray's Python proxy once the route is gone
+            status, kind, body = 404, "text/plain", f"Path '{self.path}' not found.".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    def handle_error(self, request, client_address): pass  # HAProxy drops a body it replaces
+Server(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def _answer(port: int, path: str) -> tuple[int, str | None, str | None, dict | str]:
+    conn = http.client.HTTPConnection(loopback.LOOPBACK, port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    body = response.read()
+    kind = response.getheader("Content-Type")
+    return (response.status, kind, response.getheader("Retry-After"),
+            json.loads(body) if kind == "application/json" else body.decode())
+
+
+def test_a_request_no_application_takes_answers_json_503_while_starting_or_stopping_404_else(tmp_path):
+    """Ray's config with no application (as while Serve starts or stops), and one routing /app
+    to a server standing for Ray's Python proxy: Ray's plain-text 404s become JSON, 503 with
+    Retry-After where the path is an application's (or no application is routed), 404 where no
+    route prefix matches it; the application's own JSON 404 passes unchanged."""
+    front, front2, stats, prometheus, server = (_free_port() for _ in range(5))
+    bare = loopback.rewrite_config(_ray_haproxy_config(tmp_path, "127.0.0.1").read_text())
+    bare = (bare.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("127.0.0.1:8404", f"127.0.0.1:{stats}")
+            .replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    assert loopback.answer_unrouted(bare) == bare  # idempotent
+    head = bare[:bare.index("\nfrontend ") + 1]
+    routed = loopback.answer_unrouted(head + f"""frontend api
+    bind 127.0.0.1:{front2}
+    use_backend app if {{ path_beg /app }}
+    default_backend default_backend
+backend default_backend
+    http-request return status 404 content-type text/plain lf-string "Path '%[path]' not found. Ping http://.../-/routes for available routes."
+backend app
+    server proxy 127.0.0.1:{server}
+""")
+    (tmp_path / "bare.cfg").write_text(bare)
+    (tmp_path / "routed.cfg").write_text(routed)
+    (tmp_path / "backend.py").write_text(_ROUTES_BACKEND)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(server)]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "bare.cfg")]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "routed.cfg")])]
+    try:
+        _until(lambda: _get(front2, "/app/who") is not None and _get(front, "/") is not None)
+        error_503 = loopback.UNROUTED_ANSWERS[503]
+        assert _answer(front, '/v2/models/m\\x"/infer') == (
+            503, "application/json", "1", {"error": error_503.format(path='/v2/models/m\\x"/infer')})
+        assert _answer(front2, "/app/v2/models/simple/infer") == (
+            503, "application/json", "1", {"error": error_503.format(path="/app/v2/models/simple/infer")})
+        assert _answer(front2, "/app/json") == (404, "application/json", None, {"error": "unknown model"})
+        assert _answer(front2, "/elsewhere") == (
+            404, "application/json", None, {"error": loopback.UNROUTED_ANSWERS[404].format(path="/elsewhere")})
     finally:
         for process in processes:
             process.kill()
