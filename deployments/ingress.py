@@ -231,8 +231,9 @@ class RouterApp:
         while True:
             deleting = False
             try:
+                answered = set(self.backends)  # models a replica answered before this snapshot is asked for
                 counts = await self.client.replica_counts()
-                self.refresh_ready(counts.running)
+                self.refresh_ready(counts.running, answered)
                 self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
                 deleting = counts.deleting
                 if self.initial is not None:
@@ -259,23 +260,28 @@ class RouterApp:
                 continue
             self._mark_loaded(entry, state["placement"], None)
 
-    def refresh_ready(self, running: dict[str, int]) -> None:
+    def refresh_ready(self, running: dict[str, int], answered: Iterable[str] = ()) -> None:
         """Readiness after first load follows the replicas: a model (dedicated once it answered
         ``poll_ready``, or pooled) that Serve has counted with a RUNNING replica is ready while
         it has one, so ready routes and requests answer 503 when it lost them all and 200 again
         once a replacement runs. A count of 0 for a model never seen running (a deployment
-        still starting, or a snapshot older than its first replica) changes nothing.
+        still starting, or a snapshot older than its first replica) changes nothing, unless a
+        replica of it answered before the snapshot was asked for (``answered``): Serve routes
+        only to replicas it counts RUNNING, so that replica ran, and has gone (it can die before
+        any snapshot counted it: then the model stayed ready with no replica).
 
         Args:
             running: model name -> RUNNING replicas (``ModelClient.replica_counts``).
+            answered: models a replica answered (``backends``) before ``running`` was asked for.
         """
+        answered = set(answered)
         for name, count in running.items():
             if count:
                 self._seen_running.add(name)
                 if name in self.client.dedicated and name not in self.backends:
                     continue  # never answered yet: poll_ready decides
                 self.ready_models.add(name)
-            elif name in self._seen_running and name in self.ready_models:
+            elif (name in self._seen_running or name in answered) and name in self.ready_models:
                 logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
                 self.ready_models.discard(name)
 
