@@ -131,6 +131,7 @@ class RouterApp:
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
         self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
+        self._running: dict[str, int] = {}  # model -> RUNNING replicas in the latest count
         # Model control (``deployments.control``): None in model_control_mode none, where every
         # model of the repository serves and load / unload are refused.
         self.initial = initial
@@ -275,6 +276,7 @@ class RouterApp:
             answered: models a replica answered (``backends``) before ``running`` was asked for.
         """
         answered = set(answered)
+        self._running = dict(running)
         for name, count in running.items():
             if count:
                 self._seen_running.add(name)
@@ -357,6 +359,22 @@ class RouterApp:
         if self._unseen(entry.name):
             await self._probe(entry.name)
         return self._not_ready(entry)
+
+    async def _await_ready(self, entry: ModelEntry) -> None:
+        """``_ready_error`` for an infer request; while Serve's latest count has a RUNNING replica
+        of a model this router has never seen answer (``_unseen``), it is asked again until it
+        answers (within ``request_timeout_s``): this router's handle learns of a new replica a
+        moment after Serve counts it, later than one probe on a busy machine.
+
+        Raises:
+            ModelNotReady, ModelNotFound: as ``_not_ready``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        while (error := await self._ready_error(entry)) is not None:
+            if not (self._unseen(entry.name) and self._running.get(entry.name)) or loop.time() >= deadline:
+                raise error
+            await asyncio.sleep(_CONTROL_POLL_S)
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -635,9 +653,7 @@ class RouterApp:
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
-        error = await self._ready_error(entry)
-        if error is not None:
-            raise error
+        await self._await_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                          infer_request.timeout_s, entry.key(version))
         with phase(request, "compute_output_s"):

@@ -523,6 +523,34 @@ def test_a_snapshot_asked_for_before_the_first_answer_changes_nothing(repo):
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
 
 
+class LateHandleClient(FakeModelClient):
+    """The router's handle reaches the model's replica only from the ``unreachable``-th
+    ``backend`` call on (before that: no replica known yet)."""
+
+    def __init__(self, repo: ModelRepository, unreachable: int) -> None:
+        super().__init__(repo)
+        self.unreachable = unreachable
+
+    async def backend(self, name: str) -> str:
+        self.backend_calls.append(name)
+        if len(self.backend_calls) <= self.unreachable:
+            raise ModelNotReady(f"model '{name}' has no replica")
+        return "onnxruntime"
+
+
+@pytest.mark.parametrize("running, status, calls", [(1, 200, 3), (0, 503, 1)])
+def test_a_request_for_a_model_serve_counts_running_waits_until_the_router_reaches_it(repo, running, status, calls):
+    """Serve counts a RUNNING replica of a model this router has not reached yet: the request
+    asks again until it answers; with none running, one ask and 503 at once."""
+    client = LateHandleClient(repo, unreachable=2)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    app.refresh_ready({"ocr_det": running})
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    r = post(TestClient(app.build_app(), raise_server_exceptions=False), "/v2/models/ocr_det/infer", body)
+    assert r.status_code == status, r.text
+    assert client.backend_calls == ["ocr_det"] * calls
+
+
 def test_metrics_and_statistics_routes_answer_404_when_metrics_are_off(router):
     # RouterApp without an observer (application args metrics.enabled: false).
     for path in ("/metrics", "/v2/models/stats", "/v2/models/tiny_cnn/stats", "/v2/models/tiny_cnn/versions/1/stats"):
