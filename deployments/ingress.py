@@ -131,6 +131,7 @@ class RouterApp:
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
         self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
+        self._running: dict[str, int] = {}  # model -> RUNNING replicas in the latest count
         # Model control (``deployments.control``): None in model_control_mode none, where every
         # model of the repository serves and load / unload are refused.
         self.initial = initial
@@ -231,8 +232,9 @@ class RouterApp:
         while True:
             deleting = False
             try:
+                answered = set(self.backends)  # models a replica answered before this snapshot is asked for
                 counts = await self.client.replica_counts()
-                self.refresh_ready(counts.running)
+                self.refresh_ready(counts.running, answered)
                 self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
                 deleting = counts.deleting
                 if self.initial is not None:
@@ -259,23 +261,29 @@ class RouterApp:
                 continue
             self._mark_loaded(entry, state["placement"], None)
 
-    def refresh_ready(self, running: dict[str, int]) -> None:
+    def refresh_ready(self, running: dict[str, int], answered: Iterable[str] = ()) -> None:
         """Readiness after first load follows the replicas: a model (dedicated once it answered
         ``poll_ready``, or pooled) that Serve has counted with a RUNNING replica is ready while
         it has one, so ready routes and requests answer 503 when it lost them all and 200 again
         once a replacement runs. A count of 0 for a model never seen running (a deployment
-        still starting, or a snapshot older than its first replica) changes nothing.
+        still starting, or a snapshot older than its first replica) changes nothing, unless a
+        replica of it answered before the snapshot was asked for (``answered``): Serve routes
+        only to replicas it counts RUNNING, so that replica ran, and has gone (it can die before
+        any snapshot counted it: then the model stayed ready with no replica).
 
         Args:
             running: model name -> RUNNING replicas (``ModelClient.replica_counts``).
+            answered: models a replica answered (``backends``) before ``running`` was asked for.
         """
+        answered = set(answered)
+        self._running = dict(running)
         for name, count in running.items():
             if count:
                 self._seen_running.add(name)
                 if name in self.client.dedicated and name not in self.backends:
                     continue  # never answered yet: poll_ready decides
                 self.ready_models.add(name)
-            elif name in self._seen_running and name in self.ready_models:
+            elif (name in self._seen_running or name in answered) and name in self.ready_models:
                 logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
                 self.ready_models.discard(name)
 
@@ -351,6 +359,22 @@ class RouterApp:
         if self._unseen(entry.name):
             await self._probe(entry.name)
         return self._not_ready(entry)
+
+    async def _await_ready(self, entry: ModelEntry) -> None:
+        """``_ready_error`` for an infer request; while Serve's latest count has a RUNNING replica
+        of a model this router has never seen answer (``_unseen``), it is asked again until it
+        answers (within ``request_timeout_s``): this router's handle learns of a new replica a
+        moment after Serve counts it, later than one probe on a busy machine.
+
+        Raises:
+            ModelNotReady, ModelNotFound: as ``_not_ready``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        while (error := await self._ready_error(entry)) is not None:
+            if not (self._unseen(entry.name) and self._running.get(entry.name)) or loop.time() >= deadline:
+                raise error
+            await asyncio.sleep(_CONTROL_POLL_S)
 
     # --- routes ------------------------------------------------------------------------------
     async def _not_found(self, request: Request, exc: Exception) -> Response:
@@ -629,9 +653,7 @@ class RouterApp:
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
             infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
-        error = await self._ready_error(entry)
-        if error is not None:
-            raise error
+        await self._await_ready(entry)
         outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                          infer_request.timeout_s, entry.key(version))
         with phase(request, "compute_output_s"):

@@ -64,7 +64,9 @@ def test_cache_unload_waits_for_the_request_holding_the_model_then_refuses_until
     done = threading.Event()
     unloader = threading.Thread(target=lambda: (cache.unload("simple"), done.set()))
     unloader.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # the unloader has refused new requests: it waits for the lease
+    while cache.status()["models"]["simple"]["enabled"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not done.is_set() and cache.status()["models"]["simple"]["state"] == "ready"
     with pytest.raises(ModelNotReady, match="^Request for unknown model: 'simple' has no available versions; "):
         cache.infer("simple", PAIR)  # new requests are refused at once

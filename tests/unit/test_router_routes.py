@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
+from deployments.client import ReplicaCounts
 from deployments.ingress import RouterApp, RouterOptions
 from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
 from deployments.runtime.contract.repository import ModelRepository
@@ -464,6 +465,90 @@ def test_a_zero_count_for_a_model_never_seen_running_changes_nothing(router, rep
     ready = TestClient(app.build_app(), raise_server_exceptions=False)
     assert ready.get("/v2/models/tiny_cnn/ready").status_code == 200
     assert ready.get("/v2/models/ocr_det/ready").status_code == 200
+
+
+class CountingClient(FakeModelClient):
+    """``FakeModelClient`` with Serve's replica counts (``ModelClient.replica_counts``):
+    ``counts``; ``while_asked`` runs while a snapshot is on its way; ``passes`` counts the
+    watcher's passes (``cut_unassigned`` comes right after ``refresh_ready``)."""
+
+    def __init__(self, repo: ModelRepository, counts: dict[str, int]) -> None:
+        super().__init__(repo)
+        self.counts = counts
+        self.while_asked = None
+        self.passes = 0
+
+    async def replica_counts(self) -> ReplicaCounts:
+        if self.while_asked is not None:
+            await self.while_asked()
+        return ReplicaCounts(dict(self.counts))
+
+    def cut_unassigned(self, names, idle_s: float) -> None:
+        self.passes += 1
+
+
+def _one_watch_pass(app: RouterApp, client: CountingClient) -> None:
+    async def run() -> None:
+        done = client.passes + 1
+        watcher = asyncio.ensure_future(app.watch_replicas())
+        while client.passes < done:
+            await asyncio.sleep(0.01)
+        watcher.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), 30.0))
+
+
+def test_a_model_whose_replica_answered_then_died_before_any_count_saw_it_running_is_503(repo):
+    # The replica answered poll_ready, then died before the router's first snapshot counted it
+    # (Serve noticed at once): a snapshot asked for after the answer says it has gone.
+    client = CountingClient(repo, {"ocr_det": 0})
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+    _one_watch_pass(app, client)
+    assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
+    client.counts = {"ocr_det": 1}  # the replacement runs
+    _one_watch_pass(app, client)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+
+
+def test_a_snapshot_asked_for_before_the_first_answer_changes_nothing(repo):
+    # The snapshot left before the replica answered and counts none: it is older than the replica.
+    client = CountingClient(repo, {"ocr_det": 0})
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    client.while_asked = app.poll_ready
+    _one_watch_pass(app, client)
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+
+
+class LateHandleClient(FakeModelClient):
+    """The router's handle reaches the model's replica only from the ``unreachable``-th
+    ``backend`` call on (before that: no replica known yet)."""
+
+    def __init__(self, repo: ModelRepository, unreachable: int) -> None:
+        super().__init__(repo)
+        self.unreachable = unreachable
+
+    async def backend(self, name: str) -> str:
+        self.backend_calls.append(name)
+        if len(self.backend_calls) <= self.unreachable:
+            raise ModelNotReady(f"model '{name}' has no replica")
+        return "onnxruntime"
+
+
+@pytest.mark.parametrize("running, status, calls", [(1, 200, 3), (0, 503, 1)])
+def test_a_request_for_a_model_serve_counts_running_waits_until_the_router_reaches_it(repo, running, status, calls):
+    """Serve counts a RUNNING replica of a model this router has not reached yet: the request
+    asks again until it answers; with none running, one ask and 503 at once."""
+    client = LateHandleClient(repo, unreachable=2)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    app.refresh_ready({"ocr_det": running})
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    r = post(TestClient(app.build_app(), raise_server_exceptions=False), "/v2/models/ocr_det/infer", body)
+    assert r.status_code == status, r.text
+    assert client.backend_calls == ["ocr_det"] * calls
 
 
 def test_metrics_and_statistics_routes_answer_404_when_metrics_are_off(router):

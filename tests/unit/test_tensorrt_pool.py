@@ -409,7 +409,9 @@ def test_one_context_refuses_a_second_simultaneous_request(memory):
     context = serve(memory, fake).create_context()
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(context.infer, {"input": batch(1)})
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30  # the first request is inside the context (0.2 s)
+        while not fake.running and time.monotonic() < deadline:
+            time.sleep(0.001)
         with pytest.raises(InferenceError, match="used by two requests at once"):
             context.infer({"input": batch(1)})
         first.result()
