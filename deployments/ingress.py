@@ -638,13 +638,17 @@ class RouterApp:
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
                           timeout_s: float | None = None, key: str | None = None) -> dict:
         """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``)."""
-        timeout_s = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        asked = timeout_s is not None and timeout_s < self.request_timeout_s
+        timeout_s = min(timeout_s, self.request_timeout_s) if asked else self.request_timeout_s
         try:
             return await asyncio.wait_for(self.client.infer(name, inputs, outputs, key), timeout_s)
         except asyncio.TimeoutError:
             if name not in self.ready_models:  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
-            raise InferenceTimeout(f"model '{name}' did not answer within {timeout_s:g} s") from None
+            limit = f"{timeout_s:g} s" if timeout_s >= 1 else f"{timeout_s * 1e3:g} ms"
+            raise InferenceTimeout(f"model '{name}' did not answer within {limit}" + (
+                f" (the request's parameters.timeout: {round(timeout_s * 1e6)} microseconds)" if asked else
+                " (request_timeout_s of the application args)")) from None
 
     @observe_infer
     @_answers_errors

@@ -145,7 +145,7 @@ HTTP_REQUEST_TIMEOUT_S = 30
 # before any errorfile or http-error applies; measured, tests/unit/test_loopback.py.)
 CLIENT_ERROR_ANSWERS = {
     408: f"the request did not arrive in full within {HTTP_REQUEST_TIMEOUT_S} s: send the whole body, "
-         "exactly as long as its Content-Length says",
+         "exactly as long as its Content-Length says (chunked: through the last, zero-length chunk)",
 }
 ANSWERS_MARKER = "# trt-serve: retry or answer a request whose ingress replica dies (deployments/loopback.py)"
 

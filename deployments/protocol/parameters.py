@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..runtime.contract.datatypes import datatype_of
 from ..runtime.contract.errors import InvalidInput
 
 REQUEST_PARAMETERS = ("binary_data_output", "priority", "timeout")
@@ -78,6 +79,20 @@ def timeout_s(params: Mapping[str, Any]) -> float | None:
     return None if value is None else value / 1e6
 
 
+def check_priority(params: Mapping[str, Any]) -> None:
+    """The request's ``priority`` parameter must be absent or a non-negative integer (Triton's
+    priority level, a uint64; 0 is the model's default). Accepted and not acted on: every
+    request here has the same priority.
+
+    Raises:
+        InvalidInput: another value.
+    """
+    value = params.get("priority")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidInput("request: parameters.priority must be a non-negative integer (a priority "
+                           f"level; 0 is the model's default), got {json.dumps(value)[:40]}")
+
+
 def class_count(where: str, params: Mapping[str, Any]) -> int | None:
     """The output's ``classification`` parameter (top-k), or None.
 
@@ -107,7 +122,8 @@ def classify(where: str, array: np.ndarray, k: int, batched: bool) -> np.ndarray
         InvalidInput: the output is not numeric (BYTES or BOOL).
     """
     if array.dtype.kind not in "iuf":
-        raise InvalidInput(f"{where}: classification needs a numeric output, this one is {array.dtype}")
+        raise InvalidInput(f"{where}: classification needs a numeric output, this one is "
+                           f"{datatype_of(array)}")
     rows = array.reshape(array.shape[0] if batched and array.ndim else 1, -1)
     k = min(k, rows.shape[1])
     order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]

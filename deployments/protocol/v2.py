@@ -20,7 +20,8 @@ import numpy as np
 from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.errors import InvalidInput
-from .parameters import INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, check_parameters, class_count, timeout_s
+from .parameters import (INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, check_parameters, check_priority,
+                         class_count, timeout_s)
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -259,6 +260,7 @@ def decode_infer_request(payload: Any,
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")
     check_parameters("request", parameters, REQUEST_PARAMETERS)
+    check_priority(parameters)
     return InferRequest(request_id, inputs, outputs, output_parameters, parameters, timeout_s(parameters))
 
 

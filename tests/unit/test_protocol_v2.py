@@ -197,7 +197,7 @@ def test_a_class_count_that_is_not_a_positive_integer_is_400(value):
 
 
 def test_classification_of_a_bytes_output_is_400():
-    with pytest.raises(InvalidInput, match="classification needs a numeric output"):
+    with pytest.raises(InvalidInput, match="classification needs a numeric output, this one is BYTES$"):
         apply_classification("ocr", True, {"text": {"classification": 1}}, {"text": np.array([b"a"], dtype=object)})
 
 
@@ -213,6 +213,10 @@ def test_classification_of_a_bytes_output_is_400():
     ({"inputs": [{**X, "parameters": {"scale": 2}}]}, "input 'x': parameters.\"scale\": not a parameter this server knows"),
     ({"inputs": [X], "parameters": {"temperature": 0.1}}, "request: parameters.\"temperature\": not a parameter"),
     ({"inputs": [X], "parameters": {"timeout": -5}}, "parameters.timeout must be a positive integer of microseconds"),
+    ({"inputs": [X], "parameters": {"priority": "high"}},
+     "request: parameters.priority must be a non-negative integer (a priority level; 0 is the model's default), got \"high\""),
+    ({"inputs": [X], "parameters": {"priority": -1}}, "parameters.priority must be a non-negative integer"),
+    ({"inputs": [X], "parameters": {"priority": True}}, "parameters.priority must be a non-negative integer"),
 ])
 def test_parameters_that_would_change_the_answer_and_are_not_implemented_are_400_naming_them(request_json, message):
     with pytest.raises(InvalidInput) as raised:

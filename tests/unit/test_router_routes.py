@@ -216,7 +216,10 @@ def test_model_slower_than_the_request_timeout_is_504(repo):
     router, client = make_router(repo, timeout_s=0.05)
     client.delay_s = 1.0
     assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]}), 504,
-                 "model 'tiny_cnn' did not answer within 0.05 s")
+                 "model 'tiny_cnn' did not answer within 50 ms (request_timeout_s of the application args)")
+    # the request's own timeout (microseconds, Triton's unit) is named as such
+    assert_error(post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD], "parameters": {"timeout": 1}}), 504,
+                 "did not answer within 0.001 ms (the request's parameters.timeout: 1 microseconds)")
 
 
 # --- moved from tests/integration/test_bad_input.py (HTTP-level cases) -------------------------
