@@ -140,6 +140,7 @@ class RouterApp:
         self.unloaded: set[str] = set()  # unloaded through the API (index reason "unloaded")
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while this router acts
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the backend call in flight
+        self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=[
@@ -562,20 +563,21 @@ class RouterApp:
         except ModelNotFound as e:
             raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
         placement = self._placement(entry, "load")
-        self.changing[name] = "LOADING"
-        try:
-            revision = await self.client.control_set(name, True, placement)
-            reports = [] if placement == "pipeline" else await self._wait_applied(name, placement, revision, "load")
-            outcomes = [r["models"][name] for r in reports if name in r["models"]]
-            errors = [o["error"] for o in outcomes if o["error"] is not None]
-            if errors:  # as Triton: a failed load leaves the model unavailable
-                await self.client.control_set(name, False, placement)
-                self._mark_unloaded(name)
-                raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
-        finally:
-            self.changing.pop(name, None)
-        backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
-        self._mark_loaded(entry, placement, backend)
+        async with self._control_lock(name):
+            self.changing[name] = "LOADING"
+            try:
+                revision = await self.client.control_set(name, True, placement)
+                reports = [] if placement == "pipeline" else await self._wait_applied(name, placement, revision, "load")
+                outcomes = [r["models"][name] for r in reports if name in r["models"]]
+                errors = [o["error"] for o in outcomes if o["error"] is not None]
+                if errors:  # as Triton: a failed load leaves the model unavailable
+                    await self.client.control_set(name, False, placement)
+                    self._mark_unloaded(name)
+                    raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
+            finally:
+                self.changing.pop(name, None)
+            backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
+            self._mark_loaded(entry, placement, backend)
         return Response(status_code=200)
 
     @_answers_errors
@@ -590,15 +592,23 @@ class RouterApp:
             raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
         entry = self.repo.get(name)
         placement = "pool" if name in self.client.pool_models else self._placement(entry, "unload")
-        self._mark_unloaded(name)
-        self.changing[name] = "UNLOADING"
-        try:
-            revision = await self.client.control_set(name, False, placement)
-            if placement != "pipeline":
-                await self._wait_applied(name, placement, revision, "unload")
-        finally:
-            self.changing.pop(name, None)
+        async with self._control_lock(name):
+            self._mark_unloaded(name)
+            self.changing[name] = "UNLOADING"
+            try:
+                revision = await self.client.control_set(name, False, placement)
+                if placement != "pipeline":
+                    await self._wait_applied(name, placement, revision, "unload")
+            finally:
+                self.changing.pop(name, None)
         return Response(status_code=200)
+
+    def _control_lock(self, name: str) -> asyncio.Lock:
+        """One load or unload of model ``name`` at a time on this router, in arrival order: the
+        last to answer is the state this router, the control deployment and the replicas all
+        keep (two at once could leave this router's view and the replicas' apart until the next
+        ``follow_desired``: ready 200 while requests answered 503 "unloaded")."""
+        return self._control_locks.setdefault(name, asyncio.Lock())
 
     @_answers_errors
     async def memory(self, request: Request) -> JSONResponse:

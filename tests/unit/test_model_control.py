@@ -9,6 +9,7 @@ import asyncio
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,7 @@ class FakeControlClient:
         self.pool = object()
         self.revision = 0
         self.desired = initial_state({n: "pool" for n in repo.names()}, set())
+        self.load_s = 0.0  # how long the replicas take to apply a load
 
     async def control_set(self, name: str, loaded: bool, placement: str) -> int:
         self.revision += 1
@@ -136,6 +138,8 @@ class FakeControlClient:
         return self.revision
 
     async def control_applied(self, name: str, placement: str, revision: int):
+        if self.desired[name]["loaded"]:
+            await asyncio.sleep(self.load_s)
         line = outcome(None, self.desired[name]["loaded"], "onnxruntime")
         return [{"replica": "r1", "revision": revision, "models": {name: line}}], 1
 
@@ -177,6 +181,25 @@ def test_explicit_index_lists_folders_on_disk_and_follows_load_and_unload(root):
     assert r.status_code == 503 and "has no available versions" in r.json()["error"]
     late = [i for i in client.post("/v2/repository/index").json() if i["name"] == "late"]
     assert late == [{"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
+
+
+def test_a_load_and_an_unload_at_once_end_in_the_state_the_replicas_keep(root):
+    """The newcomer's race: load and unload of one model sent together both answer 200; the
+    router's readiness then matches the desired state the replicas apply (it answered ready
+    200 while requests got 503 "unloaded", until its next poll)."""
+    repo = ModelRepository(root)
+    client = FakeControlClient(repo)
+    client.load_s = 0.3  # the load is still being applied when the unload arrives
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=client.desired)
+    with TestClient(app.build_app(), raise_server_exceptions=False) as http:  # one event loop
+        with ThreadPoolExecutor(2) as threads:
+            load = threads.submit(http.post, "/v2/repository/models/simple/load")
+            time.sleep(0.1)
+            unload = threads.submit(http.post, "/v2/repository/models/simple/unload")
+            assert (load.result().status_code, unload.result().status_code) == (200, 200)
+        assert client.desired["simple"]["loaded"] is False  # the unload came last
+        r = http.get("/v2/models/simple/ready")
+        assert r.status_code == 503 and "has no available versions" in r.json()["error"]
 
 
 def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
