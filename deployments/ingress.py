@@ -649,7 +649,7 @@ class RouterApp:
                           timeout_s: float | None = None, key: str | None = None) -> dict:
         """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``)."""
         asked = timeout_s is not None and timeout_s < self.request_timeout_s
-        timeout_s = min(timeout_s, self.request_timeout_s) if asked else self.request_timeout_s
+        timeout_s = timeout_s if asked else self.request_timeout_s
         try:
             return await asyncio.wait_for(self.client.infer(name, inputs, outputs, key), timeout_s)
         except asyncio.TimeoutError:

@@ -46,8 +46,7 @@ class _AnsweredErrorsOnOneLine(logging.Filter):
 
         status = table_status(exc)
         if status is not None and status != 500:
-            level = logging.INFO if status < 500 else logging.WARNING
-            what = "client error" if status < 500 else "error"
+            level, what = (logging.INFO, "client error") if status < 500 else (logging.WARNING, "error")
             record.msg, record.args = f"Request failed with {what} %d: %s", (status, exc)
             record.levelno, record.levelname = level, logging.getLevelName(level)
             record.exc_info = record.exc_text = None

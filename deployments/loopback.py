@@ -236,6 +236,12 @@ def _unrouted_answer(status: int, rule: str, path: str, condition: str = "") -> 
     return f"    {line}{condition}\n"
 
 
+def _backend_name(line: str) -> str | None:
+    """The name a ``backend NAME`` section line opens, else None."""
+    words = line.split()
+    return words[1] if len(words) > 1 and words[0] == "backend" else None
+
+
 def answer_unrouted(config: str) -> str:
     """``config`` with Ray's plain-text 404 for a request no application takes answered as
     ``UNROUTED_ANSWERS`` says (the comment above them): ``default_backend``'s ``return`` line
@@ -244,11 +250,11 @@ def answer_unrouted(config: str) -> str:
     if UNROUTED_MARKER in config:
         return config
     lines = config.splitlines(keepends=True)
-    routed = any(line.startswith("backend ") and line.split()[1:2] != ["default_backend"] for line in lines)
+    routed = any(_backend_name(line) not in (None, "default_backend") for line in lines)
     out, backend = [], None
     for line in lines:
         if _SECTION.match(line):
-            backend = line.split()[1] if line.startswith("backend ") and len(line.split()) > 1 else None
+            backend = _backend_name(line)
             out.append(line if line.endswith("\n") else line + "\n")
             if backend is not None:
                 out.append(f"    {UNROUTED_MARKER}\n")

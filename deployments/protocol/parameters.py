@@ -56,15 +56,15 @@ def check_parameters(where: str, params: Mapping[str, Any], allowed: tuple[str, 
         raise InvalidInput(f"{where}: parameters.{json.dumps(key)[:60]}: {reason}; allowed here: {list(allowed)}")
 
 
-def _positive_int(value: Any, requirement: str) -> int | None:
-    """``value`` when it is a positive integer (booleans are not), None when absent.
+def _int_at_least(value: Any, requirement: str, least: int = 1) -> int | None:
+    """``value`` when it is an integer of at least ``least`` (booleans are not), None when absent.
 
     Raises:
         InvalidInput: ``requirement``, then the value received.
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise InvalidInput(f"{requirement}, got {json.dumps(value)[:40]}")
     return value
 
@@ -75,7 +75,7 @@ def timeout_s(params: Mapping[str, Any]) -> float | None:
     Raises:
         InvalidInput: not a positive integer.
     """
-    value = _positive_int(params.get("timeout"), "request: parameters.timeout must be a positive integer of microseconds")
+    value = _int_at_least(params.get("timeout"), "request: parameters.timeout must be a positive integer of microseconds")
     return None if value is None else value / 1e6
 
 
@@ -87,10 +87,8 @@ def check_priority(params: Mapping[str, Any]) -> None:
     Raises:
         InvalidInput: another value.
     """
-    value = params.get("priority")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise InvalidInput("request: parameters.priority must be a non-negative integer (a priority "
-                           f"level; 0 is the model's default), got {json.dumps(value)[:40]}")
+    _int_at_least(params.get("priority"), "request: parameters.priority must be a non-negative integer (a "
+                  "priority level; 0 is the model's default)", least=0)
 
 
 def class_count(where: str, params: Mapping[str, Any]) -> int | None:
@@ -99,7 +97,7 @@ def class_count(where: str, params: Mapping[str, Any]) -> int | None:
     Raises:
         InvalidInput: not a positive integer.
     """
-    return _positive_int(params.get("classification"),
+    return _int_at_least(params.get("classification"),
                          f"{where}: parameters.classification (class_count) must be a positive integer")
 
 
