@@ -70,7 +70,15 @@ class AppConfigError(ConfigError, RayServeException):
 class PoolOptions(DeploymentOptions, CacheOptions):
     """The multiplexed pool deployment: placement (``DeploymentOptions``) and what each replica
     keeps resident (``CacheOptions``: load policy, ``memory_budget_mib``, model count cap);
-    passed whole to ``deployments.pool.PoolDeployment`` and its ``ModelCache``."""
+    passed whole to ``deployments.pool.PoolDeployment`` and its ``ModelCache``.
+
+    ``max_queued_requests`` defaults to 1024, not a dedicated model's 128: a multiplexed request
+    waits in the router's handle until Ray has routed it to a replica holding its model, and at
+    256 clients that wait alone held more than 128 while the replica had room for 512 (H200,
+    tiny_cnn: 116-186 of ~1,600 requests shed with 128, none with 1024 at the same QPS;
+    bench/README.md, "Overload on the GPU")."""
+
+    max_queued_requests: int = Field(1024, ge=-1)
 
 
 class AppArgs(BaseModel):

@@ -38,6 +38,14 @@ before any other load starts and its load starts over with the real figure, wait
 except while a model whose figure was too low is being loaded and measured (one model's error,
 never two). Reloads use the measured figure.
 
+On a GPU the budget also counts this process's GPU growth that no model's footprint covers
+(``gpu_growth_bytes``): after an eviction, NVML's per-process reading over the baseline less the
+footprints still resident. Unloading every session does not give back the kernel modules that
+CUDA loads on first use (lazy loading) or the libraries' workspaces: seen on the H200, 20 MiB
+stayed after the pool's three CNNs were all evicted, and the next two loads took the reading
+8 MB over a 1,600 MB budget while the footprints summed within it (bench/README.md, "Fractional
+GPUs"). Device-wide readings (``source: device``) include other processes and are not used.
+
 Loads and evictions run one at a time in the process (a process-wide lock), outside the cache's
 bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
 process-wide, so serializing loads also keeps one load's measurement free of another's.
@@ -64,7 +72,7 @@ import numpy as np
 from ..backends.base import GPU_BACKENDS, Footprint
 from ..backends.process import process_rss_bytes
 from ..backends import gpu_memory
-from ..backends.gpu_memory import process_gpu_bytes
+from ..backends.gpu_memory import GpuReading, process_gpu_bytes
 from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
@@ -173,6 +181,7 @@ class ModelCache:
         self._cond = threading.Condition()
         self._resident_bytes = 0
         self._reserved_bytes = 0
+        self._gpu_growth_bytes = 0
         self._tick = itertools.count(1)
         self._seq = itertools.count(1)
         self._events: deque[dict[str, Any]] = deque(maxlen=timeline_size)
@@ -328,7 +337,8 @@ class ModelCache:
         after the event, for comparison); ``process_gpu_bytes`` and ``gpu_source`` (models on a
         GPU backend: this process's GPU bytes, ``backends.gpu_memory.process_gpu_bytes``);
         ``gpu_over_baseline_bytes`` (that reading less the process's bytes before any model:
-        what the budget bounds); ``detail`` (refusals: the message).
+        what the budget bounds); ``gpu_growth_bytes`` (the part of it no resident footprint
+        covers, counted against the budget; taken at evictions); ``detail`` (refusals: the message).
         """
         with self._cond:
             return [dict(e) for e in self._events]
@@ -340,7 +350,7 @@ class ModelCache:
             return {
                 "load_policy": self.load_policy, "budget_bytes": self.budget_bytes,
                 "max_models": self.max_models, "resident_bytes": self._resident_bytes,
-                "reserved_bytes": self._reserved_bytes,
+                "reserved_bytes": self._reserved_bytes, "gpu_growth_bytes": self._gpu_growth_bytes,
                 "models": {s.name: {"state": s.state, "enabled": s.enabled, "bytes": s.bytes, "in_use": s.refcount,
                                     "loads": s.loads, "evictions": s.evictions,
                                     "footprint_source": s.footprint_source, "backend": s.backend,
@@ -503,7 +513,7 @@ class ModelCache:
                 # The graph prediction is host-side; on a GPU a first load could overshoot it and,
                 # until the evictions after it, the budget (seen on the H200: +10 MB). Make room
                 # for the whole budget instead; reloads use the measured footprint.
-                need = self.budget_bytes
+                need = max(estimate.total(instances), self.budget_bytes - self._gpu_growth_bytes)
             reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
             self._reserve(slot, reserved, deadline, adds_model=True)
             try:
@@ -588,11 +598,13 @@ class ModelCache:
             return
         instances = slot.host.config.instances
         need = footprint.total(instances)
-        if need <= self.budget_bytes:
+        growth = self._gpu_growth_bytes if slot.backend in GPU_BACKENDS else 0
+        if need + growth <= self.budget_bytes:
             return
+        held = f" less the {format_mib(growth)} of GPU growth no model accounts for" if growth else ""
         message = (f"model '{slot.name}' needs {format_mib(need)} ({source}: engine {format_mib(footprint.engine_bytes)} + "
                    f"{instances} x context {format_mib(footprint.context_bytes)}), more than this replica's "
-                   f"memory budget of {format_mib(self.budget_bytes)}")
+                   f"memory budget of {format_mib(self.budget_bytes)}{held}")
         with self._cond:
             self._record("refused", slot, 0.0, detail=message, model_bytes=need)
         raise OverBudget(message)
@@ -622,7 +634,7 @@ class ModelCache:
         """Models to evict so that ``need`` more bytes (and one more model) fit; [] when it fits
         now, None when even evicting every unheld model (``lru``) is not enough."""
         pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
-        used = self._resident_bytes - pending + self._reserved_bytes
+        used = self._resident_bytes - pending + self._reserved_bytes + self._gpu_growth_bytes
         # Loads still waiting for room hold no place yet: counting them would make a burst of
         # first requests for more models than the cap wait on each other.
         count = sum(1 for s in self._slots.values() if s is not slot and (
@@ -653,8 +665,9 @@ class ModelCache:
         held_text = ", ".join(f"{s.name} ({format_mib(s.bytes)}, {s.refcount} in use)" for s in held) or "none"
         limits = []
         if self.budget_bytes is not None:
+            growth = f", {format_mib(self._gpu_growth_bytes)} of GPU growth" if self._gpu_growth_bytes else ""
             limits.append(f"budget {format_mib(self.budget_bytes)}, {format_mib(self._resident_bytes)} resident, "
-                          f"{format_mib(self._reserved_bytes)} reserved by loads in progress")
+                          f"{format_mib(self._reserved_bytes)} reserved by loads in progress{growth}")
         if self.max_models is not None:
             limits.append(f"at most {self.max_models} models")
         wait = (f" after waiting {self.wait_timeout_s:g} s for models in use to be released" if waited
@@ -700,6 +713,9 @@ class ModelCache:
             record["process_gpu_bytes"], record["gpu_source"] = reading.bytes, reading.source
             if gpu_memory.baseline is not None:  # the models' share: over the CUDA context's bytes
                 record["gpu_over_baseline_bytes"] = reading.bytes - gpu_memory.baseline.bytes
+                if event in ("evict", "unload"):
+                    self._note_gpu_growth(reading)
+        record["gpu_growth_bytes"] = self._gpu_growth_bytes
         self._events.append(record)
         if self._on_event is not None:
             self._on_event(record)
@@ -710,6 +726,19 @@ class ModelCache:
             warmup = f" + warmup {warmup_ms:.1f} ms" if warmup_ms else ""
             logger.info("model cache: %s %s in %.1f ms%s (%s); resident %s of %s: %s", event, slot.name, ms, warmup,
                         format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
+
+
+    def _note_gpu_growth(self, reading: GpuReading) -> None:
+        """Set ``gpu_growth_bytes`` from ``reading`` (taken after an unload; ``self._cond`` and
+        the load lock are held, so no load allocates meanwhile): the reading over the baseline
+        less the footprints of the GPU models still resident or not yet unloaded. Per-process
+        readings only."""
+        baseline = gpu_memory.baseline
+        if baseline is None or reading.source != "nvml-process" or baseline.source != "nvml-process":
+            return
+        counted = sum(s.bytes for s in self._slots.values()
+                      if s.backend in GPU_BACKENDS and s.state in (_READY, _EVICTING))
+        self._gpu_growth_bytes = max(0, reading.bytes - baseline.bytes - counted)
 
 
 def _shared_error(error: BaseException, name: str) -> BaseException:
