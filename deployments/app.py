@@ -72,13 +72,15 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     keeps resident (``CacheOptions``: load policy, ``memory_budget_mib``, model count cap);
     passed whole to ``deployments.pool.PoolDeployment`` and its ``ModelCache``.
 
-    ``max_queued_requests`` defaults to 1024, not a dedicated model's 128: a multiplexed request
+    ``max_queued_requests`` defaults to 512, not a dedicated model's 128: a multiplexed request
     waits in the router's handle until Ray has routed it to a replica holding its model, and at
     256 clients that wait alone held more than 128 while the replica had room for 512 (H200,
     tiny_cnn: 116-186 of ~1,600 requests shed with 128, none with 1024 at the same QPS;
-    bench/README.md, "Overload on the GPU")."""
+    bench/README.md, "Overload on the GPU"). 512 holds every request of 512 clients, and with
+    the replica's 512 stays within the router's 1024, so the pool's handle, not the router,
+    is what sheds (with this app's error body)."""
 
-    max_queued_requests: int = Field(1024, ge=-1)
+    max_queued_requests: int = Field(512, ge=-1)
 
 
 class AppArgs(BaseModel):

@@ -146,6 +146,8 @@ def test_rayservice_serves_the_application_of_serve_config_yaml_with_gpus_reserv
     assert gpu_models, "the repository has dedicated GPU models"
     for name, num_gpus in gpu_models.items():
         assert deployments[name].ray_actor_options["num_gpus"] == num_gpus
+    assert deployments["pool"].ray_actor_options["num_gpus"] == app.args["pool"]["num_gpus"] == 0.25
+    assert sum(gpu_models.values()) + 0.25 <= 1.0, "the models and the pool fit one GPU"
     assert "num_gpus" not in deployments["router"].ray_actor_options
 
 

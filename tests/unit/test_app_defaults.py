@@ -33,7 +33,7 @@ def test_an_explicit_thread_count_wins(monkeypatch):
 
 def test_deployments_get_bounded_queues_with_retry_after():
     options = ray_options(AppArgs().pool, use_gpus=False, env={"ORT_INTRA_OP_THREADS": "1"})
-    assert options["max_ongoing_requests"] == 512 and options["max_queued_requests"] == 1024
+    assert options["max_ongoing_requests"] == 512 and options["max_queued_requests"] == 512
     dedicated = ray_options(ModelRepository(REPOSITORY).get("ocr_cls").config.deployment, use_gpus=False)
     assert dedicated["max_ongoing_requests"] == 512 and dedicated["max_queued_requests"] == 128
     assert options["backpressure_config"] == {"retry_after_s": 1.0}

@@ -43,8 +43,13 @@ On a GPU the budget also counts this process's GPU growth that no model's footpr
 footprints still resident. Unloading every session does not give back the kernel modules that
 CUDA loads on first use (lazy loading) or the libraries' workspaces: seen on the H200, 20 MiB
 stayed after the pool's three CNNs were all evicted, and the next two loads took the reading
-8 MB over a 1,600 MB budget while the footprints summed within it (bench/README.md, "Fractional
-GPUs"). Device-wide readings (``source: device``) include other processes and are not used.
+8.4 MB over a 1,600.1 MB budget while the footprints summed within it (bench/README.md,
+"Fractional GPUs"). Device-wide readings (``source: device``) include other processes and are
+not used, so there (and before ``onnxruntime_cuda.prime`` sets the baseline) the growth stays 0.
+The growth is everything on the GPU in this process that no resident footprint covers: one
+cache per process (the pool replica's) is assumed. It is taken only when no model's memory
+is outside the accounting (no loaded model awaiting publication); it only grows in practice
+(loaded kernel modules stay), and between evictions it keeps its last value.
 
 Loads and evictions run one at a time in the process (a process-wide lock), outside the cache's
 bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
@@ -338,14 +343,16 @@ class ModelCache:
         GPU backend: this process's GPU bytes, ``backends.gpu_memory.process_gpu_bytes``);
         ``gpu_over_baseline_bytes`` (that reading less the process's bytes before any model:
         what the budget bounds); ``gpu_growth_bytes`` (the part of it no resident footprint
-        covers, counted against the budget; taken at evictions); ``detail`` (refusals: the message).
+        covers, counted against the budget; taken at evictions, so a load event carries the value
+        of the last eviction); ``detail`` (refusals: the message).
         """
         with self._cond:
             return [dict(e) for e in self._events]
 
     def status(self) -> dict[str, Any]:
-        """A JSON-ready snapshot: policy, limits, resident and reserved bytes, and per model its
-        state (``absent``, ``loading``, ``ready``, ``evicting``), bytes, holders, loads, evictions."""
+        """A JSON-ready snapshot: policy, limits, resident and reserved bytes, the GPU growth
+        counted against the budget (``gpu_growth_bytes``, see the module docstring), and per model
+        its state (``absent``, ``loading``, ``ready``, ``evicting``), bytes, holders, loads, evictions."""
         with self._cond:
             return {
                 "load_policy": self.load_policy, "budget_bytes": self.budget_bytes,
@@ -512,8 +519,11 @@ class ModelCache:
             if source == "predicted" and slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
                 # The graph prediction is host-side; on a GPU a first load could overshoot it and,
                 # until the evictions after it, the budget (seen on the H200: +10 MB). Make room
-                # for the whole budget instead; reloads use the measured footprint.
-                need = max(estimate.total(instances), self.budget_bytes - self._gpu_growth_bytes)
+                # for the whole budget instead (less the GPU growth, which it must leave); the
+                # measured figure then takes the usual path (grow, or load again, or refuse).
+                need = self.budget_bytes - self._growth_for(slot)
+                if need <= 0:
+                    self._refuse_if_alone_over_budget(slot, estimate, source)
             reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
             self._reserve(slot, reserved, deadline, adds_model=True)
             try:
@@ -598,7 +608,7 @@ class ModelCache:
             return
         instances = slot.host.config.instances
         need = footprint.total(instances)
-        growth = self._gpu_growth_bytes if slot.backend in GPU_BACKENDS else 0
+        growth = self._growth_for(slot)
         if need + growth <= self.budget_bytes:
             return
         held = f" less the {format_mib(growth)} of GPU growth no model accounts for" if growth else ""
@@ -634,7 +644,7 @@ class ModelCache:
         """Models to evict so that ``need`` more bytes (and one more model) fit; [] when it fits
         now, None when even evicting every unheld model (``lru``) is not enough."""
         pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
-        used = self._resident_bytes - pending + self._reserved_bytes + self._gpu_growth_bytes
+        used = self._resident_bytes - pending + self._reserved_bytes + self._growth_for(slot)
         # Loads still waiting for room hold no place yet: counting them would make a burst of
         # first requests for more models than the cap wait on each other.
         count = sum(1 for s in self._slots.values() if s is not slot and (
@@ -728,13 +738,22 @@ class ModelCache:
                         format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
 
 
+    def _growth_for(self, slot: _Slot) -> int:
+        """The GPU growth a load of ``slot`` must leave room for: ``gpu_growth_bytes`` for a
+        model on a GPU backend, 0 for one on the CPU (its footprint is host memory)."""
+        return self._gpu_growth_bytes if slot.backend in GPU_BACKENDS else 0
+
     def _note_gpu_growth(self, reading: GpuReading) -> None:
         """Set ``gpu_growth_bytes`` from ``reading`` (taken after an unload; ``self._cond`` and
-        the load lock are held, so no load allocates meanwhile): the reading over the baseline
+        the load lock are held, so no other load or unload runs): the reading over the baseline
         less the footprints of the GPU models still resident or not yet unloaded. Per-process
-        readings only."""
+        readings only. Skipped while a loaded model awaits publication (an eviction made room
+        for it under the same lock: its bytes are on the GPU but in no footprint yet), so that
+        it is not counted as growth."""
         baseline = gpu_memory.baseline
         if baseline is None or reading.source != "nvml-process" or baseline.source != "nvml-process":
+            return
+        if any(s.state == _LOADING and s.host.ready for s in self._slots.values()):
             return
         counted = sum(s.bytes for s in self._slots.values()
                       if s.backend in GPU_BACKENDS and s.state in (_READY, _EVICTING))
