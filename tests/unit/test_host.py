@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,36 @@ def test_a_request_goes_to_a_free_context_that_last_ran_its_shape(repo):
         for x, out in zip((b4, b1), outs):
             np.testing.assert_allclose(out, reference(path, x), rtol=1e-5, atol=1e-6)
         assert host.in_flight == 0
+    finally:
+        host.unload()
+
+
+def test_a_freed_context_goes_to_the_longest_waiting_request_not_to_a_newcomer(repo):
+    """First come, first served: a request that arrives as a context comes free queues behind
+    the one already waiting (with ``Condition.wait_for`` alone it took the context, and the
+    waiter waited again at the back: the 0.3-1.1 s tail of bench/README.md)."""
+    entry = repo.get("tiny_cnn")
+    entry = dataclasses.replace(entry, config=entry.config.model_copy(update={"instances": 1}))
+    host = ModelHost(entry, backend="onnxruntime").load()
+    x = np.random.default_rng(5).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    try:
+        held = host._checkout(("held",))
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(host.infer, {"input": x})
+            deadline = time.monotonic() + 10
+            while not host._waiting:
+                assert time.monotonic() < deadline, "the request never waited for the context"
+                time.sleep(0.001)
+            with host._slots:  # free the context and ask for it again before the waiter can run
+                host._free.append(held)
+                host._wake_next()
+                newcomer = host._checkout(("newcomer",))
+            assert waiting.done(), "the newcomer took the context ahead of the request waiting for it"
+            np.testing.assert_allclose(waiting.result()["logits"], reference(entry.onnx_path(), x), rtol=1e-5, atol=1e-6)
+            with host._slots:
+                host._free.append(newcomer)
+                host._wake_next()
+        assert host.in_flight == 0 and not host._waiting
     finally:
         host.unload()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +25,12 @@ class ModelHost:
     """Owns an ``Engine`` and ``config.instances`` execution contexts; one request per context.
 
     ``infer`` blocks the calling thread: call it from a worker thread in async code. Requests
-    beyond the pool size wait up to ``checkout_timeout_s`` for a free context. A request takes
+    beyond the pool size wait up to ``checkout_timeout_s`` for a free context, first come first
+    served: a context that comes free goes to the longest waiting request, never to one that
+    arrives meanwhile (Python's ``Condition`` lets a newcomer take it while the woken waiter
+    is still being scheduled, and the waiter then waits again at the back: with one context
+    and 16 clients, groups of requests came back 0.3-1.1 s late while the median was 26-50 ms;
+    bench/README.md, "where the p99 tail at 8-32 clients came from"). A request takes
     a free context whose previous run had the same input shapes when there is one, else the
     context free the longest: ONNX Runtime's CUDA provider rebuilds every convolution's cuDNN
     plan when a context's input shape changes from its previous run (``DynamicBatching``), so
@@ -45,7 +51,10 @@ class ModelHost:
         self._contexts: list[ExecutionContext] = []
         self._free: list[ExecutionContext] = []  # longest free first
         self._last_shapes: dict[int, tuple] = {}  # id(context) -> input shapes of its last run
-        self._slots = threading.Condition()  # guards _free and _last_shapes
+        self._slots_lock = threading.RLock()
+        self._slots = threading.Condition(self._slots_lock)  # guards _free, _last_shapes, _waiting
+        # Requests waiting for a context, oldest first: each waits on its own condition (same lock).
+        self._waiting: deque[threading.Condition] = deque()
         self._lock = threading.Condition()
         self._in_flight = 0
         self._unloading = False
@@ -174,7 +183,7 @@ class ModelHost:
             finally:
                 with self._slots:
                     self._free.append(context)
-                    self._slots.notify()
+                    self._wake_next()
             if self.on_execution is not None:
                 self.on_execution(self.name, self.version, _rows(self.config.max_batch_size, inputs), run_s)
         finally:
@@ -187,14 +196,27 @@ class ModelHost:
         """A free context, preferring one whose last run had ``shapes``; waits up to
         ``checkout_timeout_s``. Raises InferenceTimeout."""
         with self._slots:
-            if not self._slots.wait_for(lambda: self._free, timeout=self.checkout_timeout_s):
-                raise InferenceTimeout(
-                    f"model '{self.name}': no execution context free within "
-                    f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
+            if not self._free or self._waiting:
+                turn = threading.Condition(self._slots_lock)
+                self._waiting.append(turn)
+                try:
+                    if not turn.wait_for(lambda: self._free and self._waiting[0] is turn,
+                                         timeout=self.checkout_timeout_s):
+                        raise InferenceTimeout(
+                            f"model '{self.name}': no execution context free within "
+                            f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
+                finally:
+                    self._waiting.remove(turn)
+                    self._wake_next()  # another context may be free for the next in line
             context = next((c for c in self._free if self._last_shapes.get(id(c)) == shapes), self._free[0])
             self._free.remove(context)
             self._last_shapes[id(context)] = shapes
             return context
+
+    def _wake_next(self) -> None:
+        """Wake the longest waiting request when a context is free (``self._slots`` held)."""
+        if self._free and self._waiting:
+            self._waiting[0].notify()
 
     def warm(self, batch_sizes: Sequence[int]) -> None:
         """Run every context once more on zeros, context ``i`` at batch ``batch_sizes[i % len]``
@@ -224,7 +246,7 @@ class ModelHost:
         finally:
             with self._slots:
                 self._free.extend(taken)
-                self._slots.notify_all()
+                self._wake_next()
             with self._lock:
                 self._in_flight -= 1
                 self._lock.notify_all()
