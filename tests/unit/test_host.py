@@ -142,6 +142,14 @@ def test_a_freed_context_goes_to_the_longest_waiting_request_not_to_a_newcomer(r
     entry = dataclasses.replace(entry, config=entry.config.model_copy(update={"instances": 1}))
     host = ModelHost(entry, backend="onnxruntime").load()
     x = np.random.default_rng(5).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    order: list[str] = []
+    [context] = host._contexts
+
+    def spy(inputs, _run=context.infer):
+        order.append("waiting request ran")
+        return _run(inputs)
+
+    context.infer = spy
     try:
         held = host._checkout(("held",))
         with ThreadPoolExecutor(1) as pool:
@@ -154,8 +162,10 @@ def test_a_freed_context_goes_to_the_longest_waiting_request_not_to_a_newcomer(r
                 host._free.append(held)
                 host._wake_next()
                 newcomer = host._checkout(("newcomer",))
-            assert waiting.done(), "the newcomer took the context ahead of the request waiting for it"
-            np.testing.assert_allclose(waiting.result()["logits"], reference(entry.onnx_path(), x), rtol=1e-5, atol=1e-6)
+                order.append("newcomer got the context")
+            assert order == ["waiting request ran", "newcomer got the context"]
+            np.testing.assert_allclose(waiting.result(timeout=10)["logits"], reference(entry.onnx_path(), x),
+                                       rtol=1e-5, atol=1e-6)
             with host._slots:
                 host._free.append(newcomer)
                 host._wake_next()

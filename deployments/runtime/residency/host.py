@@ -28,9 +28,10 @@ class ModelHost:
     beyond the pool size wait up to ``checkout_timeout_s`` for a free context, first come first
     served: a context that comes free goes to the longest waiting request, never to one that
     arrives meanwhile (Python's ``Condition`` lets a newcomer take it while the woken waiter
-    is still being scheduled, and the waiter then waits again at the back: with one context
-    and 16 clients, groups of requests came back 0.3-1.1 s late while the median was 26-50 ms;
-    bench/README.md, "where the p99 tail at 8-32 clients came from"). A request takes
+    is still being scheduled, and the waiter then waits again at the back: ocr_cls, one
+    context, 16 clients, groups of requests came back 0.3-1.1 s late at a median of 26 ms on
+    the H200 machine and 0.3-0.5 s late at 50 ms on 2 cores; bench/README.md, "where the p99
+    tail at 8-32 clients came from"). A request takes
     a free context whose previous run had the same input shapes when there is one, else the
     context free the longest: ONNX Runtime's CUDA provider rebuilds every convolution's cuDNN
     plan when a context's input shape changes from its previous run (``DynamicBatching``), so
@@ -200,17 +201,19 @@ class ModelHost:
                 turn = threading.Condition(self._slots_lock)
                 self._waiting.append(turn)
                 try:
-                    if not turn.wait_for(lambda: self._free and self._waiting[0] is turn,
-                                         timeout=self.checkout_timeout_s):
-                        raise InferenceTimeout(
-                            f"model '{self.name}': no execution context free within "
-                            f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
+                    served = turn.wait_for(lambda: self._free and self._waiting[0] is turn,
+                                           timeout=self.checkout_timeout_s)
                 finally:
                     self._waiting.remove(turn)
-                    self._wake_next()  # another context may be free for the next in line
+                if not served:
+                    self._wake_next()  # a context may have come free for the next in line
+                    raise InferenceTimeout(
+                        f"model '{self.name}': no execution context free within "
+                        f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
             context = next((c for c in self._free if self._last_shapes.get(id(c)) == shapes), self._free[0])
             self._free.remove(context)
             self._last_shapes[id(context)] = shapes
+            self._wake_next()  # another context may still be free for the next in line
             return context
 
     def _wake_next(self) -> None:
