@@ -159,16 +159,13 @@ def test_a_freed_context_goes_to_the_longest_waiting_request_not_to_a_newcomer(r
                 assert time.monotonic() < deadline, "the request never waited for the context"
                 time.sleep(0.001)
             with host._slots:  # free the context and ask for it again before the waiter can run
-                host._free.append(held)
-                host._wake_next()
+                host._check_in([held])
                 newcomer = host._checkout(("newcomer",))
                 order.append("newcomer got the context")
             assert order == ["waiting request ran", "newcomer got the context"]
             np.testing.assert_allclose(waiting.result(timeout=10)["logits"], reference(entry.onnx_path(), x),
                                        rtol=1e-5, atol=1e-6)
-            with host._slots:
-                host._free.append(newcomer)
-                host._wake_next()
+            host._check_in([newcomer])
         assert host.in_flight == 0 and not host._waiting
     finally:
         host.unload()

@@ -675,7 +675,7 @@ class ModelCache:
         held_text = ", ".join(f"{s.name} ({format_mib(s.bytes)}, {s.refcount} in use)" for s in held) or "none"
         limits = []
         if self.budget_bytes is not None:
-            growth = f", {format_mib(self._gpu_growth_bytes)} of GPU growth" if self._gpu_growth_bytes else ""
+            growth = f", {format_mib(self._growth_for(slot))} of GPU growth" if self._growth_for(slot) else ""
             limits.append(f"budget {format_mib(self.budget_bytes)}, {format_mib(self._resident_bytes)} resident, "
                           f"{format_mib(self._reserved_bytes)} reserved by loads in progress{growth}")
         if self.max_models is not None:
@@ -736,7 +736,6 @@ class ModelCache:
             warmup = f" + warmup {warmup_ms:.1f} ms" if warmup_ms else ""
             logger.info("model cache: %s %s in %.1f ms%s (%s); resident %s of %s: %s", event, slot.name, ms, warmup,
                         format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
-
 
     def _growth_for(self, slot: _Slot) -> int:
         """The GPU growth a load of ``slot`` must leave room for: ``gpu_growth_bytes`` for a

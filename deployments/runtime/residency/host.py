@@ -52,8 +52,7 @@ class ModelHost:
         self._contexts: list[ExecutionContext] = []
         self._free: list[ExecutionContext] = []  # longest free first
         self._last_shapes: dict[int, tuple] = {}  # id(context) -> input shapes of its last run
-        self._slots_lock = threading.RLock()
-        self._slots = threading.Condition(self._slots_lock)  # guards _free, _last_shapes, _waiting
+        self._slots = threading.RLock()  # guards _free, _last_shapes, _waiting
         # Requests waiting for a context, oldest first: each waits on its own condition (same lock).
         self._waiting: deque[threading.Condition] = deque()
         self._lock = threading.Condition()
@@ -182,9 +181,7 @@ class ModelHost:
                 result = context.infer(inputs)
                 run_s = time.perf_counter() - start
             finally:
-                with self._slots:
-                    self._free.append(context)
-                    self._wake_next()
+                self._check_in([context])
             if self.on_execution is not None:
                 self.on_execution(self.name, self.version, _rows(self.config.max_batch_size, inputs), run_s)
         finally:
@@ -198,7 +195,7 @@ class ModelHost:
         ``checkout_timeout_s``. Raises InferenceTimeout."""
         with self._slots:
             if not self._free or self._waiting:
-                turn = threading.Condition(self._slots_lock)
+                turn = threading.Condition(self._slots)
                 self._waiting.append(turn)
                 try:
                     served = turn.wait_for(lambda: self._free and self._waiting[0] is turn,
@@ -215,6 +212,12 @@ class ModelHost:
             self._last_shapes[id(context)] = shapes
             self._wake_next()  # another context may still be free for the next in line
             return context
+
+    def _check_in(self, contexts: Iterable[ExecutionContext]) -> None:
+        """Give ``contexts`` back to the free list and wake the longest waiting request."""
+        with self._slots:
+            self._free.extend(contexts)
+            self._wake_next()
 
     def _wake_next(self) -> None:
         """Wake the longest waiting request when a context is free (``self._slots`` held)."""
@@ -247,9 +250,7 @@ class ModelHost:
                 with self._slots:
                     self._last_shapes[id(context)] = _shapes(feed)
         finally:
-            with self._slots:
-                self._free.extend(taken)
-                self._wake_next()
+            self._check_in(taken)
             with self._lock:
                 self._in_flight -= 1
                 self._lock.notify_all()
