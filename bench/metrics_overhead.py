@@ -85,13 +85,13 @@ def is_metrics_sample(stack: str) -> bool:
 
 
 def replica_pids(app: str) -> list[int]:
-    """Pids of the Serve replica processes of ``app`` (Ray titles them
-    ``ray::ServeReplica:<app>:<deployment>``)."""
-    marker, pids = f"ServeReplica:{app}:".encode(), []
+    """Pids of the Serve replica processes of router application ``app`` and its models'
+    applications (Ray titles them ``ray::ServeReplica:<app>[.<model>]:<deployment>``)."""
+    markers, pids = (f"ServeReplica:{app}:".encode(), f"ServeReplica:{app}.".encode()), []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if marker in (proc / "cmdline").read_bytes():
+                if any(marker in (proc / "cmdline").read_bytes() for marker in markers):
                     pids.append(int(proc.name))
             except OSError:
                 continue
@@ -264,7 +264,7 @@ def batch_counts(model: str, side: str) -> tuple[int, int] | None:
         from ray import serve
 
         async def ask() -> dict:  # in Ray's throughput-optimized mode a handle needs a running loop
-            return await serve.get_deployment_handle(f"model-{model}", app_name=side).batching.remote()
+            return await serve.get_deployment_handle(f"model-{model}", app_name=f"{side}.{model}").batching.remote()
 
         stats = asyncio.run(ask())
         return stats["requests"], sum(stats["calls_by_requests"].values())
@@ -356,7 +356,7 @@ def main(argv: Sequence[str]) -> None:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import run_applications
 
     repo = repository(scratch, models, a.gpu_fraction)
     port = free_port()
@@ -370,7 +370,7 @@ def main(argv: Sequence[str]) -> None:
         base = f"http://127.0.0.1:{port}"
         common = app_args(repo, models, a.gpu_fraction)
         for side, metrics in (("on", {"port": free_port()}), ("off", {"enabled": False})):
-            serve.run(build_app({**common, "metrics": metrics}), name=side, route_prefix=f"/{side}")
+            run_applications({**common, "metrics": metrics}, name=side, route_prefix=f"/{side}")
         for side in ("on", "off"):
             _wait_ready(f"{base}/{side}/v2/health/ready")
         rng = np.random.default_rng(0)

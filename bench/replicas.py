@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,11 @@ def session_processes(session: int) -> list[Proc]:
 
 def replica_pids(session: int, app: str, deployment: str) -> list[int]:
     """PIDs of the running replicas of ``deployment`` (e.g. ``pool``, ``router``,
-    ``model-ocr_cls``) in application ``app`` of the Ray instance in ``session``."""
+    ``model-ocr_cls``) of the server whose router application is ``app`` in the Ray instance in
+    ``session`` (a dedicated model's deployment runs in its own application, ``app.<model>``)."""
     title = f"{REPLICA_TITLE}{app}:{deployment}"
+    if deployment.startswith(("model-", "pipeline-")):
+        title = f"{REPLICA_TITLE}{app}.{deployment.split('-', 1)[1]}:{deployment}"
     return [p.pid for p in session_processes(session)
             if p.title == title or p.title.startswith((title + ".", title + " "))]
 
@@ -81,14 +85,15 @@ def rss_bytes(pid: int) -> int:
 
 
 def server_rss_bytes(session: int, app: str) -> dict[str, int]:
-    """RSS in bytes of the serving processes of ``session``, by role: each replica of ``app`` by
-    its deployment (summed over replicas), Ray's own processes (``ray::`` actors: controller,
-    proxy; raylet, GCS) as ``ray``. The driver and client processes are left out."""
+    """RSS in bytes of the serving processes of ``session``, by role: each replica of router
+    application ``app`` and of its models' applications (``app.<model>``) by its deployment
+    (summed over replicas), Ray's own processes (``ray::`` actors: controller, proxy; raylet,
+    GCS) as ``ray``. The driver and client processes are left out."""
     by_role: dict[str, int] = {}
-    prefix = f"{REPLICA_TITLE}{app}:"
+    replica = re.compile(re.escape(f"{REPLICA_TITLE}{app}") + r"(?:\.[^:\s]+)?:(?P<deployment>[^.\s]+)")
     for p in session_processes(session):
-        if p.title.startswith(prefix):
-            role = p.title[len(prefix):].split(".")[0].split()[0]
+        if (match := replica.match(p.title)) is not None:
+            role = match["deployment"]
         elif p.title.startswith("ray::") or "/ray/core/src/ray/" in p.title or "gcs_server" in p.title:
             role = "ray"
         else:

@@ -222,7 +222,7 @@ async def _answer_stats(serve: Any) -> None:
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         words = line.split()
         if words[:1] == ["stats"]:
-            handle = serve.get_deployment_handle(f"model-{words[1]}", app_name="models")
+            handle = serve.get_deployment_handle(f"model-{words[1]}", app_name=f"models.{words[1]}")
             print(json.dumps(await handle.batching.remote()), flush=True)
 
 

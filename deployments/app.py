@@ -6,8 +6,24 @@
         import_path: deployments.app:build_app
         args: {repository: engines, pool: {max_num_models_per_replica: 3}}
 
-One dedicated deployment per model whose config says ``mode: dedicated`` (pipelines included),
-one multiplexed pool deployment for the rest, and the ``Router`` ingress in front.
+The router application (``args`` without ``model``): the ``Router`` ingress for every route,
+the multiplexed pool deployment for models whose config says ``mode: pool``, and the control
+deployment of explicit model control. One application per dedicated model (pipelines included),
+``args`` with ``model: <name>``, named ``<router application>.<name>`` at route prefix
+``<router prefix>/v2/models/<name>``: its replicas are the ingress of that model's routes
+(``ingress.ModelRoutes``), so a request for a hot model reaches a replica that runs it in one hop.
+``applications`` lists them all; ``python -m deployments.check`` checks that ``serve_config.yaml``
+lists the same (``--write`` writes them), and the router finds the others by those names.
+
+    applications:
+      - name: models
+        route_prefix: /
+        import_path: deployments.app:build_app
+        args: &args {repository: engines}
+      - name: models.ocr_cls
+        route_prefix: /v2/models/ocr_cls
+        import_path: deployments.app:build_app
+        args: {<<: *args, model: ocr_cls}
 
 A bad config raises ``AppConfigError``, a ``RayServeException``: Serve's build task reports it
 as the application's DEPLOY_FAILED message at once instead of retrying the build (it retries
@@ -26,21 +42,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from .control import ControlDeployment, initial_state
+from .client import deployment_name, model_application
+from .control import ControlDeployment, Desired, initial_state
 from .ingress import Router, RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
 from .observe.options import MetricsOptions
 from .pool import PoolDeployment
+from .protocol.errors import RETRY_AFTER_S
 from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.units import mib_to_bytes
 
 logger = logging.getLogger("ray.serve")
-
-# Seconds a shed request is told to wait (``Retry-After`` of its 503).
-RETRY_AFTER_S = 1.0
 
 # Replicas whose deployment handles call other deployments (router, pipelines) retry a full
 # replica every 25 ms, 50 ms, then every 50 ms, not up to Ray's default 0.5 s: a retry that
@@ -60,6 +75,10 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
 # Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# Requests a dedicated model's ingress replica takes from Serve beyond its model's own bound
+# (max_ongoing_requests + max_queued_requests, ``ModelRoutes``): its other routes (ready,
+# metadata) and calls through handles (a pipeline's steps).
+INGRESS_HEADROOM = 64
 
 
 class AppConfigError(ConfigError, RayServeException):
@@ -112,6 +131,9 @@ class AppArgs(BaseModel):
     # POST /v2/repository/models/{name}/load (deployments/control.py).
     model_control_mode: Literal["none", "explicit"] = "none"
     startup_models: list[str] = []
+    # The application of one dedicated model (or pipeline) of the repository: its deployment
+    # is the ingress of its routes at /v2/models/<model> (None: the router application).
+    model: Optional[str] = None
 
 
 def _cluster_has_gpus() -> bool:
@@ -228,36 +250,112 @@ def _build(args: dict[str, Any] | None) -> Application:
 
     metrics = app_args.metrics.model_dump()
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
-    control = control_options(app_args, entries, pool_models)
-    pool = None
+    initial = initial_control(app_args, entries, pool_models)
+    routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
+                           request_timeout_s=app_args.request_timeout_s)
+    dedicated = {e.name: deployment_name(e.name, bool(e.config.pipeline)) for e in entries if e.name not in pool_models}
+    if app_args.model is not None:
+        if app_args.model not in dedicated:
+            raise ConfigError(f"serve_config.yaml application args: model: '{app_args.model}' is not a dedicated "
+                              f"model or pipeline of the repository; those are: {sorted(dedicated)} (pool models "
+                              "are served by the router application)")
+        entry = next(e for e in entries if e.name == app_args.model)
+        options = placement[entry.name]
+        serve_options = ray_options(options, use_gpus, HANDLE_ENV if entry.config.pipeline else env)
+        if options.max_queued_requests != -1:
+            # The replica is the ingress: it sheds beyond its model's queue with this app's error
+            # body (``ModelRoutes``), so Serve's own limit, which answers plain text, sits above it.
+            serve_options["max_ongoing_requests"] = options.max_ongoing_requests + options.max_queued_requests \
+                + INGRESS_HEADROOM
+        model_args = dict(metrics=metrics, initial=initial, routes=routes,
+                          max_requests=options.max_ongoing_requests + options.max_queued_requests
+                          if options.max_queued_requests != -1 else None)
+        if entry.config.pipeline:
+            return PipelineDeployment.options(
+                name=dedicated[entry.name], graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                **serve_options).bind(app_args.repository, entry.name,
+                                      {n: d for n, d in dedicated.items() if n != entry.name}, pool_models, **model_args)
+        return ModelDeployment.options(name=dedicated[entry.name], **serve_options).bind(
+            app_args.repository, entry.name, app_args.backend, **model_args)
+    pool, control = None, control_options(initial)
     if pool_models:
         pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
             app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, **control)
-    dedicated: dict[str, Any] = {}
-    for e in entries:
-        if e.name in pool_models or e.config.pipeline:
-            continue
-        dedicated[e.name] = ModelDeployment.options(
-            name=f"model-{e.name}", **ray_options(placement[e.name], use_gpus, env)).bind(
-            app_args.repository, e.name, app_args.backend, metrics=metrics, **control)
-    steps = dict(dedicated)
-    for e in entries:
-        if e.config.pipeline:
-            dedicated[e.name] = PipelineDeployment.options(
-                name=f"pipeline-{e.name}", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
-                **ray_options(placement[e.name], use_gpus, HANDLE_ENV)).bind(
-                app_args.repository, e.name, steps, pool, pool_models, metrics=metrics)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
-        app_args.repository, dedicated, pool, pool_models,
-        RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
-                      request_timeout_s=app_args.request_timeout_s),
+        app_args.repository, dedicated, pool, pool_models, routes,
         models=app_args.models, metrics=metrics, **control)
 
 
-def control_options(app_args: AppArgs, entries: list[ModelEntry], pool_models: list[str]) -> dict[str, Any]:
-    """The ``control`` handle and ``initial`` state the router and model deployments take
-    (``deployments.control``); {} with ``model_control_mode: none``.
+def applications(args: dict[str, Any] | None, name: str = "models",
+                 route_prefix: str = "/") -> list[tuple[str, str, Application]]:
+    """Every application of one server, as ``serve_config.yaml`` lists them: ``(name,
+    route_prefix, application)`` of the router application (``args``), then of each dedicated
+    model and pipeline (``args`` + ``model``), named and routed as the router finds them
+    (``model_application``). ``serve.run_many`` or ``deployments.check --write`` take it.
+
+    Raises:
+        AppConfigError: as ``build_app``.
+    """
+    out = [(name, route_prefix, build_app(args))]
+    for model, prefix in model_applications(args, route_prefix):
+        out.append((model_application(name, model), prefix, build_app({**(args or {}), "model": model})))
+    return out
+
+
+def run_applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",
+                     wait: bool = True) -> None:
+    """Deploy every application of one server (``applications``) on the running Serve
+    instance, as ``serve run serve_config.yaml`` does; ``wait``: until all run (tests, bench).
+
+    Raises:
+        AppConfigError: as ``build_app``.
+    """
+    from ray import serve
+
+    serve.run_many([serve.RunTarget(app, name=app_name, route_prefix=prefix)
+                    for app_name, prefix, app in applications(args, name, route_prefix)],
+                   wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
+
+
+def delete_server(name: str = "models", wait: bool = True) -> None:
+    """Delete router application ``name`` and its models' applications (``applications``);
+    ``wait``: until Serve lists none of them (``deployments.run.delete_applications``)."""
+    from ray import serve
+
+    from .run import delete_applications
+
+    names = [app for app in serve.status().applications if app == name or app.startswith(f"{name}.")]
+    if wait:
+        delete_applications(names)
+    else:
+        for app in names:
+            serve.delete(app, _blocking=False)
+
+
+def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> list[tuple[str, str]]:
+    """``(model, route prefix)`` of each dedicated model and pipeline the router application
+    built from ``args`` at ``route_prefix`` serves (each its own application).
+
+    Raises:
+        AppConfigError: as ``build_app``.
+    """
+    try:
+        app_args = AppArgs.model_validate(args or {})
+        entries = ModelRepository(app_args.repository, app_args.models).entries()
+        placement = deployment_options(entries, app_args.deployments)
+    except ValidationError as e:
+        raise AppConfigError(f"serve_config.yaml application args: {describe_validation_error(e, AppArgs)}") from None
+    except ConfigError as e:
+        raise AppConfigError(e.message) from None
+    base = route_prefix.rstrip("/")
+    return [(e.name, f"{base}/v2/models/{e.name}") for e in entries
+            if e.config.pipeline or placement[e.name].mode == "dedicated"]
+
+
+def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: list[str]) -> Desired | None:
+    """The build-time desired state of explicit model control (``deployments.control``); None
+    with ``model_control_mode: none``.
 
     Raises:
         ConfigError: ``startup_models`` without explicit mode, or naming models not served.
@@ -267,7 +365,7 @@ def control_options(app_args: AppArgs, entries: list[ModelEntry], pool_models: l
         if app_args.startup_models:
             raise ConfigError("serve_config.yaml application args: startup_models: needs "
                               "model_control_mode: explicit")
-        return {}
+        return None
     unknown = sorted(set(app_args.startup_models) - set(names) - {"*"})
     if unknown:
         raise ConfigError(f"serve_config.yaml application args: startup_models: {unknown} are not served "
@@ -275,7 +373,14 @@ def control_options(app_args: AppArgs, entries: list[ModelEntry], pool_models: l
     loaded = set(names) if "*" in app_args.startup_models else set(app_args.startup_models)
     placements = {e.name: "pipeline" if e.config.pipeline else "pool" if e.name in pool_models else "dedicated"
                   for e in entries}
-    initial = initial_state(placements, loaded)
+    return initial_state(placements, loaded)
+
+
+def control_options(initial: Desired | None) -> dict[str, Any]:
+    """The ``control`` handle and ``initial`` state the router and the pool take: {} with
+    model control off (``initial`` None)."""
+    if initial is None:
+        return {}
     control = ControlDeployment.options(
         name="control", num_replicas=1, ray_actor_options={"num_cpus": 0},
         graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(initial)

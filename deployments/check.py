@@ -1,5 +1,10 @@
-"""``python -m deployments.check [serve_config.yaml]``: check a Serve config and its model
-repository before Ray starts (``make serve`` runs it first).
+"""``python -m deployments.check [--write] [serve_config.yaml]``: check a Serve config and its
+model repository before Ray starts (``make serve`` runs it first).
+
+Each dedicated model and pipeline is an application of its own (``deployments.app``): the check
+also says which of those the file lacks or lists in vain (a model folder added, removed or moved
+to the pool since), and ``--write`` rewrites them from the router application's args and the
+repository.
 
 The checks are the ones the application builder runs (``deployments.app.build_app``: the
 application ``args``, every ``engines/<model>/config.yaml``, the model files), after Ray's own
@@ -33,35 +38,133 @@ def check(path: Path) -> str:
     """Validate the Serve config at ``path``; returns the summary line.
 
     Raises:
-        ConfigError: unreadable YAML, a field Ray's schema refuses, or a bad application
-            ``args`` / model repository (the message names the file and field).
+        ConfigError: unreadable YAML, a field Ray's schema refuses, a bad application ``args``
+            / model repository (the message names the file and field), or applications out of
+            step with the repository (``model_applications_error``).
     """
-    from ray.serve.schema import ServeDeploySchema
-
     from .app import AppArgs, build_app
     from .runtime.contract.repository import ModelRepository
+
+    schema = _schema(path)
+    models: list[str] = []
+    ours = [app for app in schema.applications if app.import_path == APP_IMPORT_PATH]
+    routers = [app for app in ours if (app.args or {}).get("model") is None]
+    for app in routers + [app for app in ours if app not in routers]:  # routers first, then in-step, then models
+        try:
+            build_app(app.args)
+        except ConfigError as e:
+            raise ConfigError(e.message.replace("serve_config.yaml", str(path), 1)) from None
+        if app is routers[-1] and (error := model_applications_error(path, schema)):
+            raise ConfigError(error)
+        args = AppArgs.model_validate(app.args or {})
+        if args.model is None:
+            models += ModelRepository(args.repository, args.models).names()
+    http = schema.http_options
+    return (f"{path}: OK, {len(models)} models {models}; serving at http://{http.host}:{http.port}/v2 "
+            "once ready")
+
+
+def _schema(path: Path) -> Any:
+    """``path`` read as Ray's ``ServeDeploySchema``.
+
+    Raises:
+        ConfigError: unreadable YAML or a field Ray's schema refuses.
+    """
+    from ray.serve.schema import ServeDeploySchema
 
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"{path}: cannot read YAML ({e})") from None
     try:
-        schema = ServeDeploySchema.model_validate(raw)
+        return ServeDeploySchema.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{path}: {describe_validation_error(e, ServeDeploySchema)}") from None
-    models: list[str] = []
+
+
+def expected_model_applications(schema: Any) -> list[dict[str, Any]]:
+    """The application of each dedicated model and pipeline that the config's router
+    applications (``import_path: deployments.app:build_app`` without ``args.model``) serve, as
+    ``deployments.app.applications`` deploys them: ``{"name", "route_prefix", "import_path",
+    "args"}`` (``args``: the router's plus ``model``)."""
+    from .app import model_applications
+    from .client import model_application
+
+    out = []
     for app in schema.applications:
-        if app.import_path != APP_IMPORT_PATH:
+        if app.import_path != APP_IMPORT_PATH or (app.args or {}).get("model") is not None:
             continue
-        try:
-            build_app(app.args)
-        except ConfigError as e:
-            raise ConfigError(e.message.replace("serve_config.yaml", str(path), 1)) from None
-        args = AppArgs.model_validate(app.args or {})
-        models += ModelRepository(args.repository, args.models).names()
-    http = schema.http_options
-    return (f"{path}: OK, {len(models)} models {models}; serving at http://{http.host}:{http.port}/v2 "
-            "once ready")
+        for model, prefix in model_applications(app.args, app.route_prefix or "/"):
+            out.append({"name": model_application(app.name, model), "route_prefix": prefix,
+                        "import_path": APP_IMPORT_PATH, "args": {**(app.args or {}), "model": model}})
+    return out
+
+
+def model_applications_error(path: Path, schema: Any) -> str | None:
+    """What is out of step between the config's model applications and the repository (a
+    dedicated model added, removed or switched to the pool since the file was written), or None."""
+    expected = {a["name"]: a for a in expected_model_applications(schema)}
+    listed = {a.name: a for a in schema.applications
+              if a.import_path == APP_IMPORT_PATH and (a.args or {}).get("model") is not None}
+    missing = sorted(set(expected) - set(listed))
+    extra = sorted(set(listed) - set(expected))
+    differing = sorted(name for name in set(expected) & set(listed)
+                       if (listed[name].route_prefix, listed[name].args) != (expected[name]["route_prefix"],
+                                                                            expected[name]["args"]))
+    if not (missing or extra or differing):
+        return None
+    parts = [f"{what}: {names}" for what, names in (("missing", missing), ("not dedicated models of the "
+             "repository", extra), ("with another route_prefix or args than their router application's",
+                                    differing)) if names]
+    return (f"{path}: applications: each dedicated model and pipeline is its own application named "
+            f"'<router application>.<model>' at route_prefix '<router prefix>/v2/models/<model>' with the "
+            f"router's args plus model; {'; '.join(parts)}. `python -m deployments.check --write {path}` "
+            "writes them")
+
+
+WRITTEN_MARK = "# --- one application per dedicated model: written by `python -m deployments.check --write`"
+
+
+def write(path: Path) -> str:
+    """Rewrite the model applications of the config at ``path`` from its router application
+    and the repository: the block under ``WRITTEN_MARK`` (made at the end of ``applications:``
+    when absent). Each takes the router's args through the YAML anchor on its ``args:`` line
+    when there is one (``args: &name``), else a copy. Returns the summary line.
+
+    Raises:
+        ConfigError: as ``check``, or applications still out of step (listed by hand too).
+    """
+    import re
+
+    schema = _schema(path)
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"applications:\s*(#.*)?$", line)), None)
+    if start is None:
+        raise ConfigError(f"{path}: no top-level 'applications:' to write the model applications into")
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"[^\s#-]", lines[i])), len(lines))
+    indent = next((m.group(1) for line in lines[start + 1:end] if (m := re.match(r"(\s*)- ", line))), "  ")
+    if WRITTEN_MARK in lines[start:end]:  # the block written before: the mark and its items
+        mark = lines.index(WRITTEN_MARK, start)
+        stop = mark + 1
+        while stop < end and (lines[stop].startswith((indent + "- ", indent + "  ")) or not lines[stop].strip()):
+            stop += 1
+        del lines[mark:stop]
+        end -= stop - mark
+    while end > start + 1 and not lines[end - 1].strip():
+        end -= 1
+    anchor = re.search(r"^\s+args:\s*&([A-Za-z0-9_-]+)", "\n".join(lines[start:end]), re.MULTILINE)
+    apps = expected_model_applications(schema)
+    block = [WRITTEN_MARK]
+    for app in apps:
+        args = (f"{{<<: *{anchor.group(1)}, model: {app['args']['model']}}}" if anchor is not None
+                else json.dumps(app["args"]))
+        block += [f"{indent}- name: {app['name']}", f"{indent}  route_prefix: {app['route_prefix']}",
+                  f"{indent}  import_path: {APP_IMPORT_PATH}", f"{indent}  args: {args}"]
+    path.write_text("\n".join(lines[:end] + block + lines[end:]) + "\n")
+    error = model_applications_error(path, _schema(path))
+    if error:
+        raise ConfigError(error + " (model applications listed by hand above the written block: remove them)")
+    return f"{path}: wrote {len(apps)} model applications {[a['name'] for a in apps]}"
 
 
 def _type_name(annotation: Any) -> str:
@@ -107,8 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in reference(ModelConfig):
             print("| " + " | ".join(f"`{c}`" for c in row) + " |")
         return 0
+    writing = "--write" in args
+    args = [a for a in args if a != "--write"]
     path = Path(args[0] if args else "serve_config.yaml")
     try:
+        if writing:
+            print(write(path))
         print(check(path))
     except ConfigError as e:
         print(f"config error: {e.message}", file=sys.stderr)

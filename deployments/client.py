@@ -33,6 +33,31 @@ def payload_bytes(inputs: dict[str, np.ndarray]) -> int:
     return sum(sum(len(x) for x in a.flat) if a.dtype == object else a.nbytes for a in inputs.values())
 
 
+def deployment_name(model: str, pipeline: bool = False) -> str:
+    """The deployment serving dedicated model (or pipeline) ``model`` in its application."""
+    return f"{'pipeline' if pipeline else 'model'}-{model}"
+
+
+def model_application(router_app: str, model: str) -> str:
+    """The application of dedicated model ``model`` beside router application ``router_app``
+    (``deployments.app.applications`` deploys it so)."""
+    return f"{router_app}.{model}"
+
+
+def router_application(model: str) -> str:
+    """In a replica of dedicated model ``model``'s application: the router application's name."""
+    return serve.get_replica_context().app_name.removesuffix(f".{model}")
+
+
+def handles(app: str, deployments: dict[str, str], router_app: str | None = None) -> dict[str, Any]:
+    """Name -> deployment handle of each of ``deployments`` (name -> deployment name): in
+    application ``app``, or with ``router_app``, each model in its own application
+    (``model_application``). Deployments that do not run yet are fine: a call waits for them."""
+    return {name: serve.get_deployment_handle(
+        deployment, app_name=app if router_app is None else model_application(router_app, name), _check_exists=False)
+        for name, deployment in deployments.items()}
+
+
 @dataclass(frozen=True)
 class ReplicaCounts:
     """What ``ModelClient.replica_counts`` reads from ``serve.status()``.

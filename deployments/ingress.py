@@ -13,7 +13,11 @@ Every error answers ``{"error": "..."}`` with the status from ``protocol.errors`
 
 ``RouterApp`` holds the routes and builds the Starlette app from a repository and a
 ``ModelClient`` (tests run it under ``starlette.testclient.TestClient`` with a fake client);
-``Router``, at the bottom, is the Ray Serve deployment around it. The router checks only what
+``Router``, at the bottom, is the Ray Serve deployment around it. ``ModelRoutes`` is the same
+routes over one model in its own replica (``ReplicaClient``): each dedicated model and pipeline
+is also its own Serve application at ``/v2/models/<name>`` (``deployments.app.applications``), so
+the ingress (HAProxy or Serve's proxy, longest route prefix first) sends its requests straight to
+a replica that decodes, runs and answers them, with no router hop. The router checks only what
 routing needs (model, version, body size, readiness); the replica that runs a request
 validates its tensors.
 """
@@ -21,11 +25,12 @@ validates its tensors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 from urllib.parse import unquote
 
 from ray import serve
@@ -36,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .client import ModelClient
+from .client import ModelClient, handles
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
@@ -45,7 +50,7 @@ from .observe.router import RouterObserver, observe_infer, phase
 from .observe.statistics import statistics
 from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from .protocol.compression import CompressionMiddleware, decompress
-from .protocol.errors import error_status, retry_after_headers
+from .protocol.errors import error_status, overloaded, retry_after_headers
 from .protocol.parameters import apply_classification
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import model_metadata
@@ -567,7 +572,7 @@ class RouterApp:
             self.changing[name] = "LOADING"
             try:
                 revision = await self.client.control_set(name, True, placement)
-                reports = [] if placement == "pipeline" else await self._wait_applied(name, placement, revision, "load")
+                reports = await self._wait_applied(name, placement, revision, "load")
                 outcomes = [r["models"][name] for r in reports if name in r["models"]]
                 errors = [o["error"] for o in outcomes if o["error"] is not None]
                 if errors:  # as Triton: a failed load leaves the model unavailable
@@ -597,8 +602,7 @@ class RouterApp:
             self.changing[name] = "UNLOADING"
             try:
                 revision = await self.client.control_set(name, False, placement)
-                if placement != "pipeline":
-                    await self._wait_applied(name, placement, revision, "unload")
+                await self._wait_applied(name, placement, revision, "unload")
             finally:
                 self.changing.pop(name, None)
         return Response(status_code=200)
@@ -660,9 +664,18 @@ class RouterApp:
                 f" (the request's parameters.timeout: {round(timeout_s * 1e6)} microseconds)" if asked else
                 " (request_timeout_s of the application args)")) from None
 
+    def _admitted(self) -> contextlib.AbstractContextManager[None]:
+        """Held by an infer request from arrival to answer; the router's handles bound the
+        queues, so it admits every request (``ModelRoutes`` bounds its own)."""
+        return contextlib.nullcontext()
+
     @observe_infer
     @_answers_errors
     async def infer(self, request: Request) -> Response:
+        with self._admitted():
+            return await self._infer(request)
+
+    async def _infer(self, request: Request) -> Response:
         entry, version = self._entry_version(request)
         chunks = await self._read_body(request)
         with phase(request, "compute_input_s"):
@@ -701,6 +714,83 @@ class RouterApp:
         return JSONResponse(statistics(families, models))
 
 
+class ReplicaClient:
+    """The ``ModelClient`` of ``ModelRoutes``: model ``name`` runs in this process through
+    ``infer`` (the replica's own ``infer(inputs, outputs)``); no pool, no handles."""
+
+    pool = None
+
+    def __init__(self, name: str, infer: Callable[..., Awaitable[dict]]) -> None:
+        self.dedicated: dict[str, Any] = {name: None}
+        self.pool_models: set[str] = set()
+        self._infer = infer
+
+    async def infer(self, name: str, inputs: dict, outputs: list[str] | None = None, key: str | None = None) -> dict:
+        return await self._infer(inputs, outputs)
+
+
+class ModelRoutes(RouterApp):
+    """The KServe v2 model routes of one dedicated model (or pipeline), served by its own
+    replica: ``GET /v2/models/{name}[/versions/{v}][/ready|/config|/stats]`` and
+    ``POST .../infer``, with the router's code, errors and checks (body limit, timeout, readiness,
+    explicit model control). The deployment reports its model's state with ``model_loaded(backend)``
+    and ``model_unloaded()``.
+
+    Requests in flight on ``infer`` are bounded by ``max_requests`` (the model's
+    ``max_ongoing_requests`` + ``max_queued_requests``): one more is shed at once with 503,
+    ``Retry-After`` and this app's error body, as the router's handle sheds (Serve's own
+    direct-ingress limit answers plain text, so the replica's is set above this one).
+    """
+
+    def __init__(self, entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
+                 options: RouterOptions, max_requests: int, observer: RouterObserver | None = None,
+                 initial: Desired | None = None) -> None:
+        super().__init__(repo, ReplicaClient(entry.name, infer), options, observer, initial)
+        self.name = entry.name
+        self.max_requests = max_requests
+        self.in_flight = 0
+
+    def model_loaded(self, backend: str) -> None:
+        """The replica has the model loaded and serves it (at start, or after a load)."""
+        self._mark_loaded(self.repo.get(self.name), "dedicated", backend)
+
+    def model_unloaded(self) -> None:
+        """The model was unloaded through the repository API: new requests answer 503."""
+        self._mark_unloaded(self.name)
+
+    def build_app(self) -> Starlette:
+        app = super().build_app()
+        app.add_middleware(FullPath, suffix=f"/v2/models/{self.name}")
+        return app
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        if self.in_flight >= self.max_requests:
+            raise overloaded(self.in_flight, self.max_requests)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+class FullPath:
+    """ASGI middleware: route on the full path. Serve mounts an application at its route prefix
+    (``scope["root_path"]``: e.g. ``/v2/models/ocr_cls``), and Starlette matches routes on the
+    path after it; ``ModelRoutes`` keeps the router's full-path routes (the same table, the
+    same ``{name}`` parameters), so the prefix's ``suffix`` is taken off ``root_path`` again."""
+
+    def __init__(self, app: Callable, suffix: str) -> None:
+        self.app = app
+        self.suffix = suffix
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        root = scope.get("root_path", "")
+        if scope["type"] in ("http", "websocket") and root.endswith(self.suffix):
+            scope = {**scope, "root_path": root[:-len(self.suffix)]}
+        await self.app(scope, receive, send)
+
+
 async def _json_body(request: Request, what: str) -> dict[str, Any]:
     """The optional JSON object body of a repository request ({} when empty).
 
@@ -736,7 +826,8 @@ class Router(RouterApp):
 
     Args:
         repository: model repository root.
-        dedicated: model name -> handle of its dedicated deployment (pipelines included).
+        dedicated: model name -> name of its dedicated deployment (pipelines included), each in
+            its own application (``client.model_application``).
         pool: handle of the multiplexed pool deployment, or None.
         pool_models: names served by the pool.
         options: ``RouterOptions``.
@@ -746,13 +837,14 @@ class Router(RouterApp):
         initial: the build-time desired state (None: model control is off).
     """
 
-    def __init__(self, repository: str, dedicated: dict[str, Any], pool: Any | None,
+    def __init__(self, repository: str, dedicated: dict[str, str], pool: Any | None,
                  pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None,
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None) -> None:
         repo = ModelRepository(repository, models)
-        super().__init__(repo, ModelClient(dedicated, pool, pool_models, control), options,
-                         router_observer(repo, metrics), initial)
+        app = serve.get_replica_context().app_name
+        client = ModelClient(handles(app, dedicated, router_app=app), pool, pool_models, control)
+        super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()
         replica_grpc_on_loopback()
         loop = asyncio.get_running_loop()

@@ -270,10 +270,59 @@ def answer_unrouted(config: str) -> str:
     return "".join(out)
 
 
+# A dedicated model's application (``<router app>.<model>``, deployments/app.py) takes its model's
+# requests straight from HAProxy. While it has no replica up (starting, replaced, or one that
+# cannot be placed or load), Ray's template sends them to its fallback server, Ray's Python proxy,
+# which holds them until a replica runs: forever for a model that cannot load. Here the router
+# application's servers come first as backups of every model backend: the router answers them as
+# before the one-hop path (503 "not ready" with the reason, or the answer through its handle).
+ROUTER_BACKUP_MARKER = "# trt-serve: the router takes a model's requests while it has no replica (deployments/loopback.py)"
+_SERVER = re.compile(r"^\s+server\s+(?P<name>\S+)\s+(?P<address>\S+)(?P<options>.*)$")
+
+
+def router_backs_up_models(config: str) -> str:
+    """``config`` with, in each backend ``B.<model>`` where a backend ``B`` exists (Ray names a
+    backend ``http-<application>``), ``B``'s non-backup servers added as ``backup`` servers
+    before Ray's own backup (the comment above). Idempotent (a marker comment)."""
+    if ROUTER_BACKUP_MARKER in config:
+        return config
+    lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
+    sections: dict[str, list[int]] = {}  # backend -> indices of its lines
+    backend = None
+    for i, line in enumerate(lines):
+        if _SECTION.match(line):
+            backend = _backend_name(line)
+            if backend is not None:
+                sections[backend] = []
+            continue
+        if backend is not None:
+            sections[backend].append(i)
+    added: dict[int, list[str]] = {}  # line index -> lines to insert before it
+    for name, indices in sections.items():
+        router = max((b for b in sections if name.startswith(b + ".")), key=len, default=None)
+        if router is None:
+            continue
+        backups = []
+        for i in sections[router]:
+            server = _SERVER.match(lines[i].rstrip("\n"))
+            if server and "backup" not in server["options"].split():
+                backups.append(f"    server trt-router-{server['name']} {server['address']}{server['options']} backup\n")
+        at = next((i for i in indices if (m := _SERVER.match(lines[i].rstrip("\n"))) and "backup" in m["options"].split()),
+                  indices[-1] + 1 if indices else len(lines))
+        added.setdefault(at, []).extend([f"    {ROUTER_BACKUP_MARKER}\n", *backups])
+    out = []
+    for i, line in enumerate(lines):
+        out += added.pop(i, [])
+        out.append(line)
+    for rest in added.values():
+        out += rest
+    return "".join(out)
+
+
 def rewrite_config(config: str) -> str:
-    """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``
-    then ``answer_unrouted``."""
-    return answer_unrouted(answer_replica_deaths(bind_loopback(config)))
+    """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
+    ``answer_unrouted`` then ``router_backs_up_models``."""
+    return router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config))))
 
 
 def _port_or_free(preferred: int) -> int:

@@ -2,7 +2,10 @@
 
 Thin Ray layer: each replica owns a ``ModelHost`` and runs its blocking calls in worker threads,
 so one replica serves ``instances`` requests at once. A request is validated here, once, by
-the replica that runs it (the router only routes).
+the replica that runs it. The deployment is the ingress of its own application
+(``deployments.app.applications``): its replicas answer the model's KServe v2 routes
+(``ingress.ModelRoutes``) straight from the HTTP ingress, and pipelines call ``infer`` through
+handles.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from .client import handles, router_application
 from .control import Desired, follow, outcome
+from .ingress import ModelRoutes, RouterOptions, router_observer
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -29,8 +34,20 @@ from .runtime.residency.predict import predict
 
 
 @serve.deployment
+@serve.ingress()
 class ModelDeployment:
     """A dedicated deployment: every replica loads one model at start (eager).
+
+    Args:
+        repository: model repository root.
+        name: the model.
+        backend: ``auto``, ``onnxruntime``, ``onnxruntime_cuda`` or ``tensorrt``.
+        routes: body limit and timeout of the model's routes (``RouterOptions``).
+        metrics: ``MetricsOptions`` as a dict (default: on).
+        initial: the build-time desired state of explicit model control (None: off); the
+            control deployment is the router application's (``client.router_application``).
+        max_requests: infer requests in flight on the routes beyond which one is shed (503);
+            None: no bound.
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
@@ -38,9 +55,9 @@ class ModelDeployment:
     once at one of those sizes (``ModelHost.warm``), so no request pays a size's first run.
     """
 
-    def __init__(self, repository: str, name: str, backend: str,
-                 metrics: dict[str, Any] | None = None, control: Any | None = None,
-                 initial: Desired | None = None) -> None:
+    def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
+                 metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                 max_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
@@ -49,6 +66,11 @@ class ModelDeployment:
         self.gate = Gate(name, open_=loaded)
         if loaded:
             self.host.load()
+        self.routes = ModelRoutes(self.repo.get(name), self.repo, self.infer, routes,
+                                  max_requests, router_observer(self.repo, metrics), initial)
+        if loaded:
+            self.routes.model_loaded(self.host.backend)
+        control = None if initial is None else handles(router_application(name), {"control": "control"})["control"]
         self._follower = follow(control, initial or {}, self.apply)
         self.recorder = replica_recorder(metrics)
         if self.recorder is not None:
@@ -108,7 +130,9 @@ class ModelDeployment:
                     self._take_new_version()
                 self.host.load()
                 self.gate.open()
+                self.routes.model_loaded(self.host.backend)
                 return {self.host.name: outcome(None, True, self.host.backend)}
+            self.routes.model_unloaded()
             self.gate.close()
             self.host.unload()
             return {self.host.name: outcome(None, False)}
@@ -130,6 +154,9 @@ class ModelDeployment:
                              self.host.checkout_timeout_s)
             host.on_execution = self.host.on_execution
             self.host = host
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.routes.build_app()
 
     def batching(self) -> dict:
         """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""

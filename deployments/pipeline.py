@@ -1,4 +1,9 @@
-"""The deployment of a composed model (``pipeline:`` in its config): its steps are other models."""
+"""The deployment of a composed model (``pipeline:`` in its config): its steps are other models.
+
+Like a dedicated model's, it is the ingress of its own application: its replicas answer the
+pipeline's KServe v2 routes (``ingress.ModelRoutes``) and call the steps through handles (each
+step's application, or the router application's pool).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
-from .client import ModelClient
+from .client import ModelClient, handles, router_application
+from .control import Desired, follow
+from .ingress import ModelRoutes, RouterOptions, router_observer
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps
@@ -17,21 +24,52 @@ from .runtime.contract.validation import validate_request
 
 
 @serve.deployment
+@serve.ingress()
 class PipelineDeployment:
     """A composed model (like a Triton ensemble) whose steps call other model deployments.
 
     It validates the pipeline model's own request (the steps' replicas validate theirs).
+
+    Args:
+        repository: model repository root.
+        name: the pipeline model.
+        dedicated: model name -> deployment name of each dedicated model (its steps among them).
+        pool_models: models the router application's pool serves.
+        routes, metrics, initial, max_requests: as ``ModelDeployment``'s.
     """
 
-    def __init__(self, repository: str, name: str, dedicated: dict[str, Any], pool: Any | None,
-                 pool_models: Iterable[str], metrics: dict[str, Any] | None = None) -> None:
+    def __init__(self, repository: str, name: str, dedicated: dict[str, str], pool_models: Iterable[str],
+                 routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                 max_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         repo = ModelRepository(repository)
-        self.config = repo.get(name).config
-        steps = observed_steps(ModelClient(dedicated, pool, pool_models).infer, metrics,
-                               {e.name: str(e.latest) for e in repo.entries()})
+        entry = repo.get(name)
+        self.config = entry.config
+        router_app = router_application(name)
+        pool = handles(router_app, {"pool": "pool"})["pool"] if pool_models else None
+        client = ModelClient(handles(router_app, dedicated, router_app=router_app), pool, pool_models)
+        steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
+        self.routes = ModelRoutes(entry, ModelRepository(repository, [name]), self.infer, routes, max_requests,
+                                  router_observer(repo, metrics), initial)
+        if (initial or {}).get(name, {"loaded": True})["loaded"]:
+            self.routes.model_loaded("pipeline")
+        control = None if initial is None else handles(router_app, {"control": "control"})["control"]
+        self._follower = follow(control, initial or {}, self.apply)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.routes.build_app()
+
+    def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
+        """Model control: the pipeline answers its routes (loaded) or 503 (unloaded); its
+        steps are loaded and unloaded as models of their own."""
+        state = changed.get(self.routes.name)
+        if state is not None and state["loaded"]:
+            self.routes.model_loaded("pipeline")
+        elif state is not None:
+            self.routes.model_unloaded()
+        return {}
 
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request through the pipeline; returns the requested outputs by name.

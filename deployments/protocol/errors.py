@@ -32,6 +32,9 @@ from ..runtime.contract.errors import (
 
 logger = logging.getLogger("ray.serve")  # a name only: lands in the replica's Serve log
 
+# Seconds a shed request is told to wait (``Retry-After`` of its 503).
+RETRY_AFTER_S = 1.0
+
 STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,
     ModelNotFound: 404,
@@ -61,11 +64,14 @@ def _serving_error(exc: BaseException) -> BaseException:
     exc = unwrap(exc)
     if isinstance(exc, BackPressureError):
         queued, limit = exc.args[:2]  # BackPressureError(num_queued_requests, max_queued_requests, ...)
-        retry_after_s = exc.retry_after_s if exc.retry_after_s is not None else 1.0
-        return Overloaded(
-            f"server overloaded: {queued} requests already wait for this model (limit {limit}); "
-            f"retry after {math.ceil(retry_after_s)} s", retry_after_s)
+        return overloaded(queued, limit, exc.retry_after_s if exc.retry_after_s is not None else RETRY_AFTER_S)
     return exc
+
+
+def overloaded(queued: int, limit: int, retry_after_s: float = RETRY_AFTER_S) -> Overloaded:
+    """The error of a request shed because ``queued`` requests already wait (``limit``)."""
+    return Overloaded(f"server overloaded: {queued} requests already wait for this model (limit {limit}); "
+                      f"retry after {math.ceil(retry_after_s)} s", retry_after_s)
 
 
 def retry_after_headers(exc: BaseException) -> dict[str, str]:

@@ -18,13 +18,13 @@ AUTOSCALING = {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "tar
 def test_replicas_grow_toward_max_under_load_and_shrink_to_min_after_it(ray_cluster, tmp_path):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     add_model(tmp_path, "busy", BUSY_CONFIG, {"mode": "dedicated", "autoscaling": AUTOSCALING,
                                               "max_ongoing_requests": 4, "num_cpus": 0.1})
     url = f"{ray_cluster.url}/scale/v2/models/busy/infer"
     try:
-        serve.run(build_app({"repository": str(tmp_path), "use_gpus": True}), name="scale",
+        run_applications({"repository": str(tmp_path), "use_gpus": True}, name="scale",
                   route_prefix="/scale")
         config = deployment_details("scale", "model-busy")["deployment_config"]
         assert {k: config["autoscaling_config"][k] for k in AUTOSCALING} == AUTOSCALING
@@ -45,7 +45,7 @@ def test_replicas_grow_toward_max_under_load_and_shrink_to_min_after_it(ray_clus
                  serve.status().applications["scale"].deployments["model-busy"].status == "HEALTHY",
                  45, "scale-down to min_replicas after the load")
     finally:
-        serve.delete("scale", _blocking=True)
+        delete_server("scale")
 
 
 def _summary(outcomes) -> str:

@@ -43,10 +43,9 @@ def _built_deployments(args: dict[str, Any]) -> dict[str, Any]:
     """Deployment name -> Ray ``Deployment`` of our application, built as ``serve run`` does."""
     from ray.serve._private.build_app import build_app as serve_build_app
 
-    from deployments.app import build_app
+    from deployments.app import applications
 
-    built = serve_build_app(build_app(args), name="models")
-    return {d.name: d for d in built.deployments}
+    return {d.name: d for name, _, app in applications(args) for d in serve_build_app(app, name=name).deployments}
 
 
 def _gpu_models() -> dict[str, float]:
@@ -61,11 +60,14 @@ def _gpu_models() -> dict[str, float]:
 def test_serve_config_parses_with_rays_schema_puts_a_proxy_on_every_node_and_builds(prepared_engines):
     schema = ServeDeploySchema.model_validate(_load(SERVE_CONFIG))
     assert schema.proxy_location == ProxyLocation.EveryNode
-    [app] = schema.applications
+    app, *models = schema.applications
     assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
+    # each dedicated model and the pipeline in an application of its own, with the router's args
+    assert [(m.name, m.route_prefix, m.args) for m in models] == [
+        (f"models.{name}", f"/v2/models/{name}", {**app.args, "model": name}) for name in ("ocr", "ocr_cls", "ocr_det", "ocr_rec")]
     args = dict(app.args, repository=str(ROOT / app.args["repository"]))
     deployments = _built_deployments(args)
-    assert "router" in deployments and "pool" in deployments
+    assert {"router", "pool", "pipeline-ocr", "model-ocr_cls", "model-ocr_det", "model-ocr_rec"} <= set(deployments)
 
 
 # cluster/rayservice.yaml ---------------------------------------------------------------------
@@ -140,7 +142,7 @@ def test_rayservice_serves_the_application_of_serve_config_yaml_with_gpus_reserv
         app["args"].update(repository=IMAGE_REPOSITORY, use_gpus=True)
     assert embedded == expected, "cluster/rayservice.yaml's applications drifted from serve_config.yaml"
 
-    [app] = schema.applications
+    app = schema.applications[0]  # the router application (the models' take its args)
     deployments = _built_deployments(dict(app.args, repository=str(ROOT / "engines")))
     gpu_models = _gpu_models()
     assert gpu_models, "the repository has dedicated GPU models"
@@ -154,7 +156,7 @@ def test_rayservice_serves_the_application_of_serve_config_yaml_with_gpus_reserv
 def test_rayservice_pods_are_scraped_on_the_metrics_port_the_app_serves(rayservice):
     from deployments.app import AppArgs
 
-    [app] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    app = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]
     port = AppArgs.model_validate(app["args"]).metrics.port
     cluster = rayservice["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:

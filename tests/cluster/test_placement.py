@@ -31,7 +31,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         ray_cluster, tmp_path):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     url = ray_cluster.url
     gpu_a = ray_cluster.gpu_nodes[0]
@@ -43,8 +43,8 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
     add_model(pending_repo, "on_cpu", TINY_CNN_CONFIG, {"mode": "dedicated"}, TINY_CNN_ONNX)
     try:
         # One GPU node: four quarter-GPU replicas fill its GPU, the fifth waits for resources.
-        serve._run(build_app({"repository": str(frac_repo), "use_gpus": True}), _blocking=False,
-                   name="frac", route_prefix="/frac")
+        run_applications({"repository": str(frac_repo), "use_gpus": True},
+                   name="frac", route_prefix="/frac", wait=False)
         wait_for(lambda: running("frac", "model-quarter") == 4, 90, "4 quarter-GPU replicas running")
         placed = replicas("frac", "model-quarter")
         assert sorted(r["node_id"] for r in placed if r["state"] == "RUNNING") == [gpu_a.node_id] * 4
@@ -68,8 +68,8 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
 
         # 0.75 GPU is free now, on node B: a model needing a whole GPU stays pending, its
         # application's other model serves, and the router answers 503 naming the pending one.
-        serve._run(build_app({"repository": str(pending_repo), "use_gpus": True}), _blocking=False,
-                   name="pending", route_prefix="/pending")
+        run_applications({"repository": str(pending_repo), "use_gpus": True},
+                   name="pending", route_prefix="/pending", wait=False)
         wait_for(lambda: running("pending", "model-on_cpu") == 1, 90, "on_cpu running")
         wait_for(lambda: requests.get(f"{url}/pending/v2/models/on_cpu/ready").status_code == 200,
                  60, "router sees on_cpu ready")
@@ -91,7 +91,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         assert post(f"{url}/frac/v2/models/quarter/infer", TINY_BODY).status_code == 200
     finally:
         for app in ("frac", "pending"):
-            serve.delete(app, _blocking=True)
+            delete_server(app)
 
 
 def _pending_message(app: str, deployment: str, replicas: int) -> str | None:

@@ -18,13 +18,13 @@ def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_rec
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     add_model(tmp_path, "victim", BUSY_CONFIG, {"mode": "dedicated", "num_replicas": num_replicas})
     app = f"kill{num_replicas}"
     url = f"{ray_cluster.url}/{app}/v2/models/victim/infer"
     try:
-        serve.run(build_app({"repository": str(tmp_path), "use_gpus": True}), name=app,
+        run_applications({"repository": str(tmp_path), "use_gpus": True}, name=app,
                   route_prefix=f"/{app}")
         victim = replicas(app, "model-victim")[0]
         with Load(url, BUSY_BODY, threads=4, timeout_s=CLIENT_TIMEOUT_S, max_duration_s=90) as load:
@@ -52,4 +52,4 @@ def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_rec
         # the router sees the replacement at its next replica count (every second)
         wait_for(lambda: post(url, BUSY_BODY).status_code == 200, 30, "the model serving again")
     finally:
-        serve.delete(app, _blocking=True)
+        delete_server(app)

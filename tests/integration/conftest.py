@@ -41,9 +41,9 @@ def server(serve_instance):
     """The application of serve_config.yaml over the real repository, served at ``/``."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import run_applications
 
-    serve.run(build_app({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}}),
+    run_applications({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}},
               name="models", route_prefix="/")
     wait_ready(serve_instance)
     return serve_instance

@@ -32,7 +32,7 @@ def batching_server(serve_instance, tmp_path_factory):
     """The app over a repository of ocr_cls and ocr_rec with a 500 ms batching window."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("batching-repo")
     padded = {"preferred_batch_size": [4, 8], "pad_to_preferred": True}
@@ -43,11 +43,11 @@ def batching_server(serve_instance, tmp_path_factory):
         (root / name).mkdir()
         (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
         (root / name / "1").symlink_to(Path(REPOSITORY) / base / "1")
-    serve.run(build_app({"repository": str(root)}), name="batching", route_prefix=PREFIX)
+    run_applications({"repository": str(root)}, name="batching", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url
-    serve.delete("batching")
+    delete_server("batching")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def counters(batching_server):
     thread.start()
 
     async def ask(model: str) -> dict:
-        return await serve.get_deployment_handle(f"model-{model}", app_name="batching").batching.remote()
+        return await serve.get_deployment_handle(f"model-{model}", app_name=f"batching.{model}").batching.remote()
 
     yield lambda model: asyncio.run_coroutine_threadsafe(ask(model), loop).result(timeout=60)
     loop.call_soon_threadsafe(loop.stop)

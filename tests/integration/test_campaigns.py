@@ -28,15 +28,15 @@ def campaign(serve_instance, prepared_engines, tmp_path_factory):
     """(base URL, Ray session id, scratch repository) of the campaign application."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     repository = faults.scratch_repository(tmp_path_factory.mktemp("campaign") / "engines", prepared_engines)
-    serve.run(build_app({"repository": str(repository), "pool": {"max_num_models_per_replica": 2}}),
+    run_applications({"repository": str(repository), "pool": {"max_num_models_per_replica": 2}},
               name=APP, route_prefix=f"/{APP}")
     url = f"{serve_instance}/{APP}"
     wait_ready(url)
     yield url, os.getsid(0), repository  # ray.init ran here: Ray's processes share this session
-    serve.delete(APP)
+    delete_server(APP)
 
 
 def test_a_model_file_truncated_before_its_load_is_a_clear_500_and_heals_once_repaired(campaign):

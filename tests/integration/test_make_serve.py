@@ -50,6 +50,7 @@ def make_serve(tmp_path_factory):
     port = _free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
+    config["applications"] = config["applications"][:1]  # two pool models: no model application
     config["applications"][0]["args"]["repository"] = str(root)
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))

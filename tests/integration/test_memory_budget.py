@@ -32,7 +32,7 @@ def pooled(serve_instance, tmp_path_factory):
     """An application whose six models all live in the pool (configs copied with ``mode: pool``)."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("pooled")
     for name in SHAPES:
@@ -41,11 +41,11 @@ def pooled(serve_instance, tmp_path_factory):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.yaml").write_text(yaml.safe_dump(config))
         (root / name / "1" / "model.onnx").symlink_to(Path(REPOSITORY, name, "1", "model.onnx"))
-    serve.run(build_app({"repository": str(root), "pool": {
-        "load_policy": "lru", "memory_budget_mib": BUDGET_MIB, "max_num_models_per_replica": 6}}),
+    run_applications({"repository": str(root), "pool": {
+        "load_policy": "lru", "memory_budget_mib": BUDGET_MIB, "max_num_models_per_replica": 6}},
         name="pooled", route_prefix="/pooled")
     yield f"{serve_instance}/pooled", root
-    serve.delete("pooled")
+    delete_server("pooled")
 
 
 def request(name: str, x: np.ndarray) -> dict:
@@ -89,12 +89,12 @@ def test_random_workload_under_budget_answers_everything_like_a_serial_run(poole
 def test_model_alone_over_budget_is_503_with_both_figures(serve_instance, tmp_path):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     (tmp_path / "resnet18" / "1").mkdir(parents=True)
     (tmp_path / "resnet18" / "config.yaml").write_text(Path(REPOSITORY, "resnet18", "config.yaml").read_text())
     (tmp_path / "resnet18" / "1" / "model.onnx").symlink_to(Path(REPOSITORY, "resnet18", "1", "model.onnx"))
-    serve.run(build_app({"repository": str(tmp_path), "pool": {"memory_budget_mib": 50}}),
+    run_applications({"repository": str(tmp_path), "pool": {"memory_budget_mib": 50}},
               name="tiny-budget", route_prefix="/tiny-budget")
     try:
         x = np.zeros((1, 3, 224, 224), np.float32)
@@ -104,4 +104,4 @@ def test_model_alone_over_budget_is_503_with_both_figures(serve_instance, tmp_pa
         assert re.search(r"model 'resnet18' needs \d+\.\d MiB", error), error
         assert "memory budget of 50.0 MiB" in error
     finally:
-        serve.delete("tiny-budget")
+        delete_server("tiny-budget")

@@ -44,7 +44,7 @@ def observed(serve_instance, tmp_path_factory):
     """(base URL, node metrics port) of the app with two pool and two ocr_cls replicas."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("observed-repo")
     for name in MODELS:
@@ -56,12 +56,12 @@ def observed(serve_instance, tmp_path_factory):
         (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
         (root / name / "1").symlink_to(Path(REPOSITORY) / name / "1")
     port = _free_port()
-    serve.run(build_app({"repository": str(root), "pool": {"num_replicas": 2},
-                         "metrics": {"port": port}}), name="observed", route_prefix=PREFIX)
+    run_applications({"repository": str(root), "pool": {"num_replicas": 2},
+                         "metrics": {"port": port}}, name="observed", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url, port
-    serve.delete("observed")
+    delete_server("observed")
 
 
 def infer_json(url: str, model: str, x: np.ndarray, datatype: str = "FP32") -> requests.Response:

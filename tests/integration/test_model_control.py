@@ -43,19 +43,19 @@ def control(serve_instance, tmp_path_factory):
     """(base URL, repository root) of the explicit-control application."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("control-repo")
     copy_model(root, "tiny_cnn", "tiny_cnn")
     copy_model(root, "tiny_cnn", "spare_cnn")
     copy_model(root, "simple", "simple_dedicated", deployment={"mode": "dedicated"})
-    serve.run(build_app({"repository": str(root), "model_control_mode": "explicit",
-                         "startup_models": ["tiny_cnn", "simple_dedicated"]}),
+    run_applications({"repository": str(root), "model_control_mode": "explicit",
+                         "startup_models": ["tiny_cnn", "simple_dedicated"]},
               name="control", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url, root
-    serve.delete("control")
+    delete_server("control")
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ QUEUE = {"max_ongoing_requests": 8, "max_queued_requests": 8}
 def overload_server(serve_instance, tmp_path_factory):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("overload-repo")
     raw = yaml.safe_load((Path(REPOSITORY) / "ocr_cls" / "config.yaml").read_text())
@@ -40,11 +40,11 @@ def overload_server(serve_instance, tmp_path_factory):
     (root / "ocr_cls").mkdir()
     (root / "ocr_cls" / "config.yaml").write_text(yaml.safe_dump(raw))
     (root / "ocr_cls" / "1").symlink_to(Path(REPOSITORY) / "ocr_cls" / "1")
-    serve.run(build_app({"repository": str(root)}), name="overload", route_prefix=PREFIX)
+    run_applications({"repository": str(root)}, name="overload", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url
-    serve.delete("overload")
+    delete_server("overload")
 
 
 def test_four_times_saturation_keeps_throughput_and_sheds_the_rest_with_retry_after(overload_server):

@@ -76,14 +76,17 @@ def _beyond_loopback(listeners: list[tuple[str, int, str, str, int]]) -> list[tu
 def make_serve(tmp_path_factory):
     """(URL, pid) of ``python -m deployments.run`` on serve_config.yaml with free ports for the
     API and the metrics, run with the Makefile's environment; stopped with Ctrl-C (SIGINT)."""
+    from deployments.check import write
+
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     port = _free_port()
     config["http_options"]["port"] = port
-    app = config["applications"][0]
+    config["applications"] = [app := config["applications"][0]]  # the models' are written below
     app["args"]["repository"] = str(ROOT / app["args"]["repository"])
     app["args"]["metrics"] = dict(app["args"].get("metrics") or {}, port=_free_port())
     path = tmp_path_factory.mktemp("make-serve") / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
+    write(path)  # the models' applications again, with the router's args as changed here
     log = path.with_suffix(".log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=_serve_env(),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

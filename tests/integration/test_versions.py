@@ -34,7 +34,7 @@ def versions(serve_instance, tmp_path_factory):
     """(base URL, repository root) of the application with versioned models."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import delete_server, run_applications
 
     root = versioned_repository(tmp_path_factory.mktemp("versions-repo"), {1: 0, 2: 5}, {"all": {}})
     raw = yaml.safe_load((Path(REPOSITORY) / "simple" / "config.yaml").read_text())
@@ -44,12 +44,12 @@ def versions(serve_instance, tmp_path_factory):
     for version in (1, 2):
         (root / "simple_dedicated" / str(version)).mkdir()
         shutil.copy(Path(REPOSITORY) / "simple" / "1" / "model.onnx", root / "simple_dedicated" / str(version))
-    serve.run(build_app({"repository": str(root), "pool": {"max_num_models_per_replica": 2}}),
+    run_applications({"repository": str(root), "pool": {"max_num_models_per_replica": 2}},
               name="versions", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url, root
-    serve.delete("versions")
+    delete_server("versions")
 
 
 def infer(url: str, route: str) -> requests.Response:

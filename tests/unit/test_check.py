@@ -30,7 +30,10 @@ def repository(prepared_engines, tmp_path) -> Path:
 
 
 def serve_config(tmp_path: Path, repository: Path, **args) -> Path:
+    """serve_config.yaml's router application over ``repository`` (its models are pool models:
+    no model application belongs beside it)."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["applications"] = config["applications"][:1]
     config["applications"][0]["args"].update(repository=str(repository), **args)
     path = tmp_path / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -40,6 +43,39 @@ def serve_config(tmp_path: Path, repository: Path, **args) -> Path:
 def run_check(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deployments.check", str(path)], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+
+
+def test_serve_config_yaml_lists_the_application_of_every_dedicated_model_of_engines(prepared_engines):
+    result = run_check(ROOT / "serve_config.yaml")
+    assert result.returncode == 0, result.stderr
+    names = [app["name"] for app in yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"]]
+    assert names == ["models", "models.ocr", "models.ocr_cls", "models.ocr_det", "models.ocr_rec"]
+
+
+def test_a_model_made_dedicated_is_named_missing_until_write_adds_its_application(repository, tmp_path):
+    from deployments.check import WRITTEN_MARK
+
+    path = tmp_path / "serve_config.yaml"  # the shipped file's router application, over ``repository``
+    path.write_text((ROOT / "serve_config.yaml").read_text().split(WRITTEN_MARK)[0].replace(
+        "repository: engines", f"repository: {repository}"))
+    config_path = repository / "mid_cnn" / "config.yaml"
+    config_path.write_text(config_path.read_text().replace("mode: pool", "mode: dedicated"))
+    result = run_check(path)
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"config error: {path}: applications: ") and "missing: ['models.mid_cnn']" in line
+    assert f"python -m deployments.check --write {path}" in line
+    written = subprocess.run([sys.executable, "-m", "deployments.check", "--write", str(path)], capture_output=True,
+                             text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.splitlines()[0] == f"{path}: wrote 1 model applications ['models.mid_cnn']"
+    apps = yaml.safe_load(path.read_text())["applications"]
+    assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/"), ("models.mid_cnn", "/v2/models/mid_cnn")]
+    assert apps[1]["args"] == {**apps[0]["args"], "model": "mid_cnn"}
+    assert "args: {<<: *models, model: mid_cnn}" in path.read_text()
+    config_path.write_text(config_path.read_text().replace("mode: dedicated", "mode: pool"))  # and back
+    result = run_check(path)
+    assert result.returncode == 2 and "not dedicated models of the repository: ['models.mid_cnn']" in result.stderr
 
 
 def test_a_misspelled_model_field_exits_2_with_one_line_naming_file_field_and_allowed(repository, tmp_path):
@@ -109,10 +145,10 @@ def test_make_serves_runner_stops_on_a_bad_config_before_ray_starts(repository, 
 def test_deployments_stop_promptly_the_router_and_pipelines_within_their_bound(prepared_engines):
     from ray.serve._private.build_app import build_app as serve_build_app
 
-    from deployments.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S
+    from deployments.app import GRACEFUL_SHUTDOWN_WAIT_LOOP_S, ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S, applications
 
-    built = {d.name: d._deployment_config for d in
-             serve_build_app(build_app({"repository": str(prepared_engines)}), name="models").deployments}
+    built = {d.name: d._deployment_config for name, _, app in applications({"repository": str(prepared_engines)})
+             for d in serve_build_app(app, name=name).deployments}
     assert {c.graceful_shutdown_wait_loop_s for c in built.values()} == {GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
     callers = {name for name in built if name == "router" or name.startswith("pipeline-")}
     assert callers == {"router", "pipeline-ocr"}

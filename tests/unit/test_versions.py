@@ -103,6 +103,7 @@ def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_ver
 
 
 def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_unload(tmp_path):
+    from deployments.ingress import ModelRoutes, RouterOptions
     from deployments.model import ModelDeployment
     from deployments.pool import PoolDeployment
     from deployments.runtime.residency.gate import Gate
@@ -117,12 +118,16 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_
     dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     dedicated.repo = ModelRepository(root)
     dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
+    dedicated.routes = ModelRoutes(dedicated.repo.get("cnn"), dedicated.repo, None, RouterOptions(1 << 20, 5.0), None)
+    dedicated.routes.model_loaded("onnxruntime")
     unload, load = ({"cnn": {"loaded": flag, "placement": "pool"}} for flag in (False, True))
     for replica in (pool, dedicated):
         assert replica.apply(unload)["cnn"]["error"] is None
+    assert dedicated.routes.unloaded == {"cnn"} and "cnn" not in dedicated.routes.ready_models  # its routes: 503
     versioned_repository(root, {2: 5}, {"latest": {"num_versions": 2}})  # version 2 arrives
     for replica in (pool, dedicated):
         assert replica.apply(load)["cnn"]["error"] is None
+    assert "cnn" in dedicated.routes.ready_models and dedicated.routes.repo.get("cnn").latest == 2
     expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
                 for v in (1, 2)}
     assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}

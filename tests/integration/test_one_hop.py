@@ -1,0 +1,151 @@
+"""One hop to a dedicated model, as `make serve` runs it (HAProxy ingress): its requests reach
+its own replicas with no router between, and while it has no replica (one that cannot be
+placed, or lost and unable to load again) the router takes them and answers 503 at once
+(``deployments.loopback.router_backs_up_models``); every other model keeps serving.
+
+One server for the module: ``python -m deployments.run`` with the Makefile's environment, in its
+own session (so ``bench.replicas`` finds its replicas), on a repository of a pool model, a
+dedicated model (``lost_cnn``) and a dedicated model that asks for a GPU the machine lacks
+(``gpu_cnn``, ``use_gpus: true``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+import yaml
+
+from bench.replicas import kill_replica, replica_pids
+
+from .conftest import REPOSITORY, _free_port
+from .test_make_serve import _env, _make_line
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = """
+max_batch_size: 4
+inputs:
+  - {name: input, datatype: FP32, dims: [-1, 3, 224, 224],
+     profile: {min: [1, 3, 224, 224], opt: [1, 3, 224, 224], max: [4, 3, 224, 224]}}
+outputs:
+  - {name: logits, datatype: FP32, dims: [-1, 1000]}
+deployment: {mode: dedicated, num_gpus: NUM_GPUS}
+"""
+X = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
+BODY = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
+
+
+@pytest.fixture(scope="module")
+def one_hop(tmp_path_factory):
+    """(process, base URL, repository) of ``make serve``'s runner on the module's repository."""
+    from deployments.check import write
+
+    tmp = tmp_path_factory.mktemp("one_hop")
+    root = tmp / "engines"
+    (root / "tiny_cnn" / "1").mkdir(parents=True)
+    shutil.copy(f"{REPOSITORY}/tiny_cnn/config.yaml", root / "tiny_cnn" / "config.yaml")
+    (root / "tiny_cnn" / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/tiny_cnn/1/model.onnx")
+    for name, gpus in (("lost_cnn", 0), ("gpu_cnn", 1)):
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(f"{REPOSITORY}/tiny_cnn/1/model.onnx", root / name / "1" / "model.onnx")
+        (root / name / "config.yaml").write_text(CONFIG.replace("NUM_GPUS", str(gpus)))
+    port = _free_port()
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    config["applications"] = [app := config["applications"][0]]
+    # use_gpus: true on a machine without GPUs: gpu_cnn's replica can never be placed (the pool
+    # and lost_cnn reserve none).
+    app["args"].update(repository=str(root), use_gpus=True, request_timeout_s=30,
+                       pool=dict(app["args"]["pool"], num_gpus=0), metrics={"port": _free_port()})
+    path = tmp / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    write(path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **_env(_make_line("serve", "-m deployments.run ")))
+    env.pop("RAY_ADDRESS", None)
+    log = tmp / "out.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if all(requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200
+                       for m in ("lost_cnn", "tiny_cnn")):
+                    break
+            except requests.ConnectionError:  # HAProxy starts with Serve
+                pass
+            time.sleep(0.5)
+        yield proc, url, root
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def logits(url: str, model: str) -> np.ndarray:
+    r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
+    assert r.status_code == 200, r.text
+    [out] = r.json()["outputs"]
+    return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+
+
+def test_a_dedicated_model_answers_with_the_router_replica_down(one_hop):
+    proc, url, root = one_hop
+    expected = ort.InferenceSession(str(root / "lost_cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]
+    np.testing.assert_allclose(logits(url, "lost_cnn"), expected, rtol=1e-4, atol=1e-5)
+    killed = kill_replica(proc.pid, "models", "router")
+    answers = [logits(url, "lost_cnn") for _ in range(5)]
+    # no router ran while they were answered: Serve replaces a killed router in seconds
+    assert killed not in replica_pids(proc.pid, "models", "router")
+    assert replica_pids(proc.pid, "models", "router") == [], "a new router started too soon to tell"
+    for answer in answers:
+        np.testing.assert_allclose(answer, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_whose_replica_cannot_be_placed_answers_503_through_the_router(one_hop):
+    _, url, _ = one_hop
+    deadline = time.monotonic() + 60
+    while requests.get(f"{url}/v2/health/ready", timeout=10).status_code not in (200, 503):
+        assert time.monotonic() < deadline, "the router did not come back"
+        time.sleep(0.5)
+    r = requests.post(f"{url}/v2/models/gpu_cnn/infer", json=BODY, timeout=60)
+    assert r.status_code == 503, r.text
+    assert "model 'gpu_cnn' is not ready" in r.json()["error"]
+    r = requests.get(f"{url}/v2/health/ready", timeout=10)
+    assert r.status_code == 503 and "gpu_cnn" in r.json()["error"]
+    assert requests.get(f"{url}/v2/models/gpu_cnn/ready", timeout=10).status_code == 503
+    assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=BODY, timeout=60).status_code == 200
+    assert requests.post(f"{url}/v2/models/lost_cnn/infer", json=BODY, timeout=60).status_code == 200
+
+
+def test_a_model_that_lost_its_replicas_answers_503_at_once(one_hop):
+    """The replica dies and its replacement cannot load (the model file is gone): readiness
+    and requests answer 503 from the router, not a wait for a replica that never comes."""
+    proc, url, root = one_hop
+    (root / "lost_cnn" / "1" / "model.onnx").unlink()  # a replacement replica cannot load it
+    kill_replica(proc.pid, "models", "model-lost_cnn")
+    deadline = time.monotonic() + 60
+    while requests.get(f"{url}/v2/models/lost_cnn/ready", timeout=10).status_code == 200:
+        assert time.monotonic() < deadline, "lost_cnn stayed ready"
+        time.sleep(0.5)
+    r = requests.get(f"{url}/v2/models/lost_cnn/ready", timeout=10)
+    assert r.status_code == 503 and "model 'lost_cnn' is not ready" in r.json()["error"]
+    r = requests.post(f"{url}/v2/models/lost_cnn/infer", json=BODY, timeout=60)
+    assert r.status_code == 503 and "model 'lost_cnn' is not ready" in r.json()["error"], r.text
+    assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=BODY, timeout=60).status_code == 200
