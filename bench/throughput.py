@@ -3,7 +3,8 @@
 Scenarios (each against both servers unless noted; inputs are random FP32 tensors sent as
 Triton binary tensors unless the scenario compares encodings):
 
-- ``alone``: each model alone, closed-loop concurrency sweep: QPS, p50/p90/p99.
+- ``alone``: each model alone, closed-loop concurrency sweep: QPS, p50/p90/p99; also the echo
+  ceiling under the same requests (``of echo`` = QPS / echo's QPS).
 - ``together``: two and three models at once at ``--together-concurrency`` each;
   retention = sum of QPS together / sum of QPS alone at that concurrency.
 - ``batching``: Ray only: a copy of each model with ``dynamic_batching`` against the
@@ -12,15 +13,22 @@ Triton binary tensors unless the scenario compares encodings):
   timestamps per point (``bench.batch_trace``: queue, batch call, engine, event-loop lag);
   ``--standin`` serves the named models on ``bench.gpu_standin`` (a GPU-like wait, no compute).
 - ``payload``: JSON vs binary for ocr_det's (1, 3, 640, 640) FP32 input.
-- ``hop``: p50 at concurrency 1 through the Router (HTTP -> router -> model replica) against
-  a Serve ingress that runs the model in its own replica (HTTP -> model) and the single
-  process; the router hop adds (router - direct).
+- ``hop``: p50 at concurrency 1 through the product's route (today HTTP -> router -> model
+  replica), a Serve ingress that runs the model in its own replica (HTTP -> model), the echo
+  ceiling (HTTP -> echo replica) and the single process; the router hop adds (router - direct),
+  the product adds (router - single) over the single process.
 - ``configs`` (Ray only, a fresh cluster each): Ray's ingress and handle options:
   ``proxy`` (Python proxy), ``haproxy`` (``RAY_SERVE_ENABLE_HA_PROXY=1``), ``haproxy-grpc``
   (plus ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: handles default to ``_by_reference=False``),
   ``fast`` (HAProxy plus ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: the ``make serve`` default).
 - ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
-  each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)).
+  each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)); the echo
+  ceiling with k replicas under each model's requests in the same cluster (``of echo`` = QPS /
+  echo's QPS at the same k and clients; ``x single`` = QPS / the single process's).
+
+The echo ceiling (``bench.echo``): an application ``echo`` at ``/echo`` in the same Ray cluster,
+behind the same ingress, whose replicas read the request and answer a fixed small KServe v2
+response (no model): ingress -> one replica -> answer, the most any path here can reach.
 
 Every server runs ONNX Runtime with one intra-op thread per session (``ORT_INTRA_OP_THREADS=1``)
 so replicas and contexts, not ORT's own threads, are what scales. Results go to ``--out``
@@ -48,14 +56,14 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import yaml
 
-from bench import batch_trace, gpu_standin
+from bench import batch_trace, echo, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
 from deployments import loopback
 
@@ -160,8 +168,9 @@ def ray_env(config: str, scratch: Path) -> dict[str, str]:
 
 
 def _serve_ray(args: argparse.Namespace) -> None:
-    """Subprocess: a fresh local Ray cluster serving the app (``/``) and the direct ingress
-    (``/direct``); prints READY, answers ``stats <model>`` lines, shuts down at EOF."""
+    """Subprocess: a fresh local Ray cluster serving the app (``/``), the direct ingress
+    (``/direct``) and, with ``--echo``, the echo ceiling (``/echo``, ``--replicas`` replicas:
+    ``bench.echo``); prints READY, answers ``stats <model>`` lines, shuts down at EOF."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     os.environ.update(ray_env(args.ray_config, scratch))
     import ray
@@ -181,6 +190,8 @@ def _serve_ray(args: argparse.Namespace) -> None:
         if args.models:
             app_args["models"] = args.models.split(",")
         serve.run(build_app(app_args), name="models", route_prefix="/")
+        if args.echo:
+            serve.run(echo.app(args.replicas), name=echo.APP_NAME, route_prefix=echo.ROUTE_PREFIX)
         if args.direct:
             serve.run(_direct_ingress(serve).options(num_replicas=args.replicas).bind(
                 args.repository, args.direct.split(",")), name="direct", route_prefix="/direct")
@@ -188,6 +199,8 @@ def _serve_ray(args: argparse.Namespace) -> None:
         _wait_ready(f"{base}/v2/health/ready")
         if args.direct:
             _wait_ready(f"{base}/direct/v2/health/ready")
+        if args.echo:
+            _wait_ready(f"{base}{echo.ROUTE_PREFIX}/v2/health/ready")
         print("READY", flush=True)
         asyncio.run(_answer_stats(serve))
     except RuntimeError:
@@ -257,15 +270,25 @@ def _wait_ready(url: str, timeout_s: float = 300.0, process: subprocess.Popen | 
     raise TimeoutError(f"{url} not ready within {timeout_s:g} s")
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where workloads go: ``kind`` labels them, ``url`` is the base URL (``/v2/...`` below it)."""
+
+    kind: str
+    url: str
+
+
 class Server:
     """A server subprocess: the Ray app (``kind='ray'``) or the single process."""
 
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
                  models: Sequence[str] = (), direct: Sequence[str] = (),
-                 app_args: dict[str, Any] | None = None, backend: str = "auto") -> None:
+                 app_args: dict[str, Any] | None = None, backend: str = "auto", echo: bool = False) -> None:
         """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
-        instead of ``repository`` with ``replicas`` router replicas."""
+        instead of ``repository`` with ``replicas`` router replicas. ``echo``: also serve the
+        echo ceiling at ``/echo`` with ``replicas`` replicas (Ray only)."""
         self.kind, self.ray_config = kind, ray_config
+        self.echo = echo and kind == "ray"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if kind == "ray":
@@ -275,6 +298,7 @@ class Server:
             cmd += ["--models", ",".join(models)] if models else []
             cmd += ["--direct", ",".join(direct)] if direct else []
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
+            cmd += ["--echo"] if echo else []
             self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             text=True, start_new_session=True)
             if self._reply() != "READY":
@@ -285,6 +309,11 @@ class Server:
                    "--port", str(self.port), "--backend", backend] + (["--models", ",".join(models)] if models else [])
             self.process = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
             _wait_ready(f"{self.url}/v2/health/ready", process=self.process)
+
+    @property
+    def echo_endpoint(self) -> Endpoint | None:
+        """The echo ceiling in this server's cluster (``bench.echo``), or None."""
+        return Endpoint("echo", self.url + echo.ROUTE_PREFIX) if self.echo else None
 
     def _reply(self) -> str:
         """The server's next protocol line (READY or JSON); anything else printed is passed on."""
@@ -340,7 +369,7 @@ class Bench:
         self.input_names = {m: c["inputs"][0]["name"] for m, c in configs.items()}
         self.backend = args.backend
 
-    def workload(self, server: Server, model: str, binary: bool = True, prefix: str = "",
+    def workload(self, server: Server | Endpoint, model: str, binary: bool = True, prefix: str = "",
                  label: str | None = None) -> Workload:
         base = model.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
         if base == "ocr":
@@ -356,13 +385,23 @@ class Bench:
         print(text, file=sys.stderr, flush=True)
 
     def alone(self, servers: dict[str, Server]) -> None:
+        """Each model alone on each server, and on the Ray server's echo ceiling (same requests,
+        same replica count) where it has one: ``of_echo`` = QPS / echo's QPS at that concurrency."""
+        endpoints: dict[str, Server | Endpoint] = dict(servers)
+        echo_endpoint = next((s.echo_endpoint for s in servers.values() if s and s.echo_endpoint), None)
+        if echo_endpoint is not None:
+            endpoints["echo"] = echo_endpoint
         rows = []
         for model in self.args.models:
-            for name, server in servers.items():
+            for name, server in endpoints.items():
                 for r in sweep(self.workload(server, model), self.args.levels, self.args.duration_s,
                                self.args.warmup_s, self.args.processes):
                     rows.append({"server": name, "model": model, **asdict(r)})
                     self.log(f"alone {name:6} {model:10} c={r.concurrency:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
+        echo_qps = {(r["model"], r["concurrency"]): r["qps"] for r in rows if r["server"] == "echo"}
+        for row in rows:
+            if row["server"] != "echo":
+                row["of_echo"] = _ratio(row["qps"], echo_qps.get((row["model"], row["concurrency"])))
         self.results["alone"] = rows
 
     def _alone_qps(self, server: str, model: str, concurrency: int) -> float:
@@ -424,9 +463,14 @@ class Bench:
         self.results["payload"] = rows
 
     def hop(self, ray_server: Server, single: Server | None, models: Sequence[str]) -> list[dict[str, Any]]:
+        """p50 at concurrency 1 of each path: ``router`` (the product's route, ``/``), ``direct``,
+        ``echo`` (where the server has it) and ``single``; ``router_hop_ms`` = router - direct,
+        ``added_over_single_ms`` = router - single (the product's added latency)."""
         rows = []
         for model in models:
-            paths = [("router", ray_server, ""), ("direct", ray_server, "/direct")]
+            paths: list[tuple[str, Server | Endpoint, str]] = [("router", ray_server, ""), ("direct", ray_server, "/direct")]
+            if ray_server.echo_endpoint is not None:
+                paths.append(("echo", ray_server.echo_endpoint, ""))
             if single is not None:
                 paths.append(("single", single, ""))
             p50 = {}
@@ -434,7 +478,8 @@ class Bench:
                 (r,) = self.measure([(self.workload(server, model, prefix=prefix), 1)])
                 p50[path] = r.p50_ms
             rows.append({"model": model, "ray_config": ray_server.ray_config, "p50_ms": p50,
-                         "router_hop_ms": round(p50["router"] - p50["direct"], 3)})
+                         "router_hop_ms": _difference(p50["router"], p50["direct"]),
+                         "added_over_single_ms": _difference(p50["router"], p50.get("single"))})
             self.log(f"hop {model:10} {p50}")
         return rows
 
@@ -460,13 +505,30 @@ class Bench:
         for k in self.args.replicas:
             repo = prepare_repository(self.repository.parent / f"engines-k{k}", Path(self.args.repository),
                                       models, (), k, 0, self.args.gpu_fraction)
-            with Server("ray", repo, self.args.ray_config, replicas=k, backend=self.backend) as server:
+            with Server("ray", repo, self.args.ray_config, replicas=k, backend=self.backend, echo=True) as server:
                 rows += self._scaleout_row(server, "ray", k, models, c)
+                rows += self._scaleout_echo(server, k, models, c)
         ones = {(r["server"], r["models"]): r["qps_total"] for r in rows if r["replicas"] == 1}
+        echo_qps = {(r["replicas"], r["models"]): r["qps_total"] for r in rows if r["server"] == "echo"}
+        single_qps = {r["models"]: r["qps_total"] for r in rows if r["server"] == "single"}
         for row in rows:
             base = ones.get((row["server"], row["models"]))
             row["efficiency"] = round(row["qps_total"] / (row["replicas"] * base), 3) if base else None
+            if row["server"] != "echo":
+                row["of_echo"] = _ratio(row["qps_total"], echo_qps.get((row["replicas"], row["models"])))
+            if row["server"] == "ray":
+                row["x_single"] = _ratio(row["qps_total"], single_qps.get(row["models"]))
         self.results["scaleout"] = rows
+
+    def _scaleout_echo(self, server: Server, k: int, models: Sequence[str], c: int) -> list[dict]:
+        """The echo ceiling (``k`` replicas) under each model's requests at ``c`` clients."""
+        rows = []
+        for model in models:
+            (r,) = self.measure([(self.workload(server.echo_endpoint, model), c)])
+            rows.append({"server": "echo", "replicas": k, "models": model, "concurrency_each": c,
+                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
+            self.log(f"scaleout echo k={k} {model}: {r.qps:.1f} QPS")
+        return rows
 
     def _scaleout_row(self, server: Server, name: str, k: int, models: Sequence[str], c: int) -> list[dict]:
         rows, alone_total = [], {}
@@ -476,6 +538,8 @@ class Bench:
             rows.append({"server": name, "replicas": k, "models": model, "concurrency_each": c,
                          "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
             self.log(f"scaleout {name} k={k} {model}: {r.qps:.1f} QPS")
+        if len(models) < 2:  # "together" would repeat the row above under the same key
+            return rows
         results = self.measure([(self.workload(server, m), c) for m in models])
         total = sum(r.qps for r in results)
         rows.append({"server": name, "replicas": k, "models": "+".join(models), "concurrency_each": c,
@@ -484,6 +548,14 @@ class Bench:
                      "errors": sum(r.errors for r in results)})
         self.log(f"scaleout {name} k={k} together: {total:.1f} QPS")
         return rows
+
+
+def _ratio(qps: float, ceiling: float | None) -> float | None:
+    return round(qps / ceiling, 3) if ceiling else None
+
+
+def _difference(a_ms: float | None, b_ms: float | None) -> float | None:
+    return round(a_ms - b_ms, 3) if a_ms is not None and b_ms is not None else None
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -507,10 +579,10 @@ def markdown(results: dict[str, Any]) -> str:
            f"{meta['duration_s']} s per point after {meta['warmup_s']} s warm-up, "
            f"{meta['processes']} client process(es), binary tensors unless noted.\n"]
     if "alone" in results:
-        out.append("## Each model alone (closed loop)\n")
-        out.append(_table(["model", "server", "concurrency", "QPS", "p50 ms", "p90 ms", "p99 ms", "errors"],
+        out.append("## Each model alone (closed loop; of echo = QPS / the echo ceiling's QPS)\n")
+        out.append(_table(["model", "server", "concurrency", "QPS", "p50 ms", "p90 ms", "p99 ms", "errors", "of echo"],
                           [[r["model"], r["server"], r["concurrency"], r["qps"], r["p50_ms"], r["p90_ms"],
-                            r["p99_ms"], r["errors"]] for r in results["alone"]]))
+                            r["p99_ms"], r["errors"], r.get("of_echo")] for r in results["alone"]]))
     if "together" in results:
         out.append("\n## Models together (retention = QPS together / sum of QPS alone)\n")
         out.append(_table(["models", "server", "concurrency each", "QPS alone", "QPS together", "retention"],
@@ -533,11 +605,13 @@ def markdown(results: dict[str, Any]) -> str:
                           [[r["server"], r["encoding"], r["request_bytes"], r["concurrency"], r["qps"],
                             r["p50_ms"], r["p99_ms"]] for r in results["payload"]]))
     if "hop" in results:
-        out.append("\n## Router hop: p50 at concurrency 1\n")
-        out.append(_table(["model", "router (HTTP->router->model) ms", "direct (HTTP->model replica) ms",
-                           "single process ms", "added by the router hop ms"],
-                          [[r["model"], r["p50_ms"]["router"], r["p50_ms"]["direct"], r["p50_ms"].get("single"),
-                            r["router_hop_ms"]] for r in results["hop"]]))
+        out.append("\n## Hops: p50 at concurrency 1\n")
+        out.append(_table(["model", "echo (HTTP->echo replica) ms", "product (`/v2/models/<m>/infer`) ms",
+                           "direct (HTTP->model replica) ms", "single process ms", "product - single ms",
+                           "product - direct ms"],
+                          [[r["model"], r["p50_ms"].get("echo"), r["p50_ms"]["router"], r["p50_ms"]["direct"],
+                            r["p50_ms"].get("single"), r.get("added_over_single_ms"), r["router_hop_ms"]]
+                           for r in results["hop"]]))
     if "configs" in results:
         out.append("\n## Ray ingress / handle configurations\n")
         out.append(_table(["config", "model", "router hop ms (c=1)", "router p50 ms (c=1)", "concurrency",
@@ -546,11 +620,14 @@ def markdown(results: dict[str, Any]) -> str:
                             r["concurrency"], r["qps"], r["p50_ms"], r["p99_ms"], r["errors"]]
                            for r in results["configs"]]))
     if "scaleout" in results:
-        out.append("\n## Scale-out (efficiency = QPS(k) / (k x QPS(1)); retention = together / sum alone)\n")
+        out.append("\n## Scale-out (efficiency = QPS(k) / (k x QPS(1)); retention = together / sum alone; "
+                   "of echo = QPS / the echo ceiling's QPS at the same k and clients; x single = QPS / the "
+                   "single process's)\n")
         out.append(_table(["server", "replicas k", "models", "concurrency each", "QPS", "p50 ms", "p99 ms",
-                           "efficiency", "retention"],
+                           "efficiency", "retention", "of echo", "x single"],
                           [[r["server"], r["replicas"], r["models"], r["concurrency_each"], r["qps_total"],
-                            r.get("p50_ms"), r.get("p99_ms"), r["efficiency"], r.get("retention")]
+                            r.get("p50_ms"), r.get("p99_ms"), r["efficiency"], r.get("retention"),
+                            r.get("of_echo"), r.get("x_single")]
                            for r in results["scaleout"]]))
     return "\n".join(out) + "\n"
 
@@ -579,10 +656,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.set_xlabel("concurrency")
             ax.set_title(f"{model} alone")
         else:
-            ray_rows = [r for r in results["scaleout"] if r["server"] == "ray"]
-            for models in sorted({r["models"] for r in ray_rows}):
-                rows = [r for r in ray_rows if r["models"] == models]
-                ax.plot([r["replicas"] for r in rows], [r["qps_total"] for r in rows], marker="o", label=models)
+            for server, style in (("ray", "-"), ("echo", "--")):
+                server_rows = [r for r in results["scaleout"] if r["server"] == server]
+                for models in sorted({r["models"] for r in server_rows}):
+                    rows = [r for r in server_rows if r["models"] == models]
+                    ax.plot([r["replicas"] for r in rows], [r["qps_total"] for r in rows], style, marker="o",
+                            label=models if server == "ray" else f"echo ({models})")
             ax.set_xlabel("replicas per model")
             ax.set_title("scale-out (Ray)")
         ax.set_ylabel("QPS")
@@ -668,6 +747,7 @@ def main(argv: Sequence[str]) -> None:
         p.add_argument("--backend", default="auto")
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)
+        p.add_argument("--echo", action="store_true")
         _serve_ray(p.parse_args(argv[1:]))
         return
     a = parse_args(argv)
@@ -693,7 +773,8 @@ def main(argv: Sequence[str]) -> None:
                 ["ocr_det"] if "payload" in a.scenarios else []))) if set(a.scenarios) - {"batching", "configs"} else None
             if needs_main:
                 ray_server = stack.enter_context(Server("ray", repository, a.ray_config, backend=a.backend,
-                                                        direct=a.hop_models if "hop" in a.scenarios else ()))
+                                                        direct=a.hop_models if "hop" in a.scenarios else (),
+                                                        echo=bool({"alone", "hop"} & set(a.scenarios))))
                 servers = {"ray": ray_server, "single": single}
                 for scenario in ("alone", "together", "payload"):
                     if scenario in a.scenarios:
