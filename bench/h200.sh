@@ -5,7 +5,8 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | scaleout | cpu | metrics | warmup | dashboard   (outputs to $OUT)
+#   tests | engine | serve | batching | scaleout | onehop | together | cpu | metrics | warmup | dashboard
+#             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
 export PYTHONPATH=/tmp/w:/tmp/site:/tmp/extra:/tmp/py/site PYTHONUNBUFFERED=1 PATH=/tmp/py/site/bin:$PATH
@@ -28,6 +29,10 @@ case "$1" in
       --batched resnet18,tiny_cnn,ocr_cls,ocr_rec --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   scaleout) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn,resnet18,ocr_cls,ocr \
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
+  onehop) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn --replicas 1,2,4,8 \
+      --gpu-fraction 0.02 --scaleout-concurrency 128 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
+  together) cd /tmp/w && python3 -m bench.throughput --scenarios hop,together --models tiny_cnn,resnet18,ocr_cls \
+      --gpu-fraction 0.1 --together-concurrency 32 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   cpu) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models resnet18,ocr --backend onnxruntime \
       --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
   metrics) cd /tmp/w && timeout 580 python3 -m bench.metrics_overhead --gpu-fraction 0.1 --concurrency 32 \

@@ -176,7 +176,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import run_applications
 
     hooks = {"worker_process_setup_hook": "bench.batch_trace.install"} if (
         os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV)) else None
@@ -189,7 +189,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
         app_args.setdefault("backend", args.backend)
         if args.models:
             app_args["models"] = args.models.split(",")
-        serve.run(build_app(app_args), name="models", route_prefix="/")
+        run_applications(app_args, "models", "/")  # the router's, and each dedicated model's at /v2/models/<name>
         if args.echo:
             serve.run(echo.app(args.replicas), name=echo.APP_NAME, route_prefix=echo.ROUTE_PREFIX)
         if args.direct:

@@ -75,10 +75,13 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
 # Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
-# Requests a dedicated model's ingress replica takes from Serve beyond its model's own bound
-# (max_ongoing_requests + max_queued_requests, ``ModelRoutes``): its other routes (ready,
-# metadata) and calls through handles (a pipeline's steps).
-INGRESS_HEADROOM = 64
+# Serve's limit of requests at once in a dedicated model's replica, which is its model's ingress:
+# far above the bound ``ModelRoutes`` sheds at (the model's max_ongoing_requests +
+# max_queued_requests), and no queue limit in Serve's handles (its proxy's shed 1 of 55
+# requests at 4x saturation with the model's 8 while its router assigned a burst), so that
+# Serve, whose shedding answers plain text, never answers first: the routes shed with this app's
+# error body.
+INGRESS_MAX_ONGOING_REQUESTS = 1 << 16
 
 
 class AppConfigError(ConfigError, RayServeException):
@@ -263,13 +266,10 @@ def _build(args: dict[str, Any] | None) -> Application:
         options = placement[entry.name]
         serve_options = ray_options(options, use_gpus, HANDLE_ENV if entry.config.pipeline else env)
         if options.max_queued_requests != -1:
-            # The replica is the ingress: it sheds beyond its model's queue with this app's error
-            # body (``ModelRoutes``), so Serve's own limit, which answers plain text, sits above it.
-            serve_options["max_ongoing_requests"] = options.max_ongoing_requests + options.max_queued_requests \
-                + INGRESS_HEADROOM
+            serve_options.update(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, max_queued_requests=-1)
         model_args = dict(metrics=metrics, initial=initial, routes=routes,
-                          max_requests=options.max_ongoing_requests + options.max_queued_requests
-                          if options.max_queued_requests != -1 else None)
+                          max_ongoing_requests=options.max_ongoing_requests,
+                          max_queued_requests=None if options.max_queued_requests == -1 else options.max_queued_requests)
         if entry.config.pipeline:
             return PipelineDeployment.options(
                 name=dedicated[entry.name], graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,

@@ -16,7 +16,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, RequestCancelledError
 
-from .runtime.contract.errors import ModelNotReady, unknown_model
+from .runtime.contract.errors import ConfigError, ModelNotReady, unknown_model
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,7 +40,14 @@ def deployment_name(model: str, pipeline: bool = False) -> str:
 
 def model_application(router_app: str, model: str) -> str:
     """The application of dedicated model ``model`` beside router application ``router_app``
-    (``deployments.app.applications`` deploys it so)."""
+    (``deployments.app.applications`` deploys it so; a router application's name has no '.').
+
+    Raises:
+        ConfigError: ``router_app`` holds a '.'.
+    """
+    if "." in router_app:
+        raise ConfigError(f"application name '{router_app}': a router application's name must not contain "
+                          "'.' (its models' applications are named '<router application>.<model>')")
     return f"{router_app}.{model}"
 
 

@@ -736,18 +736,20 @@ class ModelRoutes(RouterApp):
     explicit model control). The deployment reports its model's state with ``model_loaded(backend)``
     and ``model_unloaded()``.
 
-    Requests in flight on ``infer`` are bounded by ``max_requests`` (the model's
-    ``max_ongoing_requests`` + ``max_queued_requests``): one more is shed at once with 503,
-    ``Retry-After`` and this app's error body, as the router's handle sheds (Serve's own
-    direct-ingress limit answers plain text, so the replica's is set above this one).
+    Infer requests beyond the model's ``max_ongoing_requests`` in the replica wait (for an
+    execution context or a batch); when ``max_queued_requests`` already wait, one more is shed
+    at once with 503, ``Retry-After`` and the same error body as the router's handle gave
+    (Serve's own direct-ingress limit answers plain text, so the replica's sits above this one).
+    ``max_queued_requests`` None: no bound.
     """
 
     def __init__(self, entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
-                 options: RouterOptions, max_requests: int, observer: RouterObserver | None = None,
-                 initial: Desired | None = None) -> None:
+                 options: RouterOptions, max_ongoing_requests: int, max_queued_requests: int | None,
+                 observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
         super().__init__(repo, ReplicaClient(entry.name, infer), options, observer, initial)
         self.name = entry.name
-        self.max_requests = max_requests
+        self.max_ongoing_requests = max_ongoing_requests
+        self.max_queued_requests = max_queued_requests
         self.in_flight = 0
 
     def model_loaded(self, backend: str) -> None:
@@ -765,8 +767,9 @@ class ModelRoutes(RouterApp):
 
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[None]:
-        if self.in_flight >= self.max_requests:
-            raise overloaded(self.in_flight, self.max_requests)
+        waiting = self.in_flight - self.max_ongoing_requests
+        if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
+            raise overloaded(waiting, self.max_queued_requests)
         self.in_flight += 1
         try:
             yield

@@ -46,8 +46,8 @@ class ModelDeployment:
         metrics: ``MetricsOptions`` as a dict (default: on).
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
-        max_requests: infer requests in flight on the routes beyond which one is shed (503);
-            None: no bound.
+        max_ongoing_requests, max_queued_requests: the model's; infer requests on the routes
+            beyond both are shed with 503 (``ModelRoutes``; ``max_queued_requests`` None: no bound).
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
@@ -57,7 +57,7 @@ class ModelDeployment:
 
     def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
                  metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 max_requests: int | None = None) -> None:
+                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
@@ -66,8 +66,8 @@ class ModelDeployment:
         self.gate = Gate(name, open_=loaded)
         if loaded:
             self.host.load()
-        self.routes = ModelRoutes(self.repo.get(name), self.repo, self.infer, routes,
-                                  max_requests, router_observer(self.repo, metrics), initial)
+        self.routes = ModelRoutes(self.repo.get(name), self.repo, self.infer, routes, max_ongoing_requests,
+                                  max_queued_requests, router_observer(self.repo, metrics), initial)
         if loaded:
             self.routes.model_loaded(self.host.backend)
         control = None if initial is None else handles(router_application(name), {"control": "control"})["control"]

@@ -35,12 +35,13 @@ class PipelineDeployment:
         name: the pipeline model.
         dedicated: model name -> deployment name of each dedicated model (its steps among them).
         pool_models: models the router application's pool serves.
-        routes, metrics, initial, max_requests: as ``ModelDeployment``'s.
+        routes, metrics, initial, max_ongoing_requests, max_queued_requests: as
+            ``ModelDeployment``'s.
     """
 
     def __init__(self, repository: str, name: str, dedicated: dict[str, str], pool_models: Iterable[str],
                  routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 max_requests: int | None = None) -> None:
+                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         repo = ModelRepository(repository)
@@ -51,8 +52,8 @@ class PipelineDeployment:
         client = ModelClient(handles(router_app, dedicated, router_app=router_app), pool, pool_models)
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
-        self.routes = ModelRoutes(entry, ModelRepository(repository, [name]), self.infer, routes, max_requests,
-                                  router_observer(repo, metrics), initial)
+        self.routes = ModelRoutes(entry, ModelRepository(repository, [name]), self.infer, routes,
+                                  max_ongoing_requests, max_queued_requests, router_observer(repo, metrics), initial)
         if (initial or {}).get(name, {"loaded": True})["loaded"]:
             self.routes.model_loaded("pipeline")
         control = None if initial is None else handles(router_app, {"control": "control"})["control"]

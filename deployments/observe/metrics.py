@@ -105,13 +105,15 @@ def node_root() -> str:
 
 
 def node_directory() -> str:
-    """This application's metrics directory on this node (created if missing): the Serve
-    application's name under ``node_root()`` (``default`` outside a replica)."""
+    """This server's metrics directory on this node (created if missing): the router
+    application's name under ``node_root()`` (``default`` outside a replica). A dedicated
+    model's application, ``<router application>.<model>``, writes to its router's, whose
+    ``/metrics`` and statistics read them all."""
     app = "default"
     try:
         from ray import serve
 
-        app = serve.get_replica_context().app_name or app
+        app = (serve.get_replica_context().app_name or app).split(".", 1)[0]
     except Exception:  # not in a Serve replica
         pass
     path = os.path.join(node_root(), app)

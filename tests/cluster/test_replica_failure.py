@@ -16,7 +16,6 @@ CLIENT_TIMEOUT_S = 30.0  # far below it: Serve replaces a dead replica within ab
 def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_recovers(
         ray_cluster, tmp_path, num_replicas):
     import ray
-    from ray import serve
 
     from deployments.app import delete_server, run_applications
 

@@ -39,8 +39,6 @@ def serve_instance():
 @pytest.fixture(scope="session")
 def server(serve_instance):
     """The application of serve_config.yaml over the real repository, served at ``/``."""
-    from ray import serve
-
     from deployments.app import run_applications
 
     run_applications({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}},

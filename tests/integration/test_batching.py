@@ -30,8 +30,6 @@ PREFIX = "/batching"
 @pytest.fixture(scope="module")
 def batching_server(serve_instance, tmp_path_factory):
     """The app over a repository of ocr_cls and ocr_rec with a 500 ms batching window."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("batching-repo")

@@ -26,8 +26,6 @@ APP = "campaigns"
 @pytest.fixture(scope="module")
 def campaign(serve_instance, prepared_engines, tmp_path_factory):
     """(base URL, Ray session id, scratch repository) of the campaign application."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     repository = faults.scratch_repository(tmp_path_factory.mktemp("campaign") / "engines", prepared_engines)

@@ -30,8 +30,6 @@ SHAPES = {"tiny_cnn": (1, 3, 224, 224), "mid_cnn": (1, 3, 224, 224), "resnet18":
 @pytest.fixture(scope="module")
 def pooled(serve_instance, tmp_path_factory):
     """An application whose six models all live in the pool (configs copied with ``mode: pool``)."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("pooled")
@@ -87,7 +85,6 @@ def test_random_workload_under_budget_answers_everything_like_a_serial_run(poole
 
 
 def test_model_alone_over_budget_is_503_with_both_figures(serve_instance, tmp_path):
-    from ray import serve
 
     from deployments.app import delete_server, run_applications
 

@@ -42,8 +42,6 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def observed(serve_instance, tmp_path_factory):
     """(base URL, node metrics port) of the app with two pool and two ocr_cls replicas."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("observed-repo")

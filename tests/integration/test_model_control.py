@@ -41,8 +41,6 @@ def copy_model(root: Path, source: str, name: str, **changes) -> None:
 @pytest.fixture(scope="module")
 def control(serve_instance, tmp_path_factory):
     """(base URL, repository root) of the explicit-control application."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("control-repo")

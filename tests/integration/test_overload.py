@@ -30,8 +30,6 @@ QUEUE = {"max_ongoing_requests": 8, "max_queued_requests": 8}
 
 @pytest.fixture(scope="module")
 def overload_server(serve_instance, tmp_path_factory):
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("overload-repo")

@@ -32,8 +32,6 @@ X = np.random.default_rng(11).random((2, 3, 224, 224), dtype=np.float32)
 @pytest.fixture(scope="module")
 def versions(serve_instance, tmp_path_factory):
     """(base URL, repository root) of the application with versioned models."""
-    from ray import serve
-
     from deployments.app import delete_server, run_applications
 
     root = versioned_repository(tmp_path_factory.mktemp("versions-repo"), {1: 0, 2: 5}, {"all": {}})
