@@ -31,7 +31,7 @@ case "$1" in
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   onehop) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn --replicas 1,2,4,8 \
       --gpu-fraction 0.02 --scaleout-concurrency 128 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
-  together) cd /tmp/w && python3 -m bench.throughput --scenarios hop,together --models tiny_cnn,resnet18,ocr_cls \
+  together) cd /tmp/w && python3 -m bench.throughput --scenarios hop,alone,together --models tiny_cnn,resnet18,ocr_cls --levels 32 \
       --gpu-fraction 0.1 --together-concurrency 32 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   cpu) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models resnet18,ocr --backend onnxruntime \
       --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
