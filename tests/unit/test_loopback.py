@@ -384,3 +384,52 @@ backend app
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_a_model_backend_without_a_live_server_goes_to_the_router_then_back(tmp_path):
+    """A dedicated model's application (``http-app.m``) with no replica up: its requests reach
+    the router application's server (``router_backs_up_models``), and the model's own replica
+    again once it runs; Ray's fallback proxy stays the last backup."""
+    router, model, fallback, front = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = loopback.router_backs_up_models(f"""global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend api
+    bind 127.0.0.1:{front}
+    use_backend http-app.m if {{ path_beg /v2/models/m/ }}
+    default_backend http-app
+backend http-app
+    default-server inter 200ms fall 1 rise 1
+    server SERVE_REPLICA--app-router-x 127.0.0.1:{router} check
+    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+backend http-app.m
+    default-server inter 200ms fall 1 rise 1
+    server SERVE_REPLICA--app.m-model-m-x 127.0.0.1:{model} check
+    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+""")
+    assert loopback.router_backs_up_models(config) == config  # idempotent
+    servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
+               if line.split()[:1] == ["server"]]
+    assert servers == ["SERVE_REPLICA--app.m-model-m-x", "trt-router-SERVE_REPLICA--app-router-x", "SERVE_PROXY_ACTOR-n"]
+    (tmp_path / "lab.cfg").write_text(config)
+    check = subprocess.run([_real_haproxy(), "-c", "-f", str(tmp_path / "lab.cfg")], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    processes = []
+    try:
+        for port, name in ((router, "router"), (fallback, "fallback")):
+            processes.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name]))
+        processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")]))
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"router"))  # no model replica: the router
+        processes.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(model), "model"]))
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"model"))  # its replica runs: one hop
+        assert _get(front, "/v2/health/ready") == (200, b"router")
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
