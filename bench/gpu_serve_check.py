@@ -24,7 +24,6 @@ import argparse
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import yaml
+
+from bench.replicas import interrupt_group
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "import sys; from {module} import {func}; sys.argv[0] = '{name}'; sys.exit({func}())"
@@ -136,11 +137,7 @@ def main(argv: Sequence[str]) -> None:
         result["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv"],
                                               capture_output=True, text=True).stdout
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        interrupt_group(server)
         subprocess.run([sys.executable, "-c", CLI.format(module="ray.scripts.scripts", func="main", name="ray"),
                         "stop", "--force"], capture_output=True, env=env)
         out = Path(a.out)

@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +101,14 @@ def server_rss_bytes(session: int, app: str) -> dict[str, int]:
             continue
         by_role[role] = by_role.get(role, 0) + rss_bytes(p.pid)
     return by_role
+
+
+def interrupt_group(process: "subprocess.Popen", timeout_s: float = 60.0) -> None:
+    """Ctrl-C a server started in its own session (SIGINT to its process group, as a terminal
+    does); SIGKILL the group if it has not exited within ``timeout_s``."""
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pytest
 import requests
 import yaml
 
-from bench.replicas import kill_replica, replica_pids
+from bench.replicas import interrupt_group, kill_replica, replica_pids
 
 from .conftest import REPOSITORY, _free_port
 from .test_make_serve import _env, _make_line
@@ -32,15 +31,6 @@ from .test_make_serve import _env, _make_line
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = """
-max_batch_size: 4
-inputs:
-  - {name: input, datatype: FP32, dims: [-1, 3, 224, 224],
-     profile: {min: [1, 3, 224, 224], opt: [1, 3, 224, 224], max: [4, 3, 224, 224]}}
-outputs:
-  - {name: logits, datatype: FP32, dims: [-1, 1000]}
-deployment: {mode: dedicated, num_gpus: NUM_GPUS}
-"""
 X = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
 BODY = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
 
@@ -55,10 +45,12 @@ def one_hop(tmp_path_factory):
     (root / "tiny_cnn" / "1").mkdir(parents=True)
     shutil.copy(f"{REPOSITORY}/tiny_cnn/config.yaml", root / "tiny_cnn" / "config.yaml")
     (root / "tiny_cnn" / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/tiny_cnn/1/model.onnx")
-    for name, gpus in (("lost_cnn", 0), ("gpu_cnn", 1)):
+    for name, gpus in (("lost_cnn", 0), ("gpu_cnn", 1)):  # tiny_cnn's model, dedicated
         (root / name / "1").mkdir(parents=True)
         shutil.copy(f"{REPOSITORY}/tiny_cnn/1/model.onnx", root / name / "1" / "model.onnx")
-        (root / name / "config.yaml").write_text(CONFIG.replace("NUM_GPUS", str(gpus)))
+        raw = yaml.safe_load((root / "tiny_cnn" / "config.yaml").read_text())
+        raw["deployment"] = {"mode": "dedicated", "num_gpus": gpus}
+        (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
     port = _free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
@@ -90,12 +82,7 @@ def one_hop(tmp_path_factory):
             time.sleep(0.5)
         yield proc, url, root
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        interrupt_group(proc)
 
 
 def logits(url: str, model: str) -> np.ndarray:
