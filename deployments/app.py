@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -75,6 +76,8 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
 # Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+DELETE_POLL_S = 0.1  # seconds between checks that deleted applications are gone
+DELETE_TIMEOUT_S = 60.0  # serve.delete's own bound
 # Serve's limit of requests at once in a dedicated model's replica, which is its model's ingress:
 # far above the bound ``ModelRoutes`` sheds at (the model's max_ongoing_requests +
 # max_queued_requests), and no queue limit in Serve's handles (its proxy's shed 1 of 55
@@ -236,13 +239,24 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         raise AppConfigError(e.message) from None
 
 
-def _build(args: dict[str, Any] | None) -> Application:
+def _read(args: dict[str, Any] | None) -> tuple[AppArgs, list[ModelEntry], dict[str, DeploymentOptions], list[str]]:
+    """``args`` parsed, the served models, each one's placement and the pool's models.
+
+    Raises:
+        ConfigError: invalid args or model repository.
+    """
     try:
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
         raise ConfigError(f"serve_config.yaml application args: {describe_validation_error(e, AppArgs)}") from None
     entries = ModelRepository(app_args.repository, app_args.models).entries()
     placement = deployment_options(entries, app_args.deployments)
+    pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
+    return app_args, entries, placement, pool_models
+
+
+def _build(args: dict[str, Any] | None) -> Application:
+    app_args, entries, placement, pool_models = _read(args)
     use_gpus = _cluster_has_gpus() if app_args.use_gpus == "auto" else app_args.use_gpus
     if not use_gpus:
         logger.info("no GPU resources in the cluster: models' num_gpus are not reserved")
@@ -252,7 +266,6 @@ def _build(args: dict[str, Any] | None) -> Application:
     logger.info("ONNX Runtime: %d intra-op thread(s) per execution context on %d cores", threads, cores())
 
     metrics = app_args.metrics.model_dump()
-    pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     initial = initial_control(app_args, entries, pool_models)
     routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                            request_timeout_s=app_args.request_timeout_s)
@@ -318,12 +331,22 @@ def run_applications(args: dict[str, Any] | None, name: str = "models", route_pr
                    wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
 
 
-def delete_server(name: str = "models", wait: bool = True) -> None:
-    """Delete router application ``name`` and its models' applications (``applications``);
-    ``wait``: until Serve lists none of them (``deployments.run.delete_applications``)."""
+def delete_applications(app_names: list[str]) -> None:
+    """Delete the applications and return once Serve lists none of them (at most
+    ``DELETE_TIMEOUT_S``): every replica has answered the requests it held by then."""
     from ray import serve
 
-    from .run import delete_applications
+    for name in app_names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + DELETE_TIMEOUT_S
+    while set(app_names) & set(serve.status().applications) and time.monotonic() < deadline:
+        time.sleep(DELETE_POLL_S)
+
+
+def delete_server(name: str = "models", wait: bool = True) -> None:
+    """Delete router application ``name`` and its models' applications (``applications``);
+    ``wait``: until Serve lists none of them (``delete_applications``)."""
+    from ray import serve
 
     names = [app for app in serve.status().applications if app == name or app.startswith(f"{name}.")]
     if wait:
@@ -341,16 +364,11 @@ def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> 
         AppConfigError: as ``build_app``.
     """
     try:
-        app_args = AppArgs.model_validate(args or {})
-        entries = ModelRepository(app_args.repository, app_args.models).entries()
-        placement = deployment_options(entries, app_args.deployments)
-    except ValidationError as e:
-        raise AppConfigError(f"serve_config.yaml application args: {describe_validation_error(e, AppArgs)}") from None
+        _, entries, _, pool_models = _read(args)
     except ConfigError as e:
         raise AppConfigError(e.message) from None
     base = route_prefix.rstrip("/")
-    return [(e.name, f"{base}/v2/models/{e.name}") for e in entries
-            if e.config.pipeline or placement[e.name].mode == "dedicated"]
+    return [(e.name, f"{base}/v2/models/{e.name}") for e in entries if e.name not in pool_models]
 
 
 def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: list[str]) -> Desired | None:

@@ -47,18 +47,20 @@ def check(path: Path) -> str:
 
     schema = _schema(path)
     models: list[str] = []
-    ours = [app for app in schema.applications if app.import_path == APP_IMPORT_PATH]
-    routers = [app for app in ours if (app.args or {}).get("model") is None]
-    for app in routers + [app for app in ours if app not in routers]:  # routers first, then in-step, then models
-        try:
-            build_app(app.args)
-        except ConfigError as e:
-            raise ConfigError(e.message.replace("serve_config.yaml", str(path), 1)) from None
-        if app is routers[-1] and (error := model_applications_error(path, schema)):
-            raise ConfigError(error)
+    routers, model_apps = _our_applications(schema)
+    for stage in (routers, None, model_apps):  # the routers, then the list in step, then the models
+        if stage is None:
+            if error := model_applications_error(path, schema):
+                raise ConfigError(error)
+            continue
+        for app in stage:
+            try:
+                build_app(app.args)
+            except ConfigError as e:
+                raise ConfigError(e.message.replace("serve_config.yaml", str(path), 1)) from None
+    for app in routers:
         args = AppArgs.model_validate(app.args or {})
-        if args.model is None:
-            models += ModelRepository(args.repository, args.models).names()
+        models += ModelRepository(args.repository, args.models).names()
     http = schema.http_options
     return (f"{path}: OK, {len(models)} models {models}; serving at http://{http.host}:{http.port}/v2 "
             "once ready")
@@ -82,6 +84,14 @@ def _schema(path: Path) -> Any:
         raise ConfigError(f"{path}: {describe_validation_error(e, ServeDeploySchema)}") from None
 
 
+def _our_applications(schema: Any) -> tuple[list[Any], list[Any]]:
+    """The config's applications of this project (``APP_IMPORT_PATH``): router applications
+    (no ``args.model``) and dedicated models' applications."""
+    ours = [app for app in schema.applications if app.import_path == APP_IMPORT_PATH]
+    routers = [app for app in ours if (app.args or {}).get("model") is None]
+    return routers, [app for app in ours if app not in routers]
+
+
 def expected_model_applications(schema: Any) -> list[dict[str, Any]]:
     """The application of each dedicated model and pipeline that the config's router
     applications (``import_path: deployments.app:build_app`` without ``args.model``) serve, as
@@ -91,9 +101,7 @@ def expected_model_applications(schema: Any) -> list[dict[str, Any]]:
     from .client import model_application
 
     out = []
-    for app in schema.applications:
-        if app.import_path != APP_IMPORT_PATH or (app.args or {}).get("model") is not None:
-            continue
+    for app in _our_applications(schema)[0]:
         for model, prefix in model_applications(app.args, app.route_prefix or "/"):
             out.append({"name": model_application(app.name, model), "route_prefix": prefix,
                         "import_path": APP_IMPORT_PATH, "args": {**(app.args or {}), "model": model}})
@@ -104,8 +112,7 @@ def model_applications_error(path: Path, schema: Any) -> str | None:
     """What is out of step between the config's model applications and the repository (a
     dedicated model added, removed or switched to the pool since the file was written), or None."""
     expected = {a["name"]: a for a in expected_model_applications(schema)}
-    listed = {a.name: a for a in schema.applications
-              if a.import_path == APP_IMPORT_PATH and (a.args or {}).get("model") is not None}
+    listed = {a.name: a for a in _our_applications(schema)[1]}
     missing = sorted(set(expected) - set(listed))
     extra = sorted(set(listed) - set(expected))
     differing = sorted(name for name in set(expected) & set(listed)
@@ -128,28 +135,37 @@ WRITTEN_MARK = "# --- one application per dedicated model: written by `python -m
 def write(path: Path) -> str:
     """Rewrite the model applications of the config at ``path`` from its router application
     and the repository: the block under ``WRITTEN_MARK`` (made at the end of ``applications:``
-    when absent). Each takes the router's args through the YAML anchor on its ``args:`` line
-    when there is one (``args: &name``), else a copy. Returns the summary line.
+    when absent; an application listed after it that is no model application of this project is
+    kept). With one router application whose ``args:`` line has a YAML anchor (``args: &name``)
+    each takes the router's args through it, else a copy. The new text is checked before it
+    replaces the file. Returns the summary line.
 
     Raises:
-        ConfigError: as ``check``, or applications still out of step (listed by hand too).
+        ConfigError: as ``check``; model applications listed outside the written block.
     """
     import re
 
     schema = _schema(path)
+    routers, model_apps = _our_applications(schema)
     lines = path.read_text().splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"applications:\s*(#.*)?$", line)), None)
     if start is None:
         raise ConfigError(f"{path}: no top-level 'applications:' to write the model applications into")
     end = next((i for i in range(start + 1, len(lines)) if re.match(r"[^\s#-]", lines[i])), len(lines))
     indent = next((m.group(1) for line in lines[start + 1:end] if (m := re.match(r"(\s*)- ", line))), "  ")
+    written = {app.name for app in model_apps}
     if WRITTEN_MARK in lines[start:end]:  # the block written before: the mark and its items
         mark = lines.index(WRITTEN_MARK, start)
         stop = mark + 1
-        while stop < end and (lines[stop].startswith((indent + "- ", indent + "  ")) or not lines[stop].strip()):
+        while stop < end and (lines[stop].startswith(indent + "  ") or not lines[stop].strip()
+                              or (lines[stop].startswith(indent + "- name: ")
+                                  and lines[stop].split(":", 1)[1].strip() in written)):
             stop += 1
         del lines[mark:stop]
         end -= stop - mark
+    elif written:
+        raise ConfigError(f"{path}: applications: {sorted(written)} are listed without the mark of the written "
+                          f"block ({WRITTEN_MARK!r}): remove them, then run --write again")
     while end > start + 1 and not lines[end - 1].strip():
         end -= 1
     anchor = re.search(r"^\s+args:\s*&([A-Za-z0-9_-]+)", "\n".join(lines[start:end]), re.MULTILINE)
@@ -157,13 +173,19 @@ def write(path: Path) -> str:
     block = [WRITTEN_MARK]
     for app in apps:
         args = (f"{{<<: *{anchor.group(1)}, model: {app['args']['model']}}}" if anchor is not None
-                else json.dumps(app["args"]))
+                and len(routers) == 1 else json.dumps(app["args"]))
         block += [f"{indent}- name: {app['name']}", f"{indent}  route_prefix: {app['route_prefix']}",
                   f"{indent}  import_path: {APP_IMPORT_PATH}", f"{indent}  args: {args}"]
-    path.write_text("\n".join(lines[:end] + block + lines[end:]) + "\n")
-    error = model_applications_error(path, _schema(path))
+    text = "\n".join(lines[:end] + block + lines[end:]) + "\n"
+    scratch = path.with_name(f".{path.name}.written")
+    scratch.write_text(text)
+    try:
+        error = model_applications_error(path, _schema(scratch))
+    finally:
+        scratch.unlink()
     if error:
-        raise ConfigError(error + " (model applications listed by hand above the written block: remove them)")
+        raise ConfigError(error + " (not written)")
+    path.write_text(text)
     return f"{path}: wrote {len(apps)} model applications {[a['name'] for a in apps]}"
 
 

@@ -14,8 +14,9 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import DeploymentUnavailableError, RequestCancelledError
+from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, RequestCancelledError
 
+from .protocol.answer import Answer
 from .runtime.contract.errors import ConfigError, ModelNotReady, unknown_model
 
 logger = logging.getLogger("ray.serve")
@@ -72,12 +73,15 @@ class ReplicaCounts:
     ``running``: model name -> RUNNING replicas. ``stopped``: models whose application is being
     deleted (Ctrl-C of ``make serve``, ``serve delete``, ``serve shutdown``): Serve then lists
     none of its deployments and every replica is draining or gone, so a call that no replica
-    has taken yet never runs. ``deleting``: the application is being deleted.
+    has taken yet never runs. ``deleting``: the application is being deleted. ``missing``: dedicated
+    models whose own application (``model_application``) Serve does not list while none of the
+    server's applications is being deleted: the Serve config lacks it.
     """
 
     running: dict[str, int]
     stopped: frozenset[str] = frozenset()
     deleting: bool = False
+    missing: frozenset[str] = frozenset()  # models whose application Serve does not list, none deleting
 
 
 class ModelClient:
@@ -128,12 +132,25 @@ class ModelClient:
                 or ``cut_unassigned``).
             ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
         """
+        return await self._call(name, key, payload_bytes(inputs), "infer", inputs, outputs)
+
+    async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
+                         header_length: str | None, default_timeout_s: float) -> Answer:
+        """Pass an infer request's body (``chunks``, as it arrived) to a pool replica of model
+        ``name``'s version keyed ``key``, which decodes, runs and encodes it
+        (``PoolDeployment.infer_body``); returns its ``Answer``. Retries and raises as ``infer``
+        (``InvalidInput`` for a malformed body too)."""
+        return await self._call(name, key, sum(map(len, chunks)), "infer_body", version, batched, chunks,
+                                header_length, default_timeout_s)
+
+    async def _call(self, name: str, key: str | None, nbytes: int, method: str, *args: Any) -> Any:
+        """``method(*args)`` on a replica serving ``name`` (``infer``'s retry and errors)."""
         handle = self.handle(name, key)
-        if payload_bytes(inputs) >= BY_REFERENCE_MIN_BYTES:
+        if nbytes >= BY_REFERENCE_MIN_BYTES:
             handle = handle.options(_by_reference=True)
         waiting = self._waiting.setdefault(name, set())
         for attempt in range(_REPLICA_LOST_RETRIES + 1):
-            response = handle.infer.remote(inputs, outputs)
+            response = getattr(handle, method).remote(*args)
             waiting.add(response)
             try:
                 result = await response
@@ -237,15 +254,25 @@ def _replica_counts(handles: dict[str, Any]) -> ReplicaCounts:
     """``ReplicaCounts`` of the deployments behind ``handles`` (name -> handle), from
     ``serve.status()`` (a blocking call to Serve's controller)."""
     applications = serve.status().applications
-    running, stopped, deleting = {}, set(), False
+    running, gone = {}, set()
+    deleting = False
     for name, handle in handles.items():
         app = applications.get(handle.app_name)
         deployment = app.deployments.get(handle.deployment_name) if app is not None else None
         running[name] = deployment.replica_states.get("RUNNING", 0) if deployment is not None else 0
-        if app is None or app.status == "DELETING":
+        if app is None:
+            gone.add(name)
+        elif app.status == "DELETING":
             deleting = True
-            stopped.add(name)
-    return ReplicaCounts(running, frozenset(stopped), deleting)
+            gone.add(name)
+    try:  # this replica's own application: being deleted (or gone) means the server stops
+        own = applications.get(serve.get_replica_context().app_name)
+        deleting = deleting or own is None or own.status == "DELETING"
+    except RayServeException:  # not in a replica: the handles say it
+        pass
+    if deleting:
+        return ReplicaCounts(running, frozenset(gone), True)
+    return ReplicaCounts(running, missing=frozenset(gone))
 
 
 def _running(handles: dict[str, Any]) -> dict[str, int]:

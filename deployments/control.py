@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from ray import serve
 
@@ -114,6 +114,12 @@ class Follower:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
 
+    @property
+    def synced(self) -> bool:
+        """Whether this replica has applied the desired state once (until then it serves the
+        build-time state, which a load or unload made since may have changed)."""
+        return self.revision >= 0
+
     async def sync(self) -> None:
         """One round: read the state, apply what changed, report."""
         desired = await self.control.desired.remote()
@@ -133,8 +139,11 @@ class Follower:
             await asyncio.sleep(POLL_S)
 
 
-def follow(control: Any, initial: Desired, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> Awaitable[None] | None:
-    """In a replica's constructor: start following ``control`` (None: model control is off)."""
+def follow(control: Any, initial: Desired, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> Follower | None:
+    """In a replica's constructor: start following ``control`` (None: model control is off);
+    returns the ``Follower`` (its task in ``task``)."""
     if control is None:
         return None
-    return asyncio.get_running_loop().create_task(Follower(control, initial, apply).run())
+    follower = Follower(control, initial, apply)
+    follower.task = asyncio.get_running_loop().create_task(follower.run())
+    return follower

@@ -41,20 +41,20 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .client import ModelClient, handles
+from .client import ModelClient, handles, router_application
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
 from .observe.options import start as start_metrics
-from .observe.router import RouterObserver, observe_infer, phase
+from .observe.router import RouterObserver, add_phases, observe_infer
 from .observe.statistics import statistics
-from .protocol.binary import HEADER_LENGTH, decode_body, encode_response
+from .protocol.answer import answer, timeout_error
+from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import error_status, overloaded, retry_after_headers
-from .protocol.parameters import apply_classification
 from .protocol.triton import model_configuration, platform_of
-from .protocol.v2 import model_metadata
-from .control import Desired
+from .protocol.v2 import InferRequest, model_metadata
+from .control import Desired, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
                                       ModelNotReady, PayloadTooLarge, ServingError, unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -68,6 +68,9 @@ _READY_POLL_S = 1.0
 _CONTROL_POLL_S = 0.1  # how often a load / unload checks whether every replica applied it
 _STOPPING_POLL_S = 0.1  # while the application is being deleted: how soon waiting requests get their 503
 _STOPPED_IDLE_S = 1.0  # ... once their model has finished no call for this long (ModelClient.cut_unassigned)
+# A pool replica bounds a request's run itself (it decodes the request, so only it knows the
+# request's own parameters.timeout); the router's bound waits this much longer, as a backstop.
+POOL_TIMEOUT_GRACE_S = 5.0
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
@@ -136,6 +139,7 @@ class RouterApp:
         # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
         self.ready_models: set[str] = set(self.client.pool_models)
         self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
+        self.missing: set[str] = set()  # dedicated models whose application is not deployed (note_missing)
         self._running: dict[str, int] = {}  # model -> RUNNING replicas in the latest count
         # Model control (``deployments.control``): None in model_control_mode none, where every
         # model of the repository serves and load / unload are refused.
@@ -241,6 +245,7 @@ class RouterApp:
                 answered = set(self.backends)  # models a replica answered before this snapshot is asked for
                 counts = await self.client.replica_counts()
                 self.refresh_ready(counts.running, answered)
+                self.note_missing(counts.missing)
                 self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
                 deleting = counts.deleting
                 if self.initial is not None:
@@ -250,6 +255,21 @@ class RouterApp:
                     return  # the loop's executor is shut down: this replica is stopping
                 logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
             await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
+
+    def note_missing(self, missing: Iterable[str]) -> None:
+        """Dedicated models whose own application Serve does not list (``ReplicaCounts.missing``):
+        their requests reach the router (no route prefix of theirs exists) and answer 503 naming
+        the application the Serve config lacks; logged once each."""
+        missing = set(missing) & set(self.client.dedicated)
+        for name in sorted(missing - self.missing):
+            logger.error("model '%s': %s", name, self._missing_text(name))
+        self.missing = missing
+
+    def _missing_text(self, name: str) -> str:
+        handle = self.client.dedicated.get(name)
+        app = getattr(handle, "app_name", f"<router application>.{name}")
+        return (f"its application '{app}' is not deployed: the Serve config must list it "
+                "(python -m deployments.check --write serve_config.yaml writes it)")
 
     def follow_desired(self, models: Desired) -> None:
         """Take the loads and unloads other router replicas made (``ControlDeployment.desired``);
@@ -340,6 +360,8 @@ class RouterApp:
                 return unloaded_model(entry.name)
             return unknown_model(entry.name, f"it is in the repository but not loaded: "
                                  f"POST /v2/repository/models/{entry.name}/load loads it")
+        if entry.name in self.missing:
+            return ModelNotReady(f"model '{entry.name}' is not served: {self._missing_text(entry.name)}")
         if entry.name in self.ready_models:
             return None
         return ModelNotReady(
@@ -412,6 +434,11 @@ class RouterApp:
         unseen = [name for name in self.repo.names() if self._unseen(name)]
         if unseen:
             await asyncio.gather(*map(self._probe, unseen))
+        if self.missing:
+            return error_response(ModelNotReady(f"server not ready: models {sorted(self.missing)} are not served: "
+                                                "their applications are not deployed; the Serve config must list "
+                                                "them (python -m deployments.check --write serve_config.yaml writes "
+                                                "them)"), log=False)
         loading = sorted((set(self.repo.names()) & self.loaded) - self.ready_models)
         if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
             return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
@@ -525,8 +552,8 @@ class RouterApp:
         self.unloaded.discard(entry.name)
 
     def _mark_unloaded(self, name: str) -> None:
+        self.unloaded.add(name)  # first: a request read in between (another thread) answers "unloaded"
         self.loaded.discard(name)
-        self.unloaded.add(name)
         if name in self.client.dedicated:
             self.ready_models.discard(name)
 
@@ -652,42 +679,52 @@ class RouterApp:
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
                           timeout_s: float | None = None, key: str | None = None) -> dict:
         """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``)."""
+        return await self._within_timeout(name, self.client.infer(name, inputs, outputs, key), timeout_s)
+
+    async def _within_timeout(self, name: str, call: Awaitable[Any], timeout_s: float | None = None,
+                              grace_s: float = 0.0) -> Any:
+        """``call`` to model ``name``, bounded by ``timeout_s`` (a request's own) where shorter
+        than ``request_timeout_s``, else by ``request_timeout_s``; ``grace_s`` more where the
+        called replica applies the bound itself (a pool replica: ``protocol.answer.answer_body``),
+        so that its answer, naming the bound, arrives first.
+
+        Raises:
+            InferenceTimeout: the bound passed (``ModelNotReady`` instead when the model lost its
+                replicas while the request waited).
+        """
         asked = timeout_s is not None and timeout_s < self.request_timeout_s
         timeout_s = timeout_s if asked else self.request_timeout_s
         try:
-            return await asyncio.wait_for(self.client.infer(name, inputs, outputs, key), timeout_s)
+            return await asyncio.wait_for(call, timeout_s + grace_s)
         except asyncio.TimeoutError:
             if name not in self.ready_models:  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
-            limit = f"{timeout_s:g} s" if timeout_s >= 1 else f"{timeout_s * 1e3:g} ms"
-            raise InferenceTimeout(f"model '{name}' did not answer within {limit}" + (
-                f" (the request's parameters.timeout: {round(timeout_s * 1e6)} microseconds)" if asked else
-                " (request_timeout_s of the application args)")) from None
-
-    def _admitted(self) -> contextlib.AbstractContextManager[None]:
-        """Held by an infer request from arrival to answer; the router's handles bound the
-        queues, so it admits every request (``ModelRoutes`` bounds its own)."""
-        return contextlib.nullcontext()
+            raise timeout_error(name, timeout_s, asked) from None
 
     @observe_infer
     @_answers_errors
     async def infer(self, request: Request) -> Response:
-        with self._admitted():
-            return await self._infer(request)
-
-    async def _infer(self, request: Request) -> Response:
+        """A pool model's body goes to the pool replica as bytes, which decodes, runs and
+        encodes it (``PoolDeployment.infer_body``): the router only routes. A dedicated model's
+        request is decoded here (in its own replica on the one-hop path, ``ModelRoutes``)."""
         entry, version = self._entry_version(request)
         chunks = await self._read_body(request)
-        with phase(request, "compute_input_s"):
-            infer_request = decode_body(chunks, request.headers.get(HEADER_LENGTH))
-        await self._await_ready(entry)
-        outputs = await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
-                                         infer_request.timeout_s, entry.key(version))
-        with phase(request, "compute_output_s"):
-            outputs = apply_classification(entry.name, entry.config.max_batch_size > 0,
-                                           infer_request.output_parameters, outputs)
-            content, headers = encode_response(entry.name, str(version), infer_request, outputs)
-        return Response(content, headers=headers)
+        header_length = request.headers.get(HEADER_LENGTH)
+        batched = entry.config.max_batch_size > 0
+        if entry.name in self.client.pool_models:
+            await self._await_ready(entry)
+            done = await self._within_timeout(entry.name, self.client.infer_body(
+                entry.name, entry.key(version), str(version), batched, chunks, header_length, self.request_timeout_s),
+                grace_s=POOL_TIMEOUT_GRACE_S)
+        else:
+            async def run(infer_request: InferRequest) -> dict:
+                await self._await_ready(entry)
+                return await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
+                                              infer_request.timeout_s, entry.key(version))
+
+            done = await answer(entry.name, str(version), batched, chunks, header_length, run)
+        add_phases(request, done.compute_input_s, done.compute_output_s)
+        return Response(done.content, headers=done.headers)
 
     # --- observability (deployments.observe) -----------------------------------------------
     def _metrics_off(self) -> None:
@@ -734,23 +771,16 @@ class ModelRoutes(RouterApp):
     replica: ``GET /v2/models/{name}[/versions/{v}][/ready|/config|/stats]`` and
     ``POST .../infer``, with the router's code, errors and checks (body limit, timeout, readiness,
     explicit model control). The deployment reports its model's state with ``model_loaded(backend)``
-    and ``model_unloaded()``.
-
-    Infer requests beyond the model's ``max_ongoing_requests`` in the replica wait (for an
-    execution context or a batch); when ``max_queued_requests`` already wait, one more is shed
-    at once with 503, ``Retry-After`` and the same error body as the router's handle gave
-    (Serve's own direct-ingress limit answers plain text, so the replica's sits above this one).
-    ``max_queued_requests`` None: no bound.
+    and ``model_unloaded()``; until ``synced()`` (explicit model control: the replica has read
+    the desired state once) its requests answer 503.
     """
 
     def __init__(self, entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
-                 options: RouterOptions, max_ongoing_requests: int, max_queued_requests: int | None,
-                 observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
+                 options: RouterOptions, observer: RouterObserver | None = None,
+                 initial: Desired | None = None) -> None:
         super().__init__(repo, ReplicaClient(entry.name, infer), options, observer, initial)
         self.name = entry.name
-        self.max_ongoing_requests = max_ongoing_requests
-        self.max_queued_requests = max_queued_requests
-        self.in_flight = 0
+        self.synced: Callable[[], bool] = lambda: True
 
     def model_loaded(self, backend: str) -> None:
         """The replica has the model loaded and serves it (at start, or after a load)."""
@@ -760,13 +790,56 @@ class ModelRoutes(RouterApp):
         """The model was unloaded through the repository API: new requests answer 503."""
         self._mark_unloaded(self.name)
 
+    def _not_ready(self, entry: ModelEntry) -> ServingError | None:
+        if not self.synced():
+            return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
+                                 "control state (a load or unload made since it started); retry shortly")
+        return super()._not_ready(entry)
+
     def build_app(self) -> Starlette:
         app = super().build_app()
         app.add_middleware(FullPath, suffix=f"/v2/models/{self.name}")
         return app
 
+
+def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
+               options: RouterOptions, metrics: dict[str, Any] | None, initial: Desired | None,
+               backend: str | None, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> ModelRoutes:
+    """In a dedicated model's (or pipeline's) replica: its ``ModelRoutes``, marked loaded with
+    ``backend`` (None: not loaded at start), following explicit model control through the
+    router application's control deployment with ``apply`` (``deployments.control.follow``)."""
+    routes = ModelRoutes(entry, repo, infer, options, router_observer(repo, metrics), initial)
+    if backend is not None:
+        routes.model_loaded(backend)
+    if initial is not None:
+        control = handles(router_application(entry.name), {"control": "control"})["control"]
+        follower = follow(control, initial, apply)
+        routes.synced = lambda: follower.synced
+        routes.follower = follower
+    return routes
+
+
+class Admission:
+    """How many requests a replica holds for its model at once: ``max_ongoing_requests`` run or
+    wait for an execution context (or a batch), ``max_queued_requests`` more wait; one more is
+    shed at once (``Overloaded``: 503, ``Retry-After``, the error body the router's handle gave).
+    It stands where Serve's own bounds stood when the router called the model: the replica is its
+    model's ingress now, and Serve's direct-ingress shedding answers plain text. HTTP requests and
+    calls through handles (a pipeline's steps) count alike. ``max_queued_requests`` None: no bound.
+    """
+
+    def __init__(self, max_ongoing_requests: int, max_queued_requests: int | None) -> None:
+        self.max_ongoing_requests = max_ongoing_requests
+        self.max_queued_requests = max_queued_requests
+        self.in_flight = 0
+
     @contextlib.contextmanager
-    def _admitted(self) -> Iterator[None]:
+    def request(self) -> Iterator[None]:
+        """Hold one place for a request.
+
+        Raises:
+            Overloaded: ``max_queued_requests`` already wait.
+        """
         waiting = self.in_flight - self.max_ongoing_requests
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise overloaded(waiting, self.max_queued_requests)

@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from .client import handles, router_application
-from .control import Desired, follow, outcome
-from .ingress import ModelRoutes, RouterOptions, router_observer
+from .control import Desired, outcome
+from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -46,8 +45,8 @@ class ModelDeployment:
         metrics: ``MetricsOptions`` as a dict (default: on).
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
-        max_ongoing_requests, max_queued_requests: the model's; infer requests on the routes
-            beyond both are shed with 503 (``ModelRoutes``; ``max_queued_requests`` None: no bound).
+        max_ongoing_requests, max_queued_requests: the model's; requests beyond both are shed
+            with 503 (``ingress.Admission``; ``max_queued_requests`` None: no bound).
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
@@ -66,12 +65,9 @@ class ModelDeployment:
         self.gate = Gate(name, open_=loaded)
         if loaded:
             self.host.load()
-        self.routes = ModelRoutes(self.repo.get(name), self.repo, self.infer, routes, max_ongoing_requests,
-                                  max_queued_requests, router_observer(self.repo, metrics), initial)
-        if loaded:
-            self.routes.model_loaded(self.host.backend)
-        control = None if initial is None else handles(router_application(name), {"control": "control"})["control"]
-        self._follower = follow(control, initial or {}, self.apply)
+        self.admission = Admission(max_ongoing_requests, max_queued_requests)
+        self.routes = own_routes(self.repo.get(name), self.repo, self.infer, routes, metrics, initial,
+                                 self.host.backend if loaded else None, self.apply)
         self.recorder = replica_recorder(metrics)
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution
@@ -101,7 +97,7 @@ class ModelDeployment:
         Validated once: by ``ModelHost.infer`` without batching, by ``BatchItem.of`` before a
         request joins the batch queue (the joined batch is not checked again).
         """
-        with self.gate.request():  # an unload waits for the requests inside
+        with self.admission.request(), self.gate.request():  # an unload waits for the requests inside
             return await self._infer(inputs, outputs)
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:

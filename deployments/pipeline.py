@@ -13,8 +13,8 @@ import numpy as np
 from ray import serve
 
 from .client import ModelClient, handles, router_application
-from .control import Desired, follow
-from .ingress import ModelRoutes, RouterOptions, router_observer
+from .control import Desired
+from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps
@@ -52,12 +52,10 @@ class PipelineDeployment:
         client = ModelClient(handles(router_app, dedicated, router_app=router_app), pool, pool_models)
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
-        self.routes = ModelRoutes(entry, ModelRepository(repository, [name]), self.infer, routes,
-                                  max_ongoing_requests, max_queued_requests, router_observer(repo, metrics), initial)
-        if (initial or {}).get(name, {"loaded": True})["loaded"]:
-            self.routes.model_loaded("pipeline")
-        control = None if initial is None else handles(router_app, {"control": "control"})["control"]
-        self._follower = follow(control, initial or {}, self.apply)
+        self.admission = Admission(max_ongoing_requests, max_queued_requests)
+        loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
+        self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
+                                 "pipeline" if loaded else None, self.apply)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()
@@ -77,10 +75,12 @@ class PipelineDeployment:
 
         Raises:
             InvalidInput: the inputs or requested outputs do not fit the pipeline model's config.
+            Overloaded: the pipeline's queue is full (``ingress.Admission``).
         """
-        wanted = validate_request(self.config, inputs, outputs)
-        result = await self.pipeline.infer(inputs)
-        return result if outputs is None else {n: result[n] for n in wanted}
+        with self.admission.request():
+            wanted = validate_request(self.config, inputs, outputs)
+            result = await self.pipeline.infer(inputs)
+            return result if outputs is None else {n: result[n] for n in wanted}
 
     def backend(self) -> str:
         """``pipeline`` (see ``ModelDeployment.backend``)."""

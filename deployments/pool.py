@@ -12,6 +12,7 @@ from .control import Desired, follow, outcome
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
+from .protocol.answer import Answer, answer_body
 from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
@@ -88,6 +89,18 @@ class PoolDeployment:
         """
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
+
+    async def infer_body(self, model: str, version: str, batched: bool, chunks: list[bytes],
+                         header_length: str | None, default_timeout_s: float) -> Answer:
+        """An infer request's body, as the router got it, for the version named by the
+        multiplexed model id: decoded here, run as ``infer`` (within the request's own
+        ``parameters.timeout`` where shorter than ``default_timeout_s``, the router's bound),
+        and encoded for ``model`` at ``version`` (``protocol.answer.answer_body``; ``batched``:
+        the model's ``max_batch_size > 0``).
+
+        Raises: as ``answer`` and ``infer`` (``InvalidInput`` for a malformed body).
+        """
+        return await answer_body(model, version, batched, chunks, header_length, self.infer, default_timeout_s)
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``

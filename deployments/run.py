@@ -13,7 +13,7 @@
    (``HAProxyManager.stop`` sends SIGKILL) while the replicas still drain, so a request in
    flight through HAProxy was cut. Here the first Ctrl-C deletes the applications first
    (every replica finishes its requests while HAProxy still runs), polling ``serve.status()``
-   every ``DELETE_POLL_S`` until they are gone (``serve.delete`` polls every 1 s), then lets
+   every ``app.DELETE_POLL_S`` until they are gone (``serve.delete`` polls every 1 s), then lets
    ``serve run`` shut Serve down as usual, then stops Ray (``stop_ray``: 1.5 s sooner than
    Ray's exit hook). A second Ctrl-C skips the wait.
 
@@ -37,21 +37,7 @@ import yaml
 
 from . import check, loopback
 
-DELETE_POLL_S = 0.1  # seconds between checks that the deleted applications are gone
-DELETE_TIMEOUT_S = 60.0  # serve.delete's own bound
 STATUS_POLL_S = 1.0  # seconds between checks for DEPLOY_FAILED while the applications start
-
-
-def delete_applications(app_names: list[str]) -> None:
-    """Delete the applications and return once Serve lists none of them (at most
-    ``DELETE_TIMEOUT_S``): every replica has answered the requests it held by then."""
-    from ray import serve
-
-    for name in app_names:
-        serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + DELETE_TIMEOUT_S
-    while set(app_names) & set(serve.status().applications) and time.monotonic() < deadline:
-        time.sleep(DELETE_POLL_S)
 
 
 def _delete_then_interrupt(app_names: list[str]):
@@ -60,6 +46,8 @@ def _delete_then_interrupt(app_names: list[str]):
     def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop waiting
         try:
+            from .app import delete_applications  # imports Ray: only once the environment is set
+
             delete_applications(app_names)
         except Exception:  # Serve not started yet, or already gone: nothing to drain
             pass

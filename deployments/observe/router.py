@@ -1,7 +1,8 @@
 """The router's part: time each infer request's phases, count it, log its failure.
 
 ``observe_infer`` wraps the router's infer route (outside its error handler, so it sees the
-final status); ``phase(request, "compute_input_s")`` times a block inside the route. A request
+final status); ``phase(request, "compute_input_s")`` times a block inside the route, and
+``add_phases`` adds decode and encode times measured elsewhere. A request
 for an unknown model or a version not served is not counted (Triton counts per model), only
 logged.
 
@@ -93,6 +94,15 @@ def observe_infer(route: Callable[..., Awaitable[Response]]) -> Callable[..., Aw
         return response
 
     return wrapper
+
+
+def add_phases(request: Request, compute_input_s: float, compute_output_s: float) -> None:
+    """Add decode and encode seconds measured elsewhere (``protocol.answer.Answer``: here, or in
+    the pool replica that decoded the body) to the request's ``RequestTiming`` (if observed)."""
+    timing: RequestTiming | None = request.scope.get(_TIMING_KEY)
+    if timing is not None:
+        timing.compute_input_s += compute_input_s
+        timing.compute_output_s += compute_output_s
 
 
 class phase:

@@ -14,6 +14,7 @@ import yaml
 from ray.serve.exceptions import RayServeException
 
 from deployments.app import AppConfigError, build_app
+from deployments.runtime.contract.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,3 +166,27 @@ def test_make_serves_runner_names_a_failed_deploy_in_one_line():
     assert deploy_failure(statuses, ["other", "models"]) == "deploy failed: application 'models': config error: x.yaml: f: bad"
     assert deploy_failure({"models": SimpleNamespace(status="DEPLOYING", message="")}, ["models"]) is None
     assert deploy_failure({}, ["models"]) is None
+
+
+def test_write_keeps_other_applications_and_refuses_model_applications_listed_by_hand(prepared_engines, tmp_path):
+    from deployments.check import WRITTEN_MARK, write
+
+    shipped = (ROOT / "serve_config.yaml").read_text().replace("repository: engines", f"repository: {prepared_engines}")
+    path = tmp_path / "serve_config.yaml"
+    echo = "  - name: echo\n    route_prefix: /echo\n    import_path: bench.echo:app\n"
+    path.write_text(shipped + echo)  # an application of another import path after the written block
+    write(path)
+    apps = yaml.safe_load(path.read_text())["applications"]
+    assert [a["name"] for a in apps] == ["models", "echo", "models.ocr", "models.ocr_cls", "models.ocr_det",
+                                         "models.ocr_rec"]  # kept; the written block ends the list
+    by_hand = shipped.replace(WRITTEN_MARK + "\n", "")  # the same applications, without the mark
+    path.write_text(by_hand)
+    with pytest.raises(ConfigError, match=r"\['models.ocr', 'models.ocr_cls', 'models.ocr_det', 'models.ocr_rec'\] "
+                                          "are listed without the mark"):
+        write(path)
+    assert path.read_text() == by_hand  # nothing written
+    only_models = yaml.safe_load(shipped)
+    only_models["applications"] = only_models["applications"][1:]  # no router application
+    path.write_text(yaml.safe_dump(only_models))
+    result = run_check(path)
+    assert result.returncode == 2 and "not dedicated models of the repository: ['models.ocr'" in result.stderr

@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 
 from deployments.client import ReplicaCounts
 from deployments.ingress import RouterApp, RouterOptions
+from deployments.protocol.answer import answer_body
 from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
 from deployments.runtime.contract.repository import ModelRepository
 
@@ -35,7 +36,7 @@ def tensor(**changes: Any) -> dict[str, Any]:
 
 
 class FakeModelClient:
-    """``ModelClient``'s interface: ``dedicated``, ``pool``, ``pool_models``, ``infer``,
+    """``ModelClient``'s interface: ``dedicated``, ``pool``, ``pool_models``, ``infer``, ``infer_body``,
     ``backend``, ``memory``, ``pool_memory``, ``pool_states``. ``infer`` answers ``logits`` = the first 1000
     input values per row, x 2 (so a test can check what arrived), or raises ``raises``."""
 
@@ -62,6 +63,12 @@ class FakeModelClient:
             raise self.raises
         (x,) = inputs.values()
         return {"logits": 2 * x.reshape(x.shape[0], -1)[:, :1000]}
+
+    async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
+                         header_length: str | None, default_timeout_s: float):
+        """A pool model's body, decoded and answered where it runs (as ``PoolDeployment.infer_body``)."""
+        return await answer_body(name, version, batched, chunks, header_length,
+                                 lambda inputs, outputs: self.infer(name, inputs, outputs, key), default_timeout_s)
 
     async def backend(self, name: str) -> str:
         self.backend_calls.append(name)
@@ -478,13 +485,14 @@ class CountingClient(FakeModelClient):
     def __init__(self, repo: ModelRepository, counts: dict[str, int]) -> None:
         super().__init__(repo)
         self.counts = counts
+        self.missing: set[str] = set()  # models whose application Serve does not list
         self.while_asked = None
         self.passes = 0
 
     async def replica_counts(self) -> ReplicaCounts:
         if self.while_asked is not None:
             await self.while_asked()
-        return ReplicaCounts(dict(self.counts))
+        return ReplicaCounts(dict(self.counts), missing=frozenset(self.missing))
 
     def cut_unassigned(self, names, idle_s: float) -> None:
         self.passes += 1
@@ -512,6 +520,23 @@ def test_a_model_whose_replica_answered_then_died_before_any_count_saw_it_runnin
     _one_watch_pass(app, client)
     assert_error(router.get("/v2/models/ocr_det/ready"), 503, "model 'ocr_det' is not ready")
     client.counts = {"ocr_det": 1}  # the replacement runs
+    _one_watch_pass(app, client)
+    assert router.get("/v2/models/ocr_det/ready").status_code == 200
+
+
+def test_a_dedicated_model_whose_application_is_not_deployed_is_503_naming_it_until_it_is(repo):
+    # serve run with a Serve config that lacks the model's application (the router app alone)
+    client = CountingClient(repo, {"ocr_det": 0})
+    client.missing = {"ocr_det"}
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    _one_watch_pass(app, client)
+    for r in (router.get("/v2/models/ocr_det/ready"), post(router, "/v2/models/ocr_det/infer", {"inputs": [GOOD]})):
+        assert_error(r, 503, "model 'ocr_det' is not served: its application '<router application>.ocr_det' is not "
+                     "deployed", "python -m deployments.check --write serve_config.yaml")
+    assert_error(router.get("/v2/health/ready"), 503, "models ['ocr_det'] are not served")
+    client.missing, client.counts = set(), {"ocr_det": 1}  # deployed now
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
     _one_watch_pass(app, client)
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
 

@@ -118,7 +118,7 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_
     dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     dedicated.repo = ModelRepository(root)
     dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
-    dedicated.routes = ModelRoutes(dedicated.repo.get("cnn"), dedicated.repo, None, RouterOptions(1 << 20, 5.0), 1, None)
+    dedicated.routes = ModelRoutes(dedicated.repo.get("cnn"), dedicated.repo, None, RouterOptions(1 << 20, 5.0))
     dedicated.routes.model_loaded("onnxruntime")
     unload, load = ({"cnn": {"loaded": flag, "placement": "pool"}} for flag in (False, True))
     for replica in (pool, dedicated):

@@ -1,0 +1,92 @@
+"""One infer request from its body to its answer: decode, run, apply ``classification``, encode.
+
+The router runs it for a dedicated model (``ingress.RouterApp``, in the model's own replica on
+the one-hop path); for a pool model the router passes the body through as bytes and the pool
+replica runs it (``pool.PoolDeployment.infer_body``), so the tensors are decoded once, where the
+model runs, and the router only routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from ..runtime.contract.errors import InferenceTimeout
+from .binary import decode_body, encode_response
+from .parameters import apply_classification
+from .v2 import InferRequest
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An infer response: ``content`` (bytes) and ``headers``, and the seconds spent decoding
+    the request (``compute_input_s``) and encoding the answer (``compute_output_s``)."""
+
+    content: bytes
+    headers: dict[str, str]
+    compute_input_s: float
+    compute_output_s: float
+
+
+async def answer(model: str, version: str, batched: bool, chunks: list[bytes], header_length: str | None,
+                 run: Callable[[InferRequest], Awaitable[dict[str, np.ndarray]]]) -> Answer:
+    """Decode ``chunks`` (with the ``Inference-Header-Content-Length`` value ``header_length``),
+    ``run`` the decoded request (its outputs by name), and encode the answer for model
+    ``model`` at ``version``; ``batched``: the model's first dimension is the batch
+    (``max_batch_size > 0``), for ``classification``.
+
+    Raises:
+        InvalidInput: a malformed body or classification parameter (400).
+        Exception: what ``run`` raises.
+    """
+    start = time.perf_counter()
+    request = decode_body(chunks, header_length)
+    decoded = time.perf_counter()
+    outputs = await run(request)
+    ran = time.perf_counter()
+    outputs = apply_classification(model, batched, request.output_parameters, outputs)
+    content, headers = encode_response(model, version, request, outputs)
+    return Answer(content, headers, decoded - start, time.perf_counter() - ran)
+
+
+async def answer_body(model: str, version: str, batched: bool, chunks: list[bytes], header_length: str | None,
+                      infer: Callable[[dict[str, np.ndarray], list[str] | None], Awaitable[dict[str, np.ndarray]]],
+                      default_timeout_s: float) -> Answer:
+    """``answer`` where the model runs: ``infer(inputs, outputs)`` within the request's own
+    ``parameters.timeout`` where shorter than ``default_timeout_s``, else within
+    ``default_timeout_s`` (``within_timeout``)."""
+    async def run(request: InferRequest) -> dict[str, np.ndarray]:
+        return await within_timeout(model, infer(request.inputs, request.outputs), request.timeout_s,
+                                    default_timeout_s)
+
+    return await answer(model, version, batched, chunks, header_length, run)
+
+
+def timeout_error(model: str, timeout_s: float, asked: bool) -> InferenceTimeout:
+    """The 504 of a model call that took longer than ``timeout_s``: the request's own
+    ``parameters.timeout`` (``asked``) or the application's ``request_timeout_s``."""
+    limit = f"{timeout_s:g} s" if timeout_s >= 1 else f"{timeout_s * 1e3:g} ms"
+    return InferenceTimeout(f"model '{model}' did not answer within {limit}" + (
+        f" (the request's parameters.timeout: {round(timeout_s * 1e6)} microseconds)" if asked else
+        " (request_timeout_s of the application args)"))
+
+
+async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], timeout_s: float | None,
+                         default_s: float) -> dict[str, np.ndarray]:
+    """``call`` to model ``model``, bounded by the request's ``parameters.timeout``
+    (``timeout_s``) where it is shorter than ``default_s`` (the application's
+    ``request_timeout_s``), else by ``default_s``.
+
+    Raises:
+        InferenceTimeout: the bound passed (the message names which).
+    """
+    asked = timeout_s is not None and timeout_s < default_s
+    timeout_s = timeout_s if asked else default_s
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        raise timeout_error(model, timeout_s, asked) from None
