@@ -56,9 +56,9 @@ def replica_pids(session: int, app: str, deployment: str) -> list[int]:
     """PIDs of the running replicas of ``deployment`` (e.g. ``pool``, ``router``,
     ``model-ocr_cls``) of the server whose router application is ``app`` in the Ray instance in
     ``session`` (a dedicated model's deployment runs in its own application, ``app.<model>``)."""
-    title = f"{REPLICA_TITLE}{app}:{deployment}"
-    if deployment.startswith(("model-", "pipeline-")):
-        title = f"{REPLICA_TITLE}{app}.{deployment.split('-', 1)[1]}:{deployment}"
+    from deployments.client import deployment_application
+
+    title = f"{REPLICA_TITLE}{deployment_application(app, deployment)}:{deployment}"
     return [p.pid for p in session_processes(session)
             if p.title == title or p.title.startswith((title + ".", title + " "))]
 

@@ -300,26 +300,29 @@ def _build(args: dict[str, Any] | None) -> Application:
         models=app_args.models, metrics=metrics, **control)
 
 
-def applications(args: dict[str, Any] | None, name: str = "models",
-                 route_prefix: str = "/") -> list[tuple[str, str, Application]]:
+def applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",
+                 one_hop: bool = True) -> list[tuple[str, str | None, Application]]:
     """Every application of one server, as ``serve_config.yaml`` lists them: ``(name,
     route_prefix, application)`` of the router application (``args``), then of each dedicated
     model and pipeline (``args`` + ``model``), named and routed as the router finds them
-    (``model_application``). ``serve.run_many`` or ``deployments.check --write`` take it.
+    (``model_application``). ``one_hop`` False: the models' applications get no route prefix,
+    so the router answers their routes through its handles (two hops: what a server without
+    HAProxy should run, README "One hop to hot models").
 
     Raises:
         AppConfigError: as ``build_app``.
     """
-    out = [(name, route_prefix, build_app(args))]
+    out: list[tuple[str, str | None, Application]] = [(name, route_prefix, build_app(args))]
     for model, prefix in model_applications(args, route_prefix):
-        out.append((model_application(name, model), prefix, build_app({**(args or {}), "model": model})))
+        out.append((model_application(name, model), prefix if one_hop else None,
+                    build_app({**(args or {}), "model": model})))
     return out
 
 
 def run_applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",
-                     wait: bool = True) -> None:
-    """Deploy every application of one server (``applications``) on the running Serve
-    instance, as ``serve run serve_config.yaml`` does; ``wait``: until all run (tests, bench).
+                     wait: bool = True, one_hop: bool = True) -> None:
+    """Deploy every application of one server (``applications``, ``one_hop`` as there) on the
+    running Serve instance, as ``serve run serve_config.yaml`` does; ``wait``: until all run.
 
     Raises:
         AppConfigError: as ``build_app``.
@@ -327,7 +330,7 @@ def run_applications(args: dict[str, Any] | None, name: str = "models", route_pr
     from ray import serve
 
     serve.run_many([serve.RunTarget(app, name=app_name, route_prefix=prefix)
-                    for app_name, prefix, app in applications(args, name, route_prefix)],
+                    for app_name, prefix, app in applications(args, name, route_prefix, one_hop)],
                    wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
 
 

@@ -115,18 +115,18 @@ def model_applications_error(path: Path, schema: Any) -> str | None:
     listed = {a.name: a for a in _our_applications(schema)[1]}
     missing = sorted(set(expected) - set(listed))
     extra = sorted(set(listed) - set(expected))
-    differing = sorted(name for name in set(expected) & set(listed)
-                       if (listed[name].route_prefix, listed[name].args) != (expected[name]["route_prefix"],
-                                                                            expected[name]["args"]))
+    differing = sorted(name for name in set(expected) & set(listed)  # a null route_prefix: two hops, allowed
+                       if listed[name].route_prefix not in (expected[name]["route_prefix"], None)
+                       or listed[name].args != expected[name]["args"])
     if not (missing or extra or differing):
         return None
     parts = [f"{what}: {names}" for what, names in (("missing", missing), ("not dedicated models of the "
              "repository", extra), ("with another route_prefix or args than their router application's",
                                     differing)) if names]
     return (f"{path}: applications: each dedicated model and pipeline is its own application named "
-            f"'<router application>.<model>' at route_prefix '<router prefix>/v2/models/<model>' with the "
-            f"router's args plus model; {'; '.join(parts)}. `python -m deployments.check --write {path}` "
-            "writes them")
+            f"'<router application>.<model>' at route_prefix '<router prefix>/v2/models/<model>' (or null: the "
+            f"router answers its routes) with the router's args plus model; {'; '.join(parts)}. "
+            f"`python -m deployments.check --write {path}` writes them")
 
 
 WRITTEN_MARK = "# --- one application per dedicated model: written by `python -m deployments.check --write`"

@@ -52,6 +52,13 @@ def model_application(router_app: str, model: str) -> str:
     return f"{router_app}.{model}"
 
 
+def deployment_application(router_app: str, deployment: str) -> str:
+    """The application running ``deployment`` (``router``, ``pool``, ``model-<m>``,
+    ``pipeline-<m>``...) of the server whose router application is ``router_app``."""
+    kind, _, model = deployment.partition("-")
+    return model_application(router_app, model) if kind in ("model", "pipeline") and model else router_app
+
+
 def router_application(model: str) -> str:
     """In a replica of dedicated model ``model``'s application: the router application's name."""
     return serve.get_replica_context().app_name.removesuffix(f".{model}")
@@ -140,7 +147,7 @@ class ModelClient:
         ``name``'s version keyed ``key``, which decodes, runs and encodes it
         (``PoolDeployment.infer_body``); returns its ``Answer``. Retries and raises as ``infer``
         (``InvalidInput`` for a malformed body too)."""
-        return await self._call(name, key, sum(map(len, chunks)), "infer_body", version, batched, chunks,
+        return await self._call(name, key, sum(map(len, chunks)), "infer_body", name, version, batched, chunks,
                                 header_length, default_timeout_s)
 
     async def _call(self, name: str, key: str | None, nbytes: int, method: str, *args: Any) -> Any:

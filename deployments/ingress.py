@@ -422,7 +422,8 @@ class RouterApp:
             f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
+        allow = ", ".join(sorted(m.strip() for m in (getattr(exc, "headers", None) or {}).get("Allow", "").split(",")
+                                 if m.strip()))  # Starlette's comes from a set: the same order in every replica
         return error_response(MethodNotAllowed(
             f"method {request.method} not allowed on {request.url.path}; allowed: {allow}"), {"Allow": allow})
 

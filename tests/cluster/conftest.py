@@ -195,13 +195,21 @@ def ray_cluster(prepared_engines) -> Iterator[LocalCluster]:
 
 # Observing Serve -----------------------------------------------------------------------------
 
+def _application(app: str, deployment: str) -> str:
+    """The application running ``deployment`` of the server whose router application is ``app``
+    (a dedicated model's is ``app.<model>``)."""
+    from deployments.client import deployment_application  # imports Ray Serve: not at collection
+
+    return deployment_application(app, deployment)
+
+
 def replicas(app: str, deployment: str) -> list[dict[str, Any]]:
     """The deployment's replicas as the Serve controller reports them: ``state``, ``node_id``,
     ``actor_name``... (``ReplicaDetails`` in ``ray.serve.schema``)."""
     from ray.serve.context import _get_global_client
 
     details = _get_global_client().get_serve_details()
-    app_details = details["applications"].get(app)
+    app_details = details["applications"].get(_application(app, deployment))
     if app_details is None or deployment not in app_details["deployments"]:
         return []
     return app_details["deployments"][deployment]["replicas"]
@@ -211,14 +219,15 @@ def deployment_details(app: str, deployment: str) -> dict[str, Any]:
     """``DeploymentDetails`` of a deployment (its ``deployment_config`` as Ray holds it)."""
     from ray.serve.context import _get_global_client
 
-    return _get_global_client().get_serve_details()["applications"][app]["deployments"][deployment]
+    return _get_global_client().get_serve_details()["applications"][_application(app, deployment)][
+        "deployments"][deployment]
 
 
 def running(app: str, deployment: str) -> int:
     """Number of RUNNING replicas of the deployment (``serve.status``)."""
     from ray import serve
 
-    status = serve.status().applications.get(app)
+    status = serve.status().applications.get(_application(app, deployment))
     if status is None or deployment not in status.deployments:
         return 0
     return status.deployments[deployment].replica_states.get("RUNNING", 0)

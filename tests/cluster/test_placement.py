@@ -31,7 +31,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         ray_cluster, tmp_path):
     from ray import serve
 
-    from deployments.app import delete_server, run_applications
+    from deployments.app import INGRESS_MAX_ONGOING_REQUESTS, delete_server, run_applications
 
     url = ray_cluster.url
     gpu_a = ray_cluster.gpu_nodes[0]
@@ -44,7 +44,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
     try:
         # One GPU node: four quarter-GPU replicas fill its GPU, the fifth waits for resources.
         run_applications({"repository": str(frac_repo), "use_gpus": True},
-                   name="frac", route_prefix="/frac", wait=False)
+                   name="frac", route_prefix="/frac", wait=False, one_hop=False)
         wait_for(lambda: running("frac", "model-quarter") == 4, 90, "4 quarter-GPU replicas running")
         placed = replicas("frac", "model-quarter")
         assert sorted(r["node_id"] for r in placed if r["state"] == "RUNNING") == [gpu_a.node_id] * 4
@@ -52,7 +52,8 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         config = deployment_details("frac", "model-quarter")["deployment_config"]
         assert config["ray_actor_options"]["num_gpus"] == 0.25
         assert config["ray_actor_options"]["num_cpus"] == 0.1
-        assert config["max_ongoing_requests"] == 8 and config["num_replicas"] == 5
+        # the model's max_ongoing_requests (8) is its replicas' own bound (ingress.Admission); Serve's sits above
+        assert config["max_ongoing_requests"] == INGRESS_MAX_ONGOING_REQUESTS and config["num_replicas"] == 5
         # The message is refreshed every SLOW_STARTUP_WARNING_S: it may first count all five.
         message = wait_for(lambda: _pending_message("frac", "model-quarter", replicas=1),
                            SLOW_STARTUP_WARNING_S * 3 + 30, "the pending replica reported in serve.status")
@@ -69,7 +70,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         # 0.75 GPU is free now, on node B: a model needing a whole GPU stays pending, its
         # application's other model serves, and the router answers 503 naming the pending one.
         run_applications({"repository": str(pending_repo), "use_gpus": True},
-                   name="pending", route_prefix="/pending", wait=False)
+                   name="pending", route_prefix="/pending", wait=False, one_hop=False)
         wait_for(lambda: running("pending", "model-on_cpu") == 1, 90, "on_cpu running")
         wait_for(lambda: requests.get(f"{url}/pending/v2/models/on_cpu/ready").status_code == 200,
                  60, "router sees on_cpu ready")
@@ -82,10 +83,10 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         message = wait_for(lambda: _pending_message("pending", "model-whole", replicas=1),
                            SLOW_STARTUP_WARNING_S * 3 + 30, "the pending model reported in serve.status")
         assert _required(message) == {"CPU": 0.1, "GPU": 1.0}
-        status = serve.status().applications["pending"]
-        assert status.deployments["model-whole"].status == "UPDATING"
-        assert status.deployments["model-whole"].replica_states.get("RUNNING", 0) == 0
-        assert status.deployments["model-on_cpu"].status == "HEALTHY"
+        status = serve.status().applications
+        assert status["pending.whole"].deployments["model-whole"].status == "UPDATING"
+        assert status["pending.whole"].deployments["model-whole"].replica_states.get("RUNNING", 0) == 0
+        assert status["pending.on_cpu"].deployments["model-on_cpu"].status == "HEALTHY"
         assert [r["state"] for r in replicas("pending", "model-whole")] == ["STARTING"]
         # The first application is untouched.
         assert post(f"{url}/frac/v2/models/quarter/infer", TINY_BODY).status_code == 200
@@ -99,7 +100,9 @@ def _pending_message(app: str, deployment: str, replicas: int) -> str | None:
     for resources."""
     from ray import serve
 
-    status = serve.status().applications.get(app)
+    from deployments.client import deployment_application
+
+    status = serve.status().applications.get(deployment_application(app, deployment))
     message = status.deployments[deployment].message if status and deployment in status.deployments else ""
     waiting = _WAITING.search(message)
     return message if waiting and int(waiting.group(1)) == replicas and _REQUIRED.search(message) else None

@@ -24,7 +24,7 @@ def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_rec
     url = f"{ray_cluster.url}/{app}/v2/models/victim/infer"
     try:
         run_applications({"repository": str(tmp_path), "use_gpus": True}, name=app,
-                  route_prefix=f"/{app}")
+                  route_prefix=f"/{app}", one_hop=False)  # Serve's Python proxy here: the router retries
         victim = replicas(app, "model-victim")[0]
         with Load(url, BUSY_BODY, threads=4, timeout_s=CLIENT_TIMEOUT_S, max_duration_s=90) as load:
             wait_for(lambda: len(load.outcomes) >= 10, 30, "load running")

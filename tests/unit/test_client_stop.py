@@ -67,3 +67,34 @@ def test_only_calls_no_replica_took_are_cut_with_a_503_once_the_model_finishes_n
         assert client._waiting == {"ocr_det": set(), "ocr_cls": set()} and client._cut == set()
 
     asyncio.run(scenario())
+
+
+def test_the_clients_calls_fit_the_signatures_of_the_deployments_they_call():
+    """``ModelClient.infer`` / ``infer_body`` pass what ``PoolDeployment.infer`` / ``infer_body``
+    take (a handle call is not type-checked: a missing argument failed every pool request)."""
+    import inspect
+
+    from deployments.client import ModelClient
+    from deployments.pool import PoolDeployment
+
+    sent = []
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        def __getattr__(self, method):
+            class Method:
+                def remote(self, *args):
+                    sent.append((method, args))
+                    future = asyncio.get_event_loop().create_future()
+                    future.set_result(None)
+                    return future
+            return Method()
+
+    client = ModelClient({}, Handle(), ["m"])
+    asyncio.run(client.infer("m", {"x": np.zeros(1)}, None, "m"))
+    asyncio.run(client.infer_body("m", "m", "1", True, [b"{}"], None, 60.0))
+    for method, args in sent:
+        inspect.signature(getattr(PoolDeployment.func_or_class, method)).bind(None, *args)  # raises TypeError if not
+    assert [m for m, _ in sent] == ["infer", "infer_body"]
