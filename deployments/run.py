@@ -56,6 +56,30 @@ def _delete_then_interrupt(app_names: list[str]):
     return handler
 
 
+def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
+    """The config ``serve run`` gets: ``path`` itself with HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``,
+    ``make serve``); with Serve's Python proxy (``make serve FAST=0``) a copy beside it in which
+    the models' applications have no route prefix, so the router answers their routes (two
+    hops): one hop needs HAProxy (README, "One hop to hot models"), and the copy says why on
+    stderr. ``path`` unchanged where no model application has a prefix."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        return path
+    config = yaml.safe_load(path.read_text())
+    models = [app for app in config.get("applications") or [] if app.get("import_path") == check.APP_IMPORT_PATH
+              and (app.get("args") or {}).get("model") is not None and app.get("route_prefix") is not None]
+    if not models:
+        return path
+    for app in models:
+        app["route_prefix"] = None
+    copy = path.with_name(f".{path.stem}.python-proxy.yaml")
+    copy.write_text(f"# {path} for Serve's Python proxy, written by `python -m deployments.run`: the models' "
+                    "applications without route prefixes\n" + yaml.safe_dump(config, sort_keys=False))
+    print(f"Serve's Python proxy (no HAProxy): {[a['name'] for a in models]} get no route prefix; the router "
+          f"answers their routes (one hop needs HAProxy: make serve without FAST=0). Serving {copy}", file=sys.stderr)
+    return copy
+
+
 def _stay_on_loopback() -> None:
     """Set ``loopback.local_env`` in this process's environment (before Ray is imported: it
     reads some of it at import) and say where HAProxy's side ports are."""
@@ -131,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ray.serve.schema import ServeDeploySchema
     from ray.serve.scripts import run
 
+    path = config_for_proxy(path)
     schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     app_names = [app.name for app in schema.applications]
     signal.signal(signal.SIGINT, _delete_then_interrupt(app_names))

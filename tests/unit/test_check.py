@@ -190,3 +190,18 @@ def test_write_keeps_other_applications_and_refuses_model_applications_listed_by
     path.write_text(yaml.safe_dump(only_models))
     result = run_check(path)
     assert result.returncode == 2 and "not dedicated models of the repository: ['models.ocr'" in result.stderr
+
+
+def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefix(prepared_engines, tmp_path):
+    from deployments.run import config_for_proxy
+
+    path = tmp_path / "serve_config.yaml"
+    path.write_text((ROOT / "serve_config.yaml").read_text().replace("repository: engines",
+                                                                      f"repository: {prepared_engines}"))
+    assert config_for_proxy(path, {"RAY_SERVE_ENABLE_HA_PROXY": "1"}) == path  # make serve: one hop
+    copy = config_for_proxy(path, {})  # make serve FAST=0: Serve's Python proxy
+    apps = yaml.safe_load(copy.read_text())["applications"]
+    assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/")] + [
+        (f"models.{m}", None) for m in ("ocr", "ocr_cls", "ocr_det", "ocr_rec")]
+    assert apps[1:] == [dict(a, route_prefix=None) for a in yaml.safe_load(path.read_text())["applications"][1:]]
+    assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops
