@@ -334,13 +334,15 @@ def run_applications(args: dict[str, Any] | None, name: str = "models", route_pr
                    wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
 
 
-def delete_applications(app_names: list[str]) -> None:
-    """Delete the applications and return once Serve lists none of them (at most
+def delete_applications(app_names: list[str], wait: bool = True) -> None:
+    """Delete the applications; ``wait``: return once Serve lists none of them (at most
     ``DELETE_TIMEOUT_S``): every replica has answered the requests it held by then."""
     from ray import serve
 
     for name in app_names:
         serve.delete(name, _blocking=False)
+    if not wait:
+        return
     deadline = time.monotonic() + DELETE_TIMEOUT_S
     while set(app_names) & set(serve.status().applications) and time.monotonic() < deadline:
         time.sleep(DELETE_POLL_S)
@@ -351,12 +353,8 @@ def delete_server(name: str = "models", wait: bool = True) -> None:
     ``wait``: until Serve lists none of them (``delete_applications``)."""
     from ray import serve
 
-    names = [app for app in serve.status().applications if app == name or app.startswith(f"{name}.")]
-    if wait:
-        delete_applications(names)
-    else:
-        for app in names:
-            serve.delete(app, _blocking=False)
+    delete_applications([app for app in serve.status().applications if app == name or app.startswith(f"{name}.")],
+                        wait)
 
 
 def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> list[tuple[str, str]]:

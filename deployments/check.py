@@ -48,16 +48,18 @@ def check(path: Path) -> str:
     schema = _schema(path)
     models: list[str] = []
     routers, model_apps = _our_applications(schema)
-    for stage in (routers, None, model_apps):  # the routers, then the list in step, then the models
-        if stage is None:
-            if error := model_applications_error(path, schema):
-                raise ConfigError(error)
-            continue
-        for app in stage:
+
+    def build(apps: list[Any]) -> None:
+        for app in apps:
             try:
                 build_app(app.args)
             except ConfigError as e:
                 raise ConfigError(e.message.replace("serve_config.yaml", str(path), 1)) from None
+
+    build(routers)  # the routers, then the list in step with them, then the models
+    if error := model_applications_error(path, schema):
+        raise ConfigError(error)
+    build(model_apps)
     for app in routers:
         args = AppArgs.model_validate(app.args or {})
         models += ModelRepository(args.repository, args.models).names()
@@ -90,6 +92,15 @@ def _our_applications(schema: Any) -> tuple[list[Any], list[Any]]:
     ours = [app for app in schema.applications if app.import_path == APP_IMPORT_PATH]
     routers = [app for app in ours if (app.args or {}).get("model") is None]
     return routers, [app for app in ours if app not in routers]
+
+
+def model_applications_of(path: Path) -> list[Any]:
+    """The dedicated models' applications the config at ``path`` lists (``_our_applications``).
+
+    Raises:
+        ConfigError: as ``_schema``.
+    """
+    return _our_applications(_schema(path))[1]
 
 
 def expected_model_applications(schema: Any) -> list[dict[str, Any]]:

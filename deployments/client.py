@@ -64,13 +64,16 @@ def router_application(model: str) -> str:
     return serve.get_replica_context().app_name.removesuffix(f".{model}")
 
 
-def handles(app: str, deployments: dict[str, str], router_app: str | None = None) -> dict[str, Any]:
-    """Name -> deployment handle of each of ``deployments`` (name -> deployment name): in
-    application ``app``, or with ``router_app``, each model in its own application
-    (``model_application``). Deployments that do not run yet are fine: a call waits for them."""
-    return {name: serve.get_deployment_handle(
-        deployment, app_name=app if router_app is None else model_application(router_app, name), _check_exists=False)
-        for name, deployment in deployments.items()}
+def handle(app: str, deployment: str) -> Any:
+    """The handle of ``deployment`` in application ``app``; one that does not run yet is fine:
+    a call waits for it."""
+    return serve.get_deployment_handle(deployment, app_name=app, _check_exists=False)
+
+
+def model_handles(router_app: str, deployments: dict[str, str]) -> dict[str, Any]:
+    """Model name -> handle of its deployment (``deployments``: model -> deployment name), each
+    in its own application beside router application ``router_app`` (``model_application``)."""
+    return {name: handle(model_application(router_app, name), deployment) for name, deployment in deployments.items()}
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ class Follower:
         self.revision = -1
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
+        self.task: asyncio.Task | None = None  # ``run``, started by ``follow``
 
     @property
     def synced(self) -> bool:
@@ -137,6 +138,11 @@ class Follower:
             except Exception:  # the control replica is restarting: try again
                 logger.warning("model control: the desired state is unavailable", exc_info=True)
             await asyncio.sleep(POLL_S)
+
+
+def loaded_at_start(initial: Desired | None, name: str) -> bool:
+    """Whether model ``name`` serves from the start (``initial`` None: model control is off)."""
+    return (initial or {}).get(name, {"loaded": True})["loaded"]
 
 
 def follow(control: Any, initial: Desired, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> Follower | None:

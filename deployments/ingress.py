@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .client import ModelClient, handles, router_application
+from .client import ModelClient, handle, model_handles, router_application
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
@@ -54,7 +54,7 @@ from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import error_status, overloaded, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
-from .control import Desired, follow
+from .control import Desired, Follower, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
                                       ModelNotReady, PayloadTooLarge, ServingError, unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -782,6 +782,7 @@ class ModelRoutes(RouterApp):
         super().__init__(repo, ReplicaClient(entry.name, infer), options, observer, initial)
         self.name = entry.name
         self.synced: Callable[[], bool] = lambda: True
+        self.follower: Follower | None = None  # explicit model control (``own_routes``)
 
     def model_loaded(self, backend: str) -> None:
         """The replica has the model loaded and serves it (at start, or after a load)."""
@@ -813,8 +814,7 @@ def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Aw
     if backend is not None:
         routes.model_loaded(backend)
     if initial is not None:
-        control = handles(router_application(entry.name), {"control": "control"})["control"]
-        follower = follow(control, initial, apply)
+        follower = follow(handle(router_application(entry.name), "control"), initial, apply)
         routes.synced = lambda: follower.synced
         routes.follower = follower
     return routes
@@ -920,7 +920,7 @@ class Router(RouterApp):
                  initial: Desired | None = None) -> None:
         repo = ModelRepository(repository, models)
         app = serve.get_replica_context().app_name
-        client = ModelClient(handles(app, dedicated, router_app=app), pool, pool_models, control)
+        client = ModelClient(model_handles(app, dedicated), pool, pool_models, control)
         super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()
         replica_grpc_on_loopback()

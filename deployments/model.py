@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from .control import Desired, outcome
+from .control import Desired, loaded_at_start, outcome
 from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
@@ -59,7 +59,7 @@ class ModelDeployment:
                  max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
-        loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
+        loaded = loaded_at_start(initial, name)
         self.repo = ModelRepository(repository, [name])
         self.host = ModelHost(self.repo.get(name), backend)
         self.gate = Gate(name, open_=loaded)

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
-from .client import ModelClient, handles, router_application
-from .control import Desired
+from .client import ModelClient, handle, model_handles, router_application
+from .control import Desired, loaded_at_start
 from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
@@ -48,14 +48,13 @@ class PipelineDeployment:
         entry = repo.get(name)
         self.config = entry.config
         router_app = router_application(name)
-        pool = handles(router_app, {"pool": "pool"})["pool"] if pool_models else None
-        client = ModelClient(handles(router_app, dedicated, router_app=router_app), pool, pool_models)
+        pool = handle(router_app, "pool") if pool_models else None
+        client = ModelClient(model_handles(router_app, dedicated), pool, pool_models)
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
         self.admission = Admission(max_ongoing_requests, max_queued_requests)
-        loaded = (initial or {}).get(name, {"loaded": True})["loaded"]
         self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
-                                 "pipeline" if loaded else None, self.apply)
+                                 "pipeline" if loaded_at_start(initial, name) else None, self.apply)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

@@ -65,9 +65,9 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         return path
+    prefixed = {app.name for app in check.model_applications_of(path) if app.route_prefix is not None}
     config = yaml.safe_load(path.read_text())
-    models = [app for app in config.get("applications") or [] if app.get("import_path") == check.APP_IMPORT_PATH
-              and (app.get("args") or {}).get("model") is not None and app.get("route_prefix") is not None]
+    models = [app for app in config["applications"] if app["name"] in prefixed]
     if not models:
         return path
     for app in models:
