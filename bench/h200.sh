@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | scaleout | onehop | together | cpu | metrics | warmup | dashboard
+#   tests | engine | serve | batching | padded | scaleout | onehop | together | cpu | metrics | warmup | dashboard
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -27,6 +27,8 @@ case "$1" in
   serve) cd /tmp/w && timeout 300 python3 -m bench.gpu_serve_check --config serve_config.gpu.yaml --churn 30 --out "$OUT" 2>&1 | tail -60 ;;
   batching) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 \
       --batched resnet18,tiny_cnn,ocr_cls,ocr_rec --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
+  padded) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
+      --preferred-batch-size 8 --trace --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   scaleout) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn,resnet18,ocr_cls,ocr \
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   onehop) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn --replicas 1,2,4,8 \

@@ -54,6 +54,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from bench.replicas import cpu_seconds
 from bench.loadgen import make_workload, run
 from bench.throughput import BATCHED_SUFFIX, ROOT, SHAPES, _stop_leftovers, _wait_ready, free_port, prepare_repository, ray_env
 
@@ -100,14 +101,7 @@ def replica_pids(app: str) -> list[int]:
 
 def replica_cpu_s(app: str) -> float:
     """CPU seconds (user + system) used so far by the Serve replica processes of ``app``."""
-    total = 0
-    for pid in replica_pids(app):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(map(cpu_seconds, replica_pids(app)))
 
 
 def _recording_cost_us(requests: int) -> dict[str, float]:

@@ -18,6 +18,8 @@ import os
 import re
 import signal
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +85,62 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024  # kB
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds ``pid`` has used (user + system, ``/proc/<pid>/stat``); 0 once gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state ppid ... utime(12) stime(13)
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of this machine since boot, all cores (``/proc/stat``'s first
+    line: busy = total - idle - iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - fields[3] - fields[4]) / tick, sum(fields) / tick
+
+
+class CpuSampler:
+    """CPU use while a load runs: the machine's busy cores and the cores ``pids`` use, sampled
+    from ``/proc`` every ``interval_s`` in a thread between ``__enter__`` and ``__exit__``.
+    ``window(seconds)``: both over the last ``seconds`` sampled (for a load generator's measured
+    window, which ends just before it returns)."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.25) -> None:
+        self.pids, self.interval_s = list(pids), interval_s
+        self.samples: list[tuple[float, float, float]] = []  # (monotonic s, machine busy s, pids' s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append((time.monotonic(), machine_busy_seconds()[0], sum(map(cpu_seconds, self.pids))))
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "CpuSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def window(self, seconds: float) -> tuple[float, float]:
+        """(machine busy cores, cores of ``pids``) averaged over the last ``seconds`` sampled."""
+        end = self.samples[-1]
+        start = next((s for s in self.samples if s[0] >= end[0] - seconds), self.samples[0])
+        span = end[0] - start[0]
+        if span <= 0:
+            return 0.0, 0.0
+        return round((end[1] - start[1]) / span, 2), round((end[2] - start[2]) / span, 2)
 
 
 def server_rss_bytes(session: int, app: str) -> dict[str, int]:

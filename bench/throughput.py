@@ -65,6 +65,7 @@ import yaml
 
 from bench import batch_trace, echo, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
+from bench.replicas import CpuSampler, replica_pids
 from deployments import loopback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,6 +368,7 @@ class Bench:
         configs = {m: yaml.safe_load((repository / m / "config.yaml").read_text())
                    for m in os.listdir(repository)}
         self.input_names = {m: c["inputs"][0]["name"] for m, c in configs.items()}
+        self.pipelines = {m for m, c in configs.items() if c.get("pipeline")}
         self.backend = args.backend
 
     def workload(self, server: Server | Endpoint, model: str, binary: bool = True, prefix: str = "",
@@ -520,24 +522,43 @@ class Bench:
                 row["x_single"] = _ratio(row["qps_total"], single_qps.get(row["models"]))
         self.results["scaleout"] = rows
 
+    def _measure_cpu(self, plan: list[tuple[Workload, int]], pids: list[int]) -> tuple[list[Result], dict[str, Any]]:
+        """``measure`` with the CPU it cost (``CpuSampler`` over the measured window): the
+        machine's busy cores, the serving processes' (``pids``) cores and their CPU ms per request."""
+        with CpuSampler(pids) as cpu:
+            results = self.measure(plan)
+        machine, serving = cpu.window(self.args.duration_s)
+        qps = sum(r.qps for r in results)
+        return results, {"machine_busy_cores": machine, "serving_cores": serving,
+                         "serving_cpu_ms_per_request": round(serving * 1e3 / qps, 3) if qps else None}
+
     def _scaleout_echo(self, server: Server, k: int, models: Sequence[str], c: int) -> list[dict]:
         """The echo ceiling (``k`` replicas) under each model's requests at ``c`` clients."""
         rows = []
         for model in models:
-            (r,) = self.measure([(self.workload(server.echo_endpoint, model), c)])
+            (r,), cpu = self._measure_cpu([(self.workload(server.echo_endpoint, model), c)],
+                                          replica_pids(server.process.pid, echo.APP_NAME, "Echo"))
             rows.append({"server": "echo", "replicas": k, "models": model, "concurrency_each": c,
-                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
-            self.log(f"scaleout echo k={k} {model}: {r.qps:.1f} QPS")
+                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors, **cpu})
+            self.log(f"scaleout echo k={k} {model}: {r.qps:.1f} QPS {cpu}")
         return rows
+
+    def _serving_pids(self, server: Server, model: str) -> list[int]:
+        """The processes that serve ``model``: the single process, or the model's replicas."""
+        if server.kind != "ray":
+            return [server.process.pid]
+        from deployments.client import deployment_name
+
+        return replica_pids(server.process.pid, "models", deployment_name(model, model in self.pipelines))
 
     def _scaleout_row(self, server: Server, name: str, k: int, models: Sequence[str], c: int) -> list[dict]:
         rows, alone_total = [], {}
         for model in models:
-            (r,) = self.measure([(self.workload(server, model), c)])
+            (r,), cpu = self._measure_cpu([(self.workload(server, model), c)], self._serving_pids(server, model))
             alone_total[model] = r.qps
             rows.append({"server": name, "replicas": k, "models": model, "concurrency_each": c,
-                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors})
-            self.log(f"scaleout {name} k={k} {model}: {r.qps:.1f} QPS")
+                         "qps_total": r.qps, "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "errors": r.errors, **cpu})
+            self.log(f"scaleout {name} k={k} {model}: {r.qps:.1f} QPS {cpu}")
         if len(models) < 2:  # "together" would repeat the row above under the same key
             return rows
         results = self.measure([(self.workload(server, m), c) for m in models])
@@ -624,10 +645,12 @@ def markdown(results: dict[str, Any]) -> str:
                    "of echo = QPS / the echo ceiling's QPS at the same k and clients; x single = QPS / the "
                    "single process's)\n")
         out.append(_table(["server", "replicas k", "models", "concurrency each", "QPS", "p50 ms", "p99 ms",
-                           "efficiency", "retention", "of echo", "x single"],
+                           "efficiency", "retention", "of echo", "x single", "machine cores busy",
+                           "serving cores", "serving CPU ms / request"],
                           [[r["server"], r["replicas"], r["models"], r["concurrency_each"], r["qps_total"],
                             r.get("p50_ms"), r.get("p99_ms"), r["efficiency"], r.get("retention"),
-                            r.get("of_echo"), r.get("x_single")]
+                            r.get("of_echo"), r.get("x_single"), r.get("machine_busy_cores"),
+                            r.get("serving_cores"), r.get("serving_cpu_ms_per_request")]
                            for r in results["scaleout"]]))
     return "\n".join(out) + "\n"
 
