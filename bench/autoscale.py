@@ -11,7 +11,8 @@ since the load began, router replica processes (``bench.replicas``: Ray's proces
 the servers HAProxy lists in the router's backend and how many of them took requests in that
 second (its stats page, CSV), answers in that second (QPS), errors, the router replicas' RSS;
 and the requests HAProxy sent to Ray's fallback proxy, the only caller with a deployment handle
-in front of the router (none: the router's replicas counted the load themselves).
+in front of the router (none: the router's replicas counted the load themselves). ``--fast 0``:
+Serve's Python proxy instead of HAProxy (``make serve FAST=0``), whose handle counts them.
 
     flock /tmp/ray-heavy.lock .venv/bin/python -m bench.autoscale --clients 32 --load-s 60
 
@@ -56,10 +57,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_env() -> dict[str, str]:
-    """``make serve``'s environment variables (``make print-serve-env``)."""
-    words = shlex.split(subprocess.run(["make", "-s", "print-serve-env"], cwd=ROOT, capture_output=True,
-                                       text=True, check=True).stdout)
+def serve_env(fast: int = 1) -> dict[str, str]:
+    """``make serve``'s environment variables (``make print-serve-env FAST=<fast>``)."""
+    words = shlex.split(subprocess.run(["make", "-s", "print-serve-env", f"FAST={fast}"], cwd=ROOT,
+                                       capture_output=True, text=True, check=True).stdout)
     return dict(w.split("=", 1) for w in words if "=" in w)
 
 
@@ -170,7 +171,7 @@ def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
         tmp = Path(tmp_name)
         port, stats_port = _free_port(), _free_port()
         path = write_config(tmp, args.model, port, router)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **serve_env(), RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), **serve_env(args.fast), RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
         env.pop("RAY_ADDRESS", None)
         log = tmp / "out.log"
         with log.open("w") as out:
@@ -227,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--after-s", type=float, default=90.0, help="most seconds to wait for the scale-down")
     parser.add_argument("--autoscaling", default="{}",
                         help=f"JSON: args.router.autoscaling fields over {SHORT_DELAYS} (and the router's defaults)")
+    parser.add_argument("--fast", type=int, default=1, choices=(0, 1),
+                        help="make serve's FAST: 0 is Serve's Python proxy (its handle counts the router's requests)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "autoscale.json"))
     args = parser.parse_args(argv)
     rows = timeline(args)
