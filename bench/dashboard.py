@@ -277,7 +277,7 @@ def main(argv: Sequence[str]) -> None:
         (repo / name).symlink_to((ROOT / "engines" / name).resolve())
     prepare_repository(repo, ROOT / "engines", [], ["ocr_cls"], 1, 2.0, a.gpu_fraction)
     app = {"repository": str(repo), "models": [*POOL_MODELS, BATCHED], "use_gpus": bool(a.gpu_fraction),
-           "router": {"num_cpus": 0.1, "max_ongoing_requests": 1024},
+           "router": {"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 1024},
            "pool": {"num_replicas": 1, "max_num_models_per_replica": 2, "num_gpus": a.gpu_fraction}}
     rng = np.random.default_rng(0)
     try:

@@ -238,7 +238,7 @@ def repository(scratch: Path, models: Sequence[str], gpu_fraction: float) -> Pat
 def app_args(repo: Path, models: Sequence[str], gpu_fraction: float) -> dict[str, Any]:
     """The application args both sides share (``metrics`` apart)."""
     args: dict[str, Any] = {"repository": str(repo), "models": list(models),
-                            "router": {"num_cpus": 0.1, "max_ongoing_requests": 1024}}
+                            "router": {"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 1024}}
     if gpu_fraction:
         args.update(use_gpus=True, pool={"num_gpus": gpu_fraction},
                     deployments={m: {"num_gpus": gpu_fraction} for m in models if m != "tiny_cnn"})

@@ -39,7 +39,7 @@ import os
 import time
 from typing import Any, Iterable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
@@ -51,7 +51,7 @@ from .pipeline import PipelineDeployment
 from .observe.options import MetricsOptions
 from .pool import PoolDeployment
 from .protocol.errors import RETRY_AFTER_S
-from .runtime.contract.config import Backend, CacheOptions, DeploymentOptions, describe_validation_error
+from .runtime.contract.config import Autoscaling, Backend, CacheOptions, DeploymentOptions, describe_validation_error
 from .runtime.contract.errors import ConfigError
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.units import mib_to_bytes
@@ -108,6 +108,62 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     max_queued_requests: int = Field(512, ge=-1)
 
 
+def cores() -> int:
+    """CPU cores this process may run on (the node building the app)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def router_max_replicas(cores: int) -> int:
+    """The router's default most replicas on a node of ``cores``: half of them, 1 to 8. A
+    router replica uses at most one core, and the models need the rest: on 2 cores a second
+    one added nothing (the cores were the limit) and cost 150 MiB (bench/README.md, "Router
+    replicas scale with load")."""
+    return max(1, min(8, cores // 2))
+
+
+# The router's replicas follow its load (README, "Router replicas scale with load"). The router
+# holds every request it takes until the model answers, so its ongoing requests are the clients
+# in flight through it, wherever the time goes. One replica saturates its core near 500 QPS,
+# which a few clients reach (H200, bench/README.md): the target keeps about 8 in flight per
+# replica. Serve's delays (30 s up, 600 s down, 30 s look-back, pushes every 10 s) suit replicas
+# that take long to load; a router starts in seconds. Computed where the app is built (on a
+# cluster, the head: give max_replicas in serve_config.yaml where the router's nodes differ).
+ROUTER_AUTOSCALING = Autoscaling(
+    min_replicas=1, max_replicas=router_max_replicas(cores()), target_ongoing_requests=8, upscale_delay_s=10,
+    downscale_delay_s=300, metrics_interval_s=2, look_back_period_s=10)
+
+
+class RouterDeploymentOptions(DeploymentOptions):
+    """The router deployment's placement (``args.router``): ``DeploymentOptions`` with the
+    router's own defaults, autoscaling on (``ROUTER_AUTOSCALING``: 1 replica to half the cores).
+
+    ``num_replicas: N`` alone is a fixed count (autoscaling off); ``autoscaling: {...}`` puts
+    its fields over ``ROUTER_AUTOSCALING``'s (``{max_replicas: 8}`` keeps the router's target
+    and delays); ``autoscaling: null`` is a fixed count as well (``num_replicas``, default 1).
+    Both ``num_replicas`` and ``autoscaling`` given is an error, as in Serve. The router only
+    routes and awaits model calls: it takes every request the models' queues can hold
+    (``max_ongoing_requests``, ``max_queued_requests`` 1024), so that shedding happens at the
+    model handles, with this app's error body."""
+
+    num_cpus: float = Field(0.2, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    max_queued_requests: int = Field(1024, ge=-1)
+    autoscaling: Optional[Autoscaling] = ROUTER_AUTOSCALING
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_or_autoscaling(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "num_replicas" in data and data.get("autoscaling") is not None:
+            raise ValueError("give num_replicas (a fixed count) or autoscaling, not both")
+        if "num_replicas" in data:
+            return {**data, "autoscaling": None}
+        if isinstance(data.get("autoscaling"), dict):
+            return {**data, "autoscaling": {**ROUTER_AUTOSCALING.model_dump(exclude_none=True), **data["autoscaling"]}}
+        return data
+
+
 class AppArgs(BaseModel):
     """``args`` of the application in ``serve_config.yaml``.
 
@@ -123,9 +179,7 @@ class AppArgs(BaseModel):
     use_gpus: Union[Literal["auto"], bool] = "auto"
     max_body_mib: float = Field(64.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
-    # The router only decodes and awaits model calls: it takes every request the models' queues
-    # can hold, so that shedding happens at the model handles, with this app's error body.
-    router: DeploymentOptions = DeploymentOptions(num_cpus=0.2, max_ongoing_requests=1024, max_queued_requests=1024)
+    router: RouterDeploymentOptions = RouterDeploymentOptions()  # autoscaling, 1 to ROUTER_AUTOSCALING's max
     pool: PoolOptions = PoolOptions()
     models: Optional[list[str]] = None  # serve only these models (default: all in the repository)
     # Per model, fields of its config's `deployment:` section to override for this cluster
@@ -146,11 +200,6 @@ def _cluster_has_gpus() -> bool:
     import ray
 
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-
-
-def cores() -> int:
-    """CPU cores this process may run on (the node building the app)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def execution_contexts(app_args: AppArgs, entries: Iterable[ModelEntry]) -> int:

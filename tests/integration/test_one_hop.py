@@ -6,7 +6,8 @@ placed, or lost and unable to load again) the router takes them and answers 503 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, in its
 own session (so ``bench.replicas`` finds its replicas), on a repository of a pool model, a
 dedicated model (``lost_cnn``) and a dedicated model that asks for a GPU the machine lacks
-(``gpu_cnn``, ``use_gpus: true``)."""
+(``gpu_cnn``, ``use_gpus: true``), plus ``simple`` (a pool model whose requests cost little) for
+the router's replicas scaling with load, with delays of seconds (``ROUTER_SCALING``)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from .test_make_serve import _env, _make_line
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+# The router's autoscaling (deployments/app.py, ROUTER_AUTOSCALING) with delays of seconds, and
+# room to grow on 2 cores (where its default is 1 replica).
+ROUTER_SCALING = {"max_replicas": 4, "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2, "metrics_interval_s": 0.5}
 X = np.random.default_rng(7).random((1, 3, 224, 224), dtype=np.float32)
 BODY = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
 
@@ -51,6 +55,9 @@ def one_hop(tmp_path_factory):
         raw = yaml.safe_load((root / "tiny_cnn" / "config.yaml").read_text())
         raw["deployment"] = {"mode": "dedicated", "num_gpus": gpus}
         (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
+    (root / "simple" / "1").mkdir(parents=True)
+    shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / "simple" / "config.yaml")
+    (root / "simple" / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
     port = _free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
@@ -58,7 +65,8 @@ def one_hop(tmp_path_factory):
     # use_gpus: true on a machine without GPUs: gpu_cnn's replica can never be placed (the pool
     # and lost_cnn reserve none).
     app["args"].update(repository=str(root), use_gpus=True, request_timeout_s=30,
-                       pool=dict(app["args"]["pool"], num_gpus=0), metrics={"port": _free_port()})
+                       pool=dict(app["args"]["pool"], num_gpus=0), metrics={"port": _free_port()},
+                       router={"autoscaling": ROUTER_SCALING})
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     write(path)
@@ -135,6 +143,35 @@ def test_a_model_whose_replica_cannot_be_placed_answers_503_through_the_router(o
     assert requests.get(f"{url}/v2/models/gpu_cnn/ready", timeout=10).status_code == 503
     assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=BODY, timeout=60).status_code == 200
     assert requests.post(f"{url}/v2/models/lost_cnn/infer", json=BODY, timeout=60).status_code == 200
+
+
+def test_router_replicas_grow_under_load_shrink_after_it_and_the_stats_count_every_answer(one_hop):
+    """32 clients on a pool model through HAProxy, straight to the router replicas' own ports
+    (no deployment handle in front of them): the router's count rises from 1, comes back to 1
+    after the load, and ``/v2/models/simple/stats`` counts every answer, whichever router replica
+    (stopped since, or not) gave it."""
+    from bench.autoscale import Load, request_body
+
+    proc, url, _ = one_hop
+    body, headers = request_body("simple")
+    r = requests.post(f"{url}/v2/models/simple/infer", data=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(replica_pids(proc.pid, "models", "router")) == 1
+    load = Load(f"{url}/v2/models/simple/infer", body, headers, clients=32)
+    load.active = 32
+    load.thread.start()
+    try:
+        until(lambda: len(replica_pids(proc.pid, "models", "router")) > 1, "a second router replica under load")
+    finally:
+        load.active = 0
+        load.stop.set()
+        load.thread.join(timeout=90)
+    assert not load.thread.is_alive()
+    statuses = [status for _, status in load.done]
+    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    until(lambda: len(replica_pids(proc.pid, "models", "router")) == 1, "back to one router replica", 180)
+    [stats] = requests.get(f"{url}/v2/models/simple/stats", timeout=10).json()["model_stats"]
+    assert stats["inference_stats"]["success"]["count"] == len(statuses) + 1  # + the first request
 
 
 def test_a_model_that_lost_its_replicas_answers_503_at_once(one_hop):

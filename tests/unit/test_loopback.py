@@ -433,3 +433,51 @@ backend http-app.m
         for process in processes:
             process.kill()
             process.wait()
+
+
+def test_with_several_router_replicas_each_backs_up_a_model_and_a_live_one_answers(tmp_path):
+    """Router replicas scale with load (``args.router.autoscaling``), and Ray's HAProxy config
+    lists each as a server of the router's backend: every one becomes a backup of a model's
+    backend, in Ray's order, before Ray's fallback proxy. HAProxy sends a model's requests to
+    the first backup that is up (no ``option allbackups``: the fallback proxy must stay last),
+    so with that router replica gone the next one answers."""
+    first, second, fallback, front = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = loopback.router_backs_up_models(f"""global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend api
+    bind 127.0.0.1:{front}
+    use_backend http-app.m if {{ path_beg /v2/models/m/ }}
+    default_backend http-app
+backend http-app
+    default-server inter 200ms fall 1 rise 1
+    server SERVE_REPLICA--app-router-a 127.0.0.1:{first} check
+    server SERVE_REPLICA--app-router-b 127.0.0.1:{second} check
+    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+backend http-app.m
+    default-server inter 200ms fall 1 rise 1
+    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+""")
+    servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
+               if line.split()[:1] == ["server"]]
+    assert servers == ["trt-router-SERVE_REPLICA--app-router-a", "trt-router-SERVE_REPLICA--app-router-b",
+                       "SERVE_PROXY_ACTOR-n"]
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = {}
+    try:
+        for port, name in ((first, "first"), (second, "second"), (fallback, "fallback")):
+            processes[name] = subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+        processes["haproxy"] = subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")])
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"first"))
+        processes["first"].kill()
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"second"))
+        assert _get(front, "/v2/health/ready") == (200, b"second")
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
