@@ -920,6 +920,12 @@ class Router(RouterApp):
                  initial: Desired | None = None) -> None:
         repo = ModelRepository(repository, models)
         app = serve.get_replica_context().app_name
+        # The pool's handle made again here, so that it takes this cluster's default transport
+        # (gRPC under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): the one passed in was made where the
+        # application was built, with that process's default, fixed when it imported Ray Serve
+        # (bench.throughput's server imported it before setting the environment: every pool
+        # body went by reference, through the object store, 42% of the router's event loop).
+        pool = handle(app, pool.deployment_name) if pool is not None else None
         client = ModelClient(model_handles(app, dedicated), pool, pool_models, control)
         super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()
