@@ -21,6 +21,17 @@ Triton binary tensors unless the scenario compares encodings):
   ``proxy`` (Python proxy), ``haproxy`` (``RAY_SERVE_ENABLE_HA_PROXY=1``), ``haproxy-grpc``
   (plus ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: handles default to ``_by_reference=False``),
   ``fast`` (HAProxy plus ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: the ``make serve`` default).
+- ``pool`` (Ray only, with ``--router-replicas 1,2,4``): a pool model's path through the router
+  (HTTP -> router replica -> multiplexed pool replica, the body passed through as bytes) at r
+  router replicas, with ``--pool-replicas`` pool replicas serving one copy each of
+  ``--pool-model`` (so that the pool is not the limit: Serve's multiplexed routing keeps a
+  model on the replica that has it), the clients split evenly over the copies; side by side in
+  the same cluster, today's router path before it: the same model as a dedicated model with as
+  many replicas, reached through the router (its application without a route prefix:
+  ``run_applications(one_hop=False)``; the router decodes it), and the echo ceiling with r
+  replicas. Per point: QPS, p50/p99, QPS per router replica, the router replicas' CPU per
+  request and busiest replica's CPU share, the model replicas' busiest CPU share (from /proc);
+  ``x router`` = the pool path's QPS per router replica / the two-hop path's.
 - ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
   each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)); the echo
   ceiling with k replicas under each model's requests in the same cluster (``of echo`` = QPS /
@@ -37,6 +48,7 @@ so replicas and contexts, not ORT's own threads, are what scales. Results go to 
     python -m bench.throughput --quick            # a couple of minutes on 2 cores
     python -m bench.throughput                    # the full sweep 1..64 and the config comparison
     python -m bench.throughput --scenarios scaleout --replicas 1,2,4,8
+    python -m bench.throughput --scenarios pool --router-replicas 1,2,4 --pool-replicas 4 --pool-concurrency 64,128
 """
 
 from __future__ import annotations
@@ -65,7 +77,7 @@ import yaml
 
 from bench import batch_trace, echo, gpu_standin
 from bench.loadgen import Result, Workload, make_workload, run, sweep
-from bench.replicas import CpuSampler, replica_pids
+from bench.replicas import CpuSampler, cpu_seconds, replica_pids
 from deployments import loopback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +94,8 @@ OCR_IMAGE = ROOT / "tests" / "data" / "ocr_sample.png"
 BATCHED_SUFFIX = "_batched"
 PADDED_SUFFIX = "_padded"  # batched, padded to the preferred sizes (pad_to_preferred: true)
 RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
-SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout")
+SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout", "pool")
+POOL_COPY_SUFFIX = "_pool"  # the pool scenario's copies of --pool-model: <model>_pool0, _pool1, ...
 
 
 def free_port() -> int:
@@ -131,6 +144,34 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
         if (source / base / "1").exists():
             (folder / "1").symlink_to((source / base / "1").resolve())
     return dest
+
+
+def prepare_pool_repository(dest: Path, source: Path, model: str, copies: int, replicas: int,
+                            gpu_fraction: float = 0.0) -> Path:
+    """``dest`` for the ``pool`` scenario: ``model`` as a dedicated deployment of ``replicas``
+    replicas (``prepare_repository``) and ``copies`` pool copies of it (``pool_copies``, each
+    ``deployment.mode: pool``, batching off); version folders are symlinks to ``source``'s."""
+    prepare_repository(dest, source, [model], (), replicas, 0, gpu_fraction)
+    for name in pool_copies(model, copies):
+        raw = yaml.safe_load((source / model / "config.yaml").read_text())
+        raw.pop("name", None)
+        raw.pop("dynamic_batching", None)
+        raw["deployment"] = {"mode": "pool"}
+        (dest / name).mkdir(parents=True)
+        (dest / name / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+        (dest / name / "1").symlink_to((source / model / "1").resolve())
+    return dest
+
+
+def pool_copies(model: str, copies: int) -> list[str]:
+    """The names of ``model``'s pool copies in the ``pool`` scenario."""
+    return [f"{model}{POOL_COPY_SUFFIX}{i}" for i in range(copies)]
+
+
+def split_clients(concurrency: int, parts: int) -> list[int]:
+    """``concurrency`` clients split over ``parts`` workloads as evenly as can be (the first
+    ones get one more)."""
+    return [concurrency // parts + (1 if i < concurrency % parts else 0) for i in range(parts)]
 
 
 # --- the servers -----------------------------------------------------------------------------
@@ -190,7 +231,8 @@ def _serve_ray(args: argparse.Namespace) -> None:
         app_args.setdefault("backend", args.backend)
         if args.models:
             app_args["models"] = args.models.split(",")
-        run_applications(app_args, "models", "/")  # the router's, and each dedicated model's at /v2/models/<name>
+        # the router's, and each dedicated model's at /v2/models/<name> (--two-hop: no prefix)
+        run_applications(app_args, "models", "/", one_hop=not args.two_hop)
         if args.echo:
             serve.run(echo.app(args.replicas), name=echo.APP_NAME, route_prefix=echo.ROUTE_PREFIX)
         if args.direct:
@@ -284,10 +326,13 @@ class Server:
 
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
                  models: Sequence[str] = (), direct: Sequence[str] = (),
-                 app_args: dict[str, Any] | None = None, backend: str = "auto", echo: bool = False) -> None:
+                 app_args: dict[str, Any] | None = None, backend: str = "auto", echo: bool = False,
+                 one_hop: bool = True) -> None:
         """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
         instead of ``repository`` with ``replicas`` router replicas. ``echo``: also serve the
-        echo ceiling at ``/echo`` with ``replicas`` replicas (Ray only)."""
+        echo ceiling at ``/echo`` with ``replicas`` replicas (Ray only). ``one_hop`` False: the
+        dedicated models' applications get no route prefix, so the router answers their routes
+        and calls them through its handles (the path before one hop; Ray only)."""
         self.kind, self.ray_config = kind, ray_config
         self.echo = echo and kind == "ray"
         self.port = free_port()
@@ -300,6 +345,7 @@ class Server:
             cmd += ["--direct", ",".join(direct)] if direct else []
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
             cmd += ["--echo"] if echo else []
+            cmd += [] if one_hop else ["--two-hop"]
             self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             text=True, start_new_session=True)
             if self._reply() != "READY":
@@ -571,6 +617,93 @@ class Bench:
         return rows
 
 
+    def pool(self) -> None:
+        """The ``pool`` scenario (module docstring): per router replica count r, one cluster
+        serving ``--pool-model`` both ways and the echo ceiling, each at every
+        ``--pool-concurrency``."""
+        a = self.args
+        model, copies = a.pool_model, pool_copies(a.pool_model, a.pool_replicas)
+        x = np.random.default_rng(0).random(SHAPES[model], dtype=np.float32)
+        rows = []
+        for r in a.router_replicas:
+            repo = prepare_pool_repository(self.repository.parent / f"engines-pool-r{r}", Path(a.repository),
+                                           model, len(copies), a.pool_replicas, a.gpu_fraction)
+            app_args = {"repository": str(repo), "backend": self.backend,
+                        "router": {"num_replicas": r, "num_cpus": 0.1, "max_ongoing_requests": 1024,
+                                   "max_queued_requests": 1024},
+                        "pool": {"num_replicas": a.pool_replicas, "num_gpus": a.gpu_fraction,
+                                 "max_num_models_per_replica": len(copies), "memory_budget_mib": None}}
+            with Server("ray", repo, a.ray_config, replicas=r, backend=self.backend, app_args=app_args,
+                        echo=True, one_hop=False) as server:
+                name = self.input_names.get(model) or yaml.safe_load(
+                    (repo / model / "config.yaml").read_text())["inputs"][0]["name"]
+                pooled = [make_workload(f"pool:{c}", server.url, c, name, x, True) for c in copies]
+                self._place_copies(pooled)
+                paths = {"pool": (pooled, "pool"),
+                         "two_hop": ([make_workload("two_hop", server.url, model, name, x, True)], f"model-{model}"),
+                         "echo": ([make_workload("echo", server.echo_endpoint.url, model, name, x, True)], None)}
+                for c in a.pool_concurrency:
+                    for path, (workloads, backend) in paths.items():
+                        row = self._pool_point(server, path, workloads, backend, r, c)
+                        rows.append(row)
+                        self.log(f"pool r={r} c={c} {path:8} {row['qps']:8.1f} QPS  router "
+                                 f"{row['router_cpu_us_per_request']} us CPU/request")
+        self.results["pool"] = pool_ratios(rows)
+
+    def _place_copies(self, workloads: list[Workload]) -> None:
+        """One request to each pool copy in turn, a second apart: Serve's multiplexed routing
+        sends a model seen nowhere yet to a replica with the fewest models, once it knows where
+        the previous copies went, so each copy lands on a replica of its own."""
+        for w in workloads:
+            run([(w, 1)], duration_s=0.2, warmup_s=0.0)
+            time.sleep(1.0)
+
+    def _pool_point(self, server: Server, path: str, workloads: list[Workload], backend: str | None,
+                    r: int, c: int) -> dict[str, Any]:
+        """One point of ``pool``: ``c`` clients over ``workloads`` (split evenly), a warm-up run,
+        then the measured one with the CPU seconds of the router replicas and of ``backend``'s
+        replicas (None: not read) read from /proc before and after."""
+        a = self.args
+        session = server.process.pid  # the server runs in its own session (start_new_session)
+        plan = list(zip(workloads, split_clients(c, len(workloads))))
+        run(plan, duration_s=max(a.warmup_s, 0.5), warmup_s=0.0, processes=a.processes)
+        routers = replica_pids(session, "models", "router") if path != "echo" else []
+        backends = replica_pids(session, "models", backend) if backend else []
+        before = {pid: cpu_seconds(pid) for pid in routers + backends}
+        start = time.perf_counter()
+        results = run(plan, duration_s=a.duration_s, warmup_s=0.0, processes=a.processes)
+        wall_s = time.perf_counter() - start
+        used = {pid: cpu_seconds(pid) - t for pid, t in before.items()}
+        requests = sum(res.requests for res in results)
+        qps = round(sum(res.qps for res in results), 2)
+        router_s = sum(used[pid] for pid in routers)
+        return {"path": path, "router_replicas": r, "pool_replicas": a.pool_replicas, "concurrency": c,
+                "qps": qps, "qps_per_router_replica": round(qps / r, 2),
+                "p50_ms": max((res.p50_ms for res in results if res.p50_ms is not None), default=None),
+                "p99_ms": max((res.p99_ms for res in results if res.p99_ms is not None), default=None),
+                "errors": sum(res.errors for res in results), "requests": requests,
+                "router_cpu_us_per_request": round(router_s / requests * 1e6, 1) if routers and requests else None,
+                "router_cpu_busiest": round(max(used[pid] for pid in routers) / wall_s, 3) if routers else None,
+                "model_cpu_busiest": round(max(used[pid] for pid in backends) / wall_s, 3) if backends else None,
+                "qps_by_workload": {res.label: res.qps for res in results}}
+
+
+def pool_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` of the ``pool`` scenario with, for each non-echo row, ``x_router`` (its QPS per
+    router replica / the ``two_hop`` row's at the same router replicas and clients: the same
+    replica count, so the ratio of QPS) and ``of_echo`` (QPS / the echo row's there)."""
+    by_point = {(row["path"], row["router_replicas"], row["concurrency"]): row["qps"] for row in rows}
+    out = []
+    for row in rows:
+        point = (row["router_replicas"], row["concurrency"])
+        extra = {}
+        if row["path"] != "echo":
+            extra["x_router"] = _ratio(row["qps"], by_point.get(("two_hop", *point)))
+            extra["of_echo"] = _ratio(row["qps"], by_point.get(("echo", *point)))
+        out.append({**row, **extra})
+    return out
+
+
 def _ratio(qps: float, ceiling: float | None) -> float | None:
     return round(qps / ceiling, 3) if ceiling else None
 
@@ -652,6 +785,19 @@ def markdown(results: dict[str, Any]) -> str:
                             r.get("of_echo"), r.get("x_single"), r.get("machine_busy_cores"),
                             r.get("serving_cores"), r.get("serving_cpu_ms_per_request")]
                            for r in results["scaleout"]]))
+    if "pool" in results:
+        out.append("\n## A pool model through the router (pool: HTTP -> router -> pool replica, body passed "
+                   "through; two_hop: the same model as a dedicated model reached through the router, "
+                   "today's router path before one hop; echo: the ceiling with as many replicas as routers; "
+                   "x router = pool QPS per router replica / two_hop's; CPU busiest = the busiest replica's "
+                   "CPU seconds per second)\n")
+        out.append(_table(["path", "router replicas", "pool / model replicas", "concurrency", "QPS",
+                           "QPS per router replica", "p50 ms", "p99 ms", "errors", "router CPU us / request",
+                           "router CPU busiest", "model CPU busiest", "x router", "of echo"],
+                          [[r["path"], r["router_replicas"], r["pool_replicas"], r["concurrency"], r["qps"],
+                            r["qps_per_router_replica"], r["p50_ms"], r["p99_ms"], r["errors"],
+                            r["router_cpu_us_per_request"], r["router_cpu_busiest"], r["model_cpu_busiest"],
+                            r.get("x_router"), r.get("of_echo")] for r in results["pool"]]))
     return "\n".join(out) + "\n"
 
 
@@ -711,6 +857,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ray-config", default="fast", choices=RAY_CONFIGS, help="Ray config of the main run")
     p.add_argument("--ray-configs", default=",".join(RAY_CONFIGS), help="configs compared by 'configs'")
     p.add_argument("--replicas", default="1,2,4", help="replica counts for 'scaleout'")
+    p.add_argument("--router-replicas", default="1,2,4", help="router replica counts for 'pool'")
+    p.add_argument("--pool-replicas", type=int, default=4,
+                   help="'pool': pool replicas (one copy of --pool-model each) and the dedicated model's replicas")
+    p.add_argument("--pool-model", default="tiny_cnn", choices=sorted(SHAPES), help="the model of 'pool'")
+    p.add_argument("--pool-concurrency", default="64,128", help="client counts of 'pool'")
     p.add_argument("--levels", help="concurrency sweep for 'alone' (default 1..64; quick 1,16)")
     p.add_argument("--together-concurrency", type=int, default=16)
     p.add_argument("--scaleout-concurrency", type=int, default=64)
@@ -735,7 +886,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     a.batched = [m for m in a.batched.split(",") if m]
     a.ray_configs = a.ray_configs.split(",")
     a.replicas = _ints(a.replicas)
-    default_scenarios = [s for s in SCENARIOS if s not in ("scaleout",) + (("configs",) if a.quick else ())]
+    a.router_replicas = _ints(a.router_replicas)
+    a.pool_concurrency = _ints(a.pool_concurrency)
+    default_scenarios = [s for s in SCENARIOS if s not in ("scaleout", "pool") + (("configs",) if a.quick else ())]
     a.scenarios = a.scenarios.split(",") if a.scenarios else default_scenarios
     a.levels = _ints(a.levels) if a.levels else ([1, 16] if a.quick else [1, 2, 4, 8, 16, 32, 64])
     if a.together_concurrency not in a.levels and "together" in a.scenarios:
@@ -771,6 +924,7 @@ def main(argv: Sequence[str]) -> None:
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)
         p.add_argument("--echo", action="store_true")
+        p.add_argument("--two-hop", action="store_true")
         _serve_ray(p.parse_args(argv[1:]))
         return
     a = parse_args(argv)
@@ -793,7 +947,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         with contextlib.ExitStack() as stack:
             single = stack.enter_context(Server("single", repository, backend=a.backend, models=a.models + (
-                ["ocr_det"] if "payload" in a.scenarios else []))) if set(a.scenarios) - {"batching", "configs"} else None
+                ["ocr_det"] if "payload" in a.scenarios else []))) if set(a.scenarios) - {"batching", "configs", "pool"} else None
             if needs_main:
                 ray_server = stack.enter_context(Server("ray", repository, a.ray_config, backend=a.backend,
                                                         direct=a.hop_models if "hop" in a.scenarios else (),
@@ -811,6 +965,8 @@ def main(argv: Sequence[str]) -> None:
                 bench.scaleout(single)
         if "configs" in a.scenarios:
             bench.configs()
+        if "pool" in a.scenarios:
+            bench.pool()
     finally:
         results.update(bench.results)
         out = Path(a.out)
