@@ -30,7 +30,8 @@ Triton binary tensors unless the scenario compares encodings):
   many replicas, reached through the router (its application without a route prefix:
   ``run_applications(one_hop=False)``; the router decodes it), and the echo ceiling with r
   replicas. Per point: QPS, p50/p99, QPS per router replica, the router replicas' CPU per
-  request and busiest replica's CPU share, the model replicas' busiest CPU share (from /proc);
+  request and busiest replica's CPU share, the model replicas' CPU shares (from /proc; an idle
+  pool replica means two copies landed on one);
   ``x router`` = the pool path's QPS per router replica / the two-hop path's.
 - ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
   each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)); the echo
@@ -685,6 +686,8 @@ class Bench:
                 "router_cpu_us_per_request": round(router_s / requests * 1e6, 1) if routers and requests else None,
                 "router_cpu_busiest": round(max(used[pid] for pid in routers) / wall_s, 3) if routers else None,
                 "model_cpu_busiest": round(max(used[pid] for pid in backends) / wall_s, 3) if backends else None,
+                # each model replica's share, busiest first: an idle pool replica means two copies share one
+                "model_cpu_shares": sorted((round(used[pid] / wall_s, 3) for pid in backends), reverse=True),
                 "qps_by_workload": {res.label: res.qps for res in results}}
 
 
