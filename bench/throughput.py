@@ -213,9 +213,16 @@ def ray_env(config: str, scratch: Path) -> dict[str, str]:
 def _serve_ray(args: argparse.Namespace) -> None:
     """Subprocess: a fresh local Ray cluster serving the app (``/``), the direct ingress
     (``/direct``) and, with ``--echo``, the echo ceiling (``/echo``, ``--replicas`` replicas:
-    ``bench.echo``); prints READY, answers ``stats <model>`` lines, shuts down at EOF."""
-    scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    os.environ.update(ray_env(args.ray_config, scratch))
+    ``bench.echo``); prints READY, answers ``stats <model>`` lines, shuts down at EOF.
+    ``--scratch``: the folder ``ray_env`` was made for, whose environment came with the process
+    (``Server``); without it, the environment is set here, after this module imported Ray
+    Serve (through ``bench.echo``), so Serve's defaults read at import (a handle's transport)
+    are this process's old ones."""
+    if args.scratch:
+        scratch = Path(args.scratch)
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+        os.environ.update(ray_env(args.ray_config, scratch))
     import ray
     from ray import serve
 
@@ -347,8 +354,13 @@ class Server:
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
             cmd += ["--echo"] if echo else []
             cmd += [] if one_hop else ["--two-hop"]
-            self.process = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            text=True, start_new_session=True)
+            # The cluster's environment set before the server's Python starts, as ``make serve``
+            # does: Ray Serve reads some of it once, when imported (the transport of the handles
+            # the server process makes).
+            scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+            self.process = subprocess.Popen(cmd + ["--scratch", str(scratch)], cwd=ROOT, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                            env={**os.environ, **ray_env(ray_config, scratch)})
             if self._reply() != "READY":
                 self.close()
                 raise RuntimeError("the Ray server did not start; its stderr is above")
@@ -921,7 +933,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
     if argv[:1] == ["_serve-ray"]:
         p = argparse.ArgumentParser()
-        for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args"):
+        for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args", "--scratch"):
             p.add_argument(flag)
         p.add_argument("--backend", default="auto")
         p.add_argument("--port", type=int)
