@@ -171,7 +171,7 @@ def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
         tmp = Path(tmp_name)
         port, stats_port = _free_port(), _free_port()
         path = write_config(tmp, args.model, port, router)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), **serve_env(args.fast), RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **serve_env(args.fast), RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
         env.pop("RAY_ADDRESS", None)
         log = tmp / "out.log"
         with log.open("w") as out:

@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | padded | scaleout | onehop | together | pool | cpu | metrics | warmup | dashboard
+#   tests | engine | serve | batching | padded | scaleout | onehop | together | pool | autoscale | cpu | metrics | warmup | dashboard
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -38,6 +38,8 @@ case "$1" in
   pool) cd /tmp/w && python3 -m bench.throughput --scenarios pool --models tiny_cnn --batched "" --pool-model tiny_cnn \
       --router-replicas 1,2,4 --pool-replicas 4 --pool-concurrency 64,128 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 \
       | grep -av "^INFO\|^\s*$" | tail -30 ;;
+  autoscale) cd /tmp/w && timeout 400 python3 -m bench.autoscale --model simple --clients 8,64,256 --load-s 25 --after-s 40 \
+      --autoscaling '{"max_replicas": 8}' --out "$OUT/autoscale.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -90 ;;
   cpu) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models resnet18,ocr --backend onnxruntime \
       --replicas 1,8 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -30 ;;
   metrics) cd /tmp/w && timeout 580 python3 -m bench.metrics_overhead --gpu-fraction 0.1 --concurrency 32 \
