@@ -64,6 +64,19 @@ def serve_env(fast: int = 1) -> dict[str, str]:
     return dict(w.split("=", 1) for w in words if "=" in w)
 
 
+def start_runner(config: Path, log: Path, fast: int = 1, **env: str) -> subprocess.Popen:
+    """``make serve``'s runner (``python -m deployments.run config``) with its environment
+    (``serve_env``) and ``env`` over it, this checkout first on ``PYTHONPATH``, output to
+    ``log``, in a session of its own (``bench.replicas`` finds its processes by it;
+    ``interrupt_group`` stops it as Ctrl-C does)."""
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                **serve_env(fast), **env)
+    full.pop("RAY_ADDRESS", None)
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "deployments.run", str(config)], cwd=ROOT, env=full,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def write_config(tmp: Path, model: str, port: int, router: dict[str, Any]) -> Path:
     """``serve_config.yaml``'s router application on a repository of ``model`` (a pool model),
     listening on ``port``, ``args.router`` = ``router``."""
@@ -171,12 +184,8 @@ def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
         tmp = Path(tmp_name)
         port, stats_port = _free_port(), _free_port()
         path = write_config(tmp, args.model, port, router)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **serve_env(args.fast), RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
-        env.pop("RAY_ADDRESS", None)
         log = tmp / "out.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=env,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_runner(path, log, args.fast, RAY_SERVE_HAPROXY_STATS_PORT=str(stats_port))
         url = f"http://127.0.0.1:{port}"
         rows: list[dict[str, Any]] = []
         try:

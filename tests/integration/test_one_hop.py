@@ -11,10 +11,7 @@ the router's replicas scaling with load, with delays of seconds (``ROUTER_SCALIN
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +21,10 @@ import pytest
 import requests
 import yaml
 
+from bench.autoscale import start_runner
 from bench.replicas import interrupt_group, kill_replica, replica_pids
 
 from .conftest import REPOSITORY, _free_port
-from .test_make_serve import _env, _make_line
 
 pytestmark = pytest.mark.integration
 
@@ -70,12 +67,8 @@ def one_hop(tmp_path_factory):
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     write(path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **_env(_make_line("serve", "-m deployments.run ")))
-    env.pop("RAY_ADDRESS", None)
     log = tmp / "out.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
