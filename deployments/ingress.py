@@ -56,7 +56,8 @@ from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
 from .control import Desired, Follower, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
-                                      ModelNotReady, PayloadTooLarge, ServingError, unknown_model, unloaded_model)
+                                      ModelNotReady, PayloadTooLarge, RequestTimeout, ServingError, unknown_model,
+                                      unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
@@ -72,6 +73,15 @@ _STOPPED_IDLE_S = 1.0  # ... once their model has finished no call for this long
 # request's own parameters.timeout); the router's bound waits this much longer, as a backstop.
 POOL_TIMEOUT_GRACE_S = 5.0
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
+_SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/repository/index (lists the "
+                  "models), POST /v2/repository/models/{name}/load|unload, GET /v2/models/stats, GET /v2/memory, "
+                  "GET /metrics")
+# A request body that sends nothing for this long is answered 408 (the time between two
+# chunks, as nginx's client_body_timeout: a slow upload that keeps sending is not cut). HAProxy's
+# own `timeout http-request` (deployments/loopback.py) covers only the headers and the first
+# 16 KiB of body, so without this a client that stalls after them held a slot of the replica
+# (and of the router's max_ongoing_requests) without end.
+BODY_STALL_TIMEOUT_S = 30.0
 # Repository index state and reason of a pool model, by its state in the pool replica's cache.
 _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
                 "loading": ("LOADING", "loading into the pool replica's cache"),
@@ -419,7 +429,8 @@ class RouterApp:
             return error_response(ModelNotFound(
                 f"no route {request.method} {request.url.path}; model routes: {_MODEL_ROUTES}"))
         return error_response(ModelNotFound(
-            f"no route {request.method} {request.url.path}; see the KServe v2 REST API"))
+            f"no route {request.method} {request.url.path}; server routes: {_SERVER_ROUTES}; model routes: "
+            f"{_MODEL_ROUTES}"))
 
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         allow = ", ".join(sorted(m.strip() for m in (getattr(exc, "headers", None) or {}).get("Allow", "").split(",")
@@ -664,14 +675,23 @@ class RouterApp:
             raise PayloadTooLarge(
                 f"request body is {int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
-                chunks.append(chunk)
+            async with asyncio.timeout(BODY_STALL_TIMEOUT_S) as stall:
+                async for chunk in request.stream():
+                    stall.reschedule(loop.time() + BODY_STALL_TIMEOUT_S)
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
+                    chunks.append(chunk)
         except ClientDisconnect:  # a client mistake, not a server fault: no 5xx, no error log
             raise InvalidInput(f"the client disconnected after {size} bytes of the request body") from None
+        except TimeoutError:
+            expected = f" of the {declared} its Content-Length declares" if declared is not None else ""
+            raise RequestTimeout(
+                f"the request body stalled: no bytes for {BODY_STALL_TIMEOUT_S:g} s after {size} bytes{expected}; "
+                "send the whole body, exactly as long as its Content-Length says (chunked: through the last, "
+                "zero-length chunk)") from None
         encoding = request.headers.get("content-encoding")
         if encoding is not None:
             chunks = [decompress(b"".join(chunks), encoding, self.max_body_bytes)]

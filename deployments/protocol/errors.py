@@ -26,6 +26,7 @@ from ..runtime.contract.errors import (
     OverBudget,
     Overloaded,
     PayloadTooLarge,
+    RequestTimeout,
     ServingError,
     UnsupportedMediaType,
 )
@@ -39,6 +40,7 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,
     ModelNotFound: 404,
     MethodNotAllowed: 405,
+    RequestTimeout: 408,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     ModelNotReady: 503,

@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -62,6 +63,9 @@ def parse_json(body: bytes | memoryview) -> Any:
     try:
         return json.loads(bytes(body), parse_constant=_reject_constant, parse_float=_finite_float)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digit limit
+        if "integer string conversion" in str(e):  # Python's own advice names a function only it can call
+            raise InvalidInput(f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                               "digits; no tensor datatype holds one that long") from None
         raise InvalidInput(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON: nested too deeply") from None
@@ -270,9 +274,9 @@ def check_finite(model_name: str, outputs: Mapping[str, np.ndarray]) -> None:
     for name, array in outputs.items():
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise InvalidInput(
-                f"model '{model_name}' output '{name}' holds NaN or Infinity (the inputs overflow the "
-                "model's arithmetic), which JSON cannot carry; send smaller values or ask for the "
-                "output as binary data (parameters.binary_data)")
+                f"model '{model_name}' output '{name}' holds NaN or Infinity (NaN or Infinity in the "
+                "inputs, or inputs that overflow the model's arithmetic), which JSON cannot carry; send finite "
+                "values in range or ask for the output as binary data (parameters.binary_data)")
 
 
 def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:

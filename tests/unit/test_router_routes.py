@@ -590,3 +590,48 @@ def test_only_infer_responses_are_compressed_as_tritonclient_aio_expects(router)
     for path in ("/v2/models/tiny_cnn", "/v2/models/tiny_cnn/config", "/v2"):
         r = router.get(path, headers={"Accept-Encoding": "gzip, deflate"})
         assert r.status_code == 200 and "content-encoding" not in r.headers, path
+
+
+def test_a_body_that_stalls_is_408_naming_what_arrived(repo, monkeypatch):
+    """A client that sends part of its body, then nothing: 408 once no byte has come for
+    ``BODY_STALL_TIMEOUT_S`` (HAProxy's own timeout covers only the first 16 KiB)."""
+    from deployments import ingress
+
+    monkeypatch.setattr(ingress, "BODY_STALL_TIMEOUT_S", 0.3)
+    app = make_router(repo)[0].app
+    sent: list[dict] = []
+    arrived = iter([{"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+                    {"type": "http.request", "body": b" " * 10, "more_body": True}])
+
+    async def receive() -> dict:
+        message = next(arrived, None)
+        if message is None:
+            await asyncio.sleep(60)  # stalls
+        await asyncio.sleep(0.2)  # under the deadline between chunks: a slow sender is not cut
+        return message
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v2/models/tiny_cnn/infer", "raw_path": b"/v2/models/tiny_cnn/infer", "root_path": "",
+             "query_string": b"", "server": ("testserver", 80), "client": ("testclient", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == 408
+    error = json.loads(body)["error"]
+    assert "the request body stalled: no bytes for 0.3 s after 22 bytes of the 1000" in error, error
+
+
+def test_an_unknown_route_lists_the_server_and_model_routes(router):
+    assert_error(router.get("/v2/models"), 404, "no route GET /v2/models", "POST /v2/repository/index (lists the models)",
+                 "/v2/models/{name}[/versions/{version}]")
+
+
+def test_an_integer_over_pythons_digit_limit_is_400_without_pythons_advice(router):
+    body = '{"inputs":[{"name":"input","shape":[1],"datatype":"INT64","data":[%s]}]}' % ("9" * 5000)
+    r = post(router, "/v2/models/tiny_cnn/infer", body)
+    assert_error(r, 400, "an integer of more than 4300 digits")
+    assert "sys.set_int_max_str_digits" not in r.json()["error"]

@@ -31,6 +31,10 @@ class MethodNotAllowed(ServingError):
     """The route exists but not for this HTTP method (HTTP 405)."""
 
 
+class RequestTimeout(ServingError):
+    """The request did not arrive in time: its body stalled (HTTP 408)."""
+
+
 class PayloadTooLarge(ServingError):
     """The request body is over the configured limit (HTTP 413)."""
 
