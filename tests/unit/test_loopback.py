@@ -386,13 +386,14 @@ backend app
             process.wait()
 
 
-def test_a_model_backend_without_a_live_server_goes_to_the_router_then_back(tmp_path):
-    """A dedicated model's application (``http-app.m``) with no replica up: its requests reach
-    the router application's server (``router_backs_up_models``), and the model's own replica
-    again once it runs; Ray's fallback proxy stays the last backup."""
-    router, model, fallback, front = (_free_port() for _ in range(4))
-    (tmp_path / "backend.py").write_text(_BACKEND)
-    config = loopback.router_backs_up_models(f"""global
+def _lab_config(front: int, fallback: int, routers: dict[str, int], models: dict[str, int]) -> str:
+    """Ray's HAProxy config in small, rewritten by ``router_backs_up_models``: a router
+    application ``app`` (servers ``routers``: name suffix -> port) and a model application
+    ``app.m`` at /v2/models/m/ (servers ``models``), each with Ray's fallback proxy as backup."""
+    def servers(app: str, ports: dict[str, int]) -> str:
+        return "".join(f"    server SERVE_REPLICA--{app}-{name} 127.0.0.1:{port} check\n" for name, port in ports.items())
+
+    return loopback.router_backs_up_models(f"""global
     maxconn 100
 defaults
     mode http
@@ -405,13 +406,20 @@ frontend api
     default_backend http-app
 backend http-app
     default-server inter 200ms fall 1 rise 1
-    server SERVE_REPLICA--app-router-x 127.0.0.1:{router} check
-    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+{servers("app", routers)}    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
 backend http-app.m
     default-server inter 200ms fall 1 rise 1
-    server SERVE_REPLICA--app.m-model-m-x 127.0.0.1:{model} check
-    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+{servers("app.m", models)}    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
 """)
+
+
+def test_a_model_backend_without_a_live_server_goes_to_the_router_then_back(tmp_path):
+    """A dedicated model's application (``http-app.m``) with no replica up: its requests reach
+    the router application's server (``router_backs_up_models``), and the model's own replica
+    again once it runs; Ray's fallback proxy stays the last backup."""
+    router, model, fallback, front = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = _lab_config(front, fallback, {"router-x": router}, {"model-m-x": model})
     assert loopback.router_backs_up_models(config) == config  # idempotent
     servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
                if line.split()[:1] == ["server"]]
@@ -443,26 +451,7 @@ def test_with_several_router_replicas_each_backs_up_a_model_and_a_live_one_answe
     so with that router replica gone the next one answers."""
     first, second, fallback, front = (_free_port() for _ in range(4))
     (tmp_path / "backend.py").write_text(_BACKEND)
-    config = loopback.router_backs_up_models(f"""global
-    maxconn 100
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 30s
-    timeout server 30s
-frontend api
-    bind 127.0.0.1:{front}
-    use_backend http-app.m if {{ path_beg /v2/models/m/ }}
-    default_backend http-app
-backend http-app
-    default-server inter 200ms fall 1 rise 1
-    server SERVE_REPLICA--app-router-a 127.0.0.1:{first} check
-    server SERVE_REPLICA--app-router-b 127.0.0.1:{second} check
-    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
-backend http-app.m
-    default-server inter 200ms fall 1 rise 1
-    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
-""")
+    config = _lab_config(front, fallback, {"router-a": first, "router-b": second}, {})
     servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
                if line.split()[:1] == ["server"]]
     assert servers == ["trt-router-SERVE_REPLICA--app-router-a", "trt-router-SERVE_REPLICA--app-router-b",
