@@ -48,7 +48,7 @@ from .observe.metrics import node_directory, node_families, render as render_met
 from .observe.options import start as start_metrics
 from .observe.router import RouterObserver, add_phases, observe_infer
 from .observe.statistics import statistics
-from .protocol.answer import answer, timeout_error
+from .protocol.answer import answer, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import error_status, overloaded, retry_after_headers
@@ -713,8 +713,7 @@ class RouterApp:
             InferenceTimeout: the bound passed (``ModelNotReady`` instead when the model lost its
                 replicas while the request waited).
         """
-        asked = timeout_s is not None and timeout_s < self.request_timeout_s
-        timeout_s = timeout_s if asked else self.request_timeout_s
+        timeout_s, asked = request_bound(timeout_s, self.request_timeout_s)
         try:
             return await asyncio.wait_for(call, timeout_s + grace_s)
         except asyncio.TimeoutError:
@@ -792,8 +791,8 @@ class ModelRoutes(RouterApp):
     replica: ``GET /v2/models/{name}[/versions/{v}][/ready|/config|/stats]`` and
     ``POST .../infer``, with the router's code, errors and checks (body limit, timeout, readiness,
     explicit model control). The deployment reports its model's state with ``model_loaded(backend)``
-    and ``model_unloaded()``; until ``synced()`` (explicit model control: the replica has read
-    the desired state once) its requests answer 503.
+    and ``model_unloaded()``; under explicit model control its requests answer 503 until its
+    ``follower`` has read the desired state once (``Follower.synced``).
     """
 
     def __init__(self, entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
@@ -801,7 +800,6 @@ class ModelRoutes(RouterApp):
                  initial: Desired | None = None) -> None:
         super().__init__(repo, ReplicaClient(entry.name, infer), options, observer, initial)
         self.name = entry.name
-        self.synced: Callable[[], bool] = lambda: True
         self.follower: Follower | None = None  # explicit model control (``own_routes``)
 
     def model_loaded(self, backend: str) -> None:
@@ -813,7 +811,7 @@ class ModelRoutes(RouterApp):
         self._mark_unloaded(self.name)
 
     def _not_ready(self, entry: ModelEntry) -> ServingError | None:
-        if not self.synced():
+        if self.follower is not None and not self.follower.synced:
             return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
                                  "control state (a load or unload made since it started); retry shortly")
         return super()._not_ready(entry)
@@ -834,9 +832,7 @@ def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Aw
     if backend is not None:
         routes.model_loaded(backend)
     if initial is not None:
-        follower = follow(handle(router_application(entry.name), "control"), initial, apply)
-        routes.synced = lambda: follower.synced
-        routes.follower = follower
+        routes.follower = follow(handle(router_application(entry.name), "control"), initial, apply)
     return routes
 
 

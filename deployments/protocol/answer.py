@@ -66,6 +66,14 @@ async def answer_body(model: str, version: str, batched: bool, chunks: list[byte
     return await answer(model, version, batched, chunks, header_length, run)
 
 
+def request_bound(timeout_s: float | None, default_s: float) -> tuple[float, bool]:
+    """The seconds a model call may take: the request's ``parameters.timeout`` (``timeout_s``)
+    where it is shorter than ``default_s`` (the application's ``request_timeout_s``), else
+    ``default_s``; and whether the request's own was taken."""
+    asked = timeout_s is not None and timeout_s < default_s
+    return (timeout_s if asked else default_s), asked
+
+
 def timeout_error(model: str, timeout_s: float, asked: bool) -> InferenceTimeout:
     """The 504 of a model call that took longer than ``timeout_s``: the request's own
     ``parameters.timeout`` (``asked``) or the application's ``request_timeout_s``."""
@@ -84,8 +92,7 @@ async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], tim
     Raises:
         InferenceTimeout: the bound passed (the message names which).
     """
-    asked = timeout_s is not None and timeout_s < default_s
-    timeout_s = timeout_s if asked else default_s
+    timeout_s, asked = request_bound(timeout_s, default_s)
     try:
         return await asyncio.wait_for(call, timeout_s)
     except asyncio.TimeoutError:
