@@ -162,6 +162,12 @@ def _percentile_ms(latencies: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(latencies, q)) * 1e3, 3) if latencies.size else None
 
 
+def split_clients(concurrency: int, parts: int) -> list[int]:
+    """``concurrency`` clients split over ``parts`` (workloads, or client processes) as evenly
+    as can be (the first ones get one more)."""
+    return [concurrency // parts + (1 if i < concurrency % parts else 0) for i in range(parts)]
+
+
 def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s: float = 2.0,
         processes: int = 1) -> list[Result]:
     """Run every ``(workload, concurrency)`` at once; one ``Result`` per workload.
@@ -169,9 +175,11 @@ def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s
     ``processes > 1``: each workload's workers are split across that many client processes
     (a workload with fewer workers than processes uses fewer).
     """
+    processes = max(1, processes)
+    splits = [split_clients(c, processes) for _, c in plan]
     shares = []
-    for p in range(max(1, processes)):
-        share = [(w, c // processes + (1 if p < c % processes else 0)) for w, c in plan]
+    for p in range(processes):
+        share = [(w, split[p]) for (w, _), split in zip(plan, splits)]
         if any(c for _, c in share):
             shares.append(share)
     if len(shares) == 1:

@@ -77,7 +77,7 @@ import numpy as np
 import yaml
 
 from bench import batch_trace, echo, gpu_standin
-from bench.loadgen import Result, Workload, make_workload, run, sweep
+from bench.loadgen import Result, Workload, make_workload, run, split_clients, sweep
 from bench.replicas import CpuSampler, cpu_seconds, replica_pids
 from deployments import loopback
 
@@ -125,9 +125,7 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
         base = name.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
         if (dest / name).exists():
             continue
-        raw = yaml.safe_load((source / base / "config.yaml").read_text())
-        raw.pop("name", None)
-        raw.pop("dynamic_batching", None)
+        raw = _base_config(source, base)
         raw["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
                              "max_ongoing_requests": 64}
         if gpu_fraction and not raw.get("pipeline"):
@@ -139,12 +137,27 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
                                        "pad_to_preferred": name.endswith(PADDED_SUFFIX)}
             if sizes:
                 raw["dynamic_batching"]["preferred_batch_size"] = sizes
-        folder = dest / name
-        folder.mkdir(parents=True)
-        (folder / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-        if (source / base / "1").exists():
-            (folder / "1").symlink_to((source / base / "1").resolve())
+        _write_model(dest, source, base, name, raw)
     return dest
+
+
+def _base_config(source: Path, base: str) -> dict[str, Any]:
+    """``source``'s config of model ``base`` for a copy under another name: without its
+    ``name`` and ``dynamic_batching`` (the copy says its own)."""
+    raw = yaml.safe_load((source / base / "config.yaml").read_text())
+    raw.pop("name", None)
+    raw.pop("dynamic_batching", None)
+    return raw
+
+
+def _write_model(dest: Path, source: Path, base: str, name: str, raw: dict[str, Any]) -> None:
+    """``dest/name`` with config ``raw`` and, where ``source/base`` has one, its version folder
+    as a symlink to that one."""
+    folder = dest / name
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    if (source / base / "1").exists():
+        (folder / "1").symlink_to((source / base / "1").resolve())
 
 
 def prepare_pool_repository(dest: Path, source: Path, model: str, copies: int, replicas: int,
@@ -154,25 +167,13 @@ def prepare_pool_repository(dest: Path, source: Path, model: str, copies: int, r
     ``deployment.mode: pool``, batching off); version folders are symlinks to ``source``'s."""
     prepare_repository(dest, source, [model], (), replicas, 0, gpu_fraction)
     for name in pool_copies(model, copies):
-        raw = yaml.safe_load((source / model / "config.yaml").read_text())
-        raw.pop("name", None)
-        raw.pop("dynamic_batching", None)
-        raw["deployment"] = {"mode": "pool"}
-        (dest / name).mkdir(parents=True)
-        (dest / name / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-        (dest / name / "1").symlink_to((source / model / "1").resolve())
+        _write_model(dest, source, model, name, {**_base_config(source, model), "deployment": {"mode": "pool"}})
     return dest
 
 
 def pool_copies(model: str, copies: int) -> list[str]:
     """The names of ``model``'s pool copies in the ``pool`` scenario."""
     return [f"{model}{POOL_COPY_SUFFIX}{i}" for i in range(copies)]
-
-
-def split_clients(concurrency: int, parts: int) -> list[int]:
-    """``concurrency`` clients split over ``parts`` workloads as evenly as can be (the first
-    ones get one more)."""
-    return [concurrency // parts + (1 if i < concurrency % parts else 0) for i in range(parts)]
 
 
 # --- the servers -----------------------------------------------------------------------------
@@ -215,14 +216,9 @@ def _serve_ray(args: argparse.Namespace) -> None:
     (``/direct``) and, with ``--echo``, the echo ceiling (``/echo``, ``--replicas`` replicas:
     ``bench.echo``); prints READY, answers ``stats <model>`` lines, shuts down at EOF.
     ``--scratch``: the folder ``ray_env`` was made for, whose environment came with the process
-    (``Server``); without it, the environment is set here, after this module imported Ray
-    Serve (through ``bench.echo``), so Serve's defaults read at import (a handle's transport)
-    are this process's old ones."""
-    if args.scratch:
-        scratch = Path(args.scratch)
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-        os.environ.update(ray_env(args.ray_config, scratch))
+    (``Server``): set here it would come after this module imported Ray Serve (through
+    ``bench.echo``), whose defaults read at import (a handle's transport) would stay the old ones."""
+    scratch = Path(args.scratch)
     import ray
     from ray import serve
 
@@ -933,8 +929,9 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
     if argv[:1] == ["_serve-ray"]:
         p = argparse.ArgumentParser()
-        for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args", "--scratch"):
+        for flag in ("--repository", "--ray-config", "--direct", "--models", "--app-args"):
             p.add_argument(flag)
+        p.add_argument("--scratch", required=True)
         p.add_argument("--backend", default="auto")
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.loadgen import split_clients
 from bench.replicas import cpu_seconds
-from bench.throughput import pool_copies, pool_ratios, prepare_pool_repository, split_clients
+from bench.throughput import pool_copies, pool_ratios, prepare_pool_repository
 
 ENGINES = Path(__file__).resolve().parents[2] / "engines"
 
