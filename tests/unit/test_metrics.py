@@ -14,16 +14,24 @@ from deployments.observe import metrics as m
 from deployments.observe.statistics import statistics
 
 
+def _elapsed(seconds: float) -> float:
+    """Sleep ``seconds``; the seconds that really passed."""
+    start = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - start
+
+
 def _record(root: str, ok: int, rows: int) -> None:
     """One 'replica process': ``ok`` requests of ``rows`` rows on tiny_cnn v1, one failure."""
     os.environ["TRT_SERVE_METRICS_DIR"] = root
     router, replica = m.RouterRecorder(), m.ReplicaRecorder()
     for _ in range(ok):
         timing = m.RequestTiming(time.perf_counter())
+        timing.compute_input_s = _elapsed(0.0001)  # phases that take their time, as a route's do
         with replica.request("tiny_cnn", 1):
             time.sleep(0.002)  # the request spends longer at the replica than its 1 ms run
             replica.on_execution("tiny_cnn", 1, rows, 0.001)
-        timing.compute_input_s = timing.compute_output_s = 0.0001
+        timing.compute_output_s = _elapsed(0.0001)
         router.finished("tiny_cnn", "1", 200, timing)
     router.finished("tiny_cnn", "1", 400, m.RequestTiming(time.perf_counter()))
     router.finished("tiny_cnn", "1", 504, m.RequestTiming(time.perf_counter()))
