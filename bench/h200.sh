@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | padded | scaleout | onehop | together | pool | autoscale | cpu | metrics | warmup | dashboard
+#   tests | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | autoscale | cpu | metrics | warmup | dashboard
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -29,6 +29,10 @@ case "$1" in
       --batched resnet18,tiny_cnn,ocr_cls,ocr_rec --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   padded) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
       --preferred-batch-size 8 --trace --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
+  padded8) nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 500 > "$OUT/gpu_util.csv" & SMI=$!
+    cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
+      --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} --batch-levels 64,128 --gpu-fraction 0.04 $HTTP --out "$OUT" 2>&1 \
+      | grep -av "^INFO\|^\s*$" | tail -40; kill $SMI ;;
   scaleout) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn,resnet18,ocr_cls,ocr \
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   onehop) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn --replicas 1,2,4,8 \

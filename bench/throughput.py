@@ -490,16 +490,18 @@ class Bench:
         for model in self.args.batched:
             for variant in (model, model + BATCHED_SUFFIX) + ((model + PADDED_SUFFIX,) if self.args.padded else ()):
                 for level in self.args.batch_levels:
-                    before = ray_server.batch_stats(variant)
+                    # the counters are one replica's (a handle call picks any): read with one only
+                    counted = self.args.model_replicas == 1
+                    before = ray_server.batch_stats(variant) if counted else {}
                     began = time.perf_counter()
                     (r,) = self.measure([(self.workload(ray_server, variant), level)])
-                    after = ray_server.batch_stats(variant)
-                    calls = sum(after["calls_by_requests"].values()) - sum(before["calls_by_requests"].values())
-                    requests = after["requests"] - before["requests"]
+                    after = ray_server.batch_stats(variant) if counted else {}
+                    calls = sum(after.get("calls_by_requests", {}).values()) - sum(before.get("calls_by_requests", {}).values())
+                    requests = after.get("requests", 0) - before.get("requests", 0)
                     row = {"model": model, "batched": variant != model,
                            "variant": variant.removeprefix(model).lstrip("_") or "unbatched", **asdict(r),
                            "requests_per_model_call": round(requests / calls, 2) if calls else None,
-                           "padded_rows": after.get("padded_rows", 0) - before.get("padded_rows", 0)}
+                           "padded_rows": after.get("padded_rows", 0) - before.get("padded_rows", 0) if counted else None}
                     if self.args.trace:
                         row["trace"] = batch_trace.summarize(
                             self.args.trace, began + self.args.warmup_s, began + self.args.warmup_s + self.args.duration_s)
@@ -868,6 +870,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--ray-config", default="fast", choices=RAY_CONFIGS, help="Ray config of the main run")
     p.add_argument("--ray-configs", default=",".join(RAY_CONFIGS), help="configs compared by 'configs'")
     p.add_argument("--replicas", default="1,2,4", help="replica counts for 'scaleout'")
+    p.add_argument("--model-replicas", type=int, default=1,
+                   help="replicas of each model (and of its batched copies) in the main run: alone, together, batching...")
     p.add_argument("--router-replicas", default="1,2,4", help="router replica counts for 'pool'")
     p.add_argument("--pool-replicas", type=int, default=4,
                    help="'pool': pool replicas (one copy of --pool-model each) and the dedicated model's replicas")
@@ -922,7 +926,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
                platform.processor())
     return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(),
-            "ray_config": a.ray_config, "backend": a.backend, "gpu_fraction": a.gpu_fraction, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
+            "ray_config": a.ray_config, "backend": a.backend, "gpu_fraction": a.gpu_fraction, "model_replicas": a.model_replicas, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
             "processes": a.processes, "scenarios": a.scenarios, "standin": a.standin, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -952,7 +956,7 @@ def main(argv: Sequence[str]) -> None:
     needs_main = set(a.scenarios) & {"alone", "together", "batching", "payload", "hop"}
     models = list(dict.fromkeys(a.models + a.batched + (["ocr_det"] if "payload" in a.scenarios else [])
                                 + a.hop_models))
-    repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, 1,
+    repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, a.model_replicas,
                                     a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size, a.padded)
     bench = Bench(a, repository)
     results: dict[str, Any] = {"meta": _meta(a)}
