@@ -11,7 +11,9 @@ Triton binary tensors unless the scenario compares encodings):
   unbatched model, plus the replica's batch counters (requests per model call); with
   ``--padded`` also a copy padded to the preferred sizes; with ``--trace`` the replica's own
   timestamps per point (``bench.batch_trace``: queue, batch call, engine, event-loop lag);
-  ``--standin`` serves the named models on ``bench.gpu_standin`` (a GPU-like wait, no compute).
+  ``--standin`` serves the named models on ``bench.gpu_standin`` (a GPU-like wait, no compute);
+  with ``--model-replicas k`` > 1 each variant has k replicas, and the echo ceiling (k replicas,
+  the same requests) is measured beside them.
 - ``payload``: JSON vs binary for ocr_det's (1, 3, 640, 640) FP32 input.
 - ``hop``: p50 at concurrency 1 through the product's route (today HTTP -> router -> model
   replica), a Serve ingress that runs the model in its own replica (HTTP -> model), the echo
@@ -508,6 +510,12 @@ class Bench:
                         self.log(json.dumps(row["trace"]))
                     rows.append(row)
                     self.log(f"batching {variant:18} c={level:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
+            if ray_server.echo_endpoint is not None:  # the ceiling: the same requests, as many echo replicas
+                for level in self.args.batch_levels:
+                    (r,) = self.measure([(self.workload(ray_server.echo_endpoint, model), level)])
+                    rows.append({"model": model, "batched": False, "variant": "echo", **asdict(r),
+                                 "requests_per_model_call": None, "padded_rows": None})
+                    self.log(f"batching {'echo':18} c={level:<3} {r.qps:8.1f} QPS  p50 {r.p50_ms} ms")
         self.results["batching"] = rows
 
     def payload(self, servers: dict[str, Server]) -> None:
@@ -965,9 +973,13 @@ def main(argv: Sequence[str]) -> None:
             single = stack.enter_context(Server("single", repository, backend=a.backend, models=a.models + (
                 ["ocr_det"] if "payload" in a.scenarios else []))) if set(a.scenarios) - {"batching", "configs", "pool"} else None
             if needs_main:
-                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, backend=a.backend,
+                # with --model-replicas k > 1, the echo ceiling for 'batching' too, with k replicas
+                # (as many router replicas: one-hop models do not cross them)
+                ray_server = stack.enter_context(Server("ray", repository, a.ray_config, replicas=a.model_replicas,
+                                                        backend=a.backend,
                                                         direct=a.hop_models if "hop" in a.scenarios else (),
-                                                        echo=bool({"alone", "hop"} & set(a.scenarios))))
+                                                        echo=bool({"alone", "hop"} & set(a.scenarios))
+                                                        or ("batching" in a.scenarios and a.model_replicas > 1)))
                 servers = {"ray": ray_server, "single": single}
                 for scenario in ("alone", "together", "payload"):
                     if scenario in a.scenarios:
