@@ -30,9 +30,10 @@ case "$1" in
   padded) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
       --preferred-batch-size 8 --trace --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   padded8) nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -lms 500 > "$OUT/gpu_util.csv" & SMI=$!
+    (while :; do echo "$(date +%s.%N) $(head -1 /proc/stat)"; sleep 0.5; done > "$OUT/proc_stat.txt") & STAT=$!
     cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
       --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} --batch-levels 64,128 --gpu-fraction 0.04 $HTTP --out "$OUT" 2>&1 \
-      | grep -av "^INFO\|^\s*$" | tail -40; kill $SMI ;;
+      | grep -av "^INFO\|^\s*$" | tail -40; kill $SMI $STAT ;;
   scaleout) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn,resnet18,ocr_cls,ocr \
       --replicas 1,2,4,8 --gpu-fraction 0.02 --scaleout-concurrency 64 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   onehop) cd /tmp/w && python3 -m bench.throughput --scenarios scaleout --models tiny_cnn --replicas 1,2,4,8 \
