@@ -33,19 +33,18 @@ from typing import Any
 
 import numpy as np
 
+from deployments.runtime.backends.cuda import WAIT_MODES
+
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {"auto": "cudaDeviceScheduleAuto", "spin": "cudaDeviceScheduleSpin",
-         "yield": "cudaDeviceScheduleYield", "blocking": "cudaDeviceScheduleBlockingSync"}
 
 
 def child(a: argparse.Namespace) -> None:
     from bench.gpu_engine import SHAPES, closed_loop, with_instances
-    from deployments.runtime.backends import cuda
+    from deployments.runtime.backends.onnxruntime_cuda import CUDA_WAIT_ENV
     from deployments.runtime.contract.repository import ModelRepository
     from deployments.runtime.residency.host import ModelHost
 
-    rt = cuda._runtime()
-    cuda.check(rt.cudaSetDeviceFlags(_flag(rt, a.mode)), "cudaSetDeviceFlags")
+    os.environ[CUDA_WAIT_ENV] = a.mode  # the backend's prime() sets it before the context exists
     repo = ModelRepository(a.repository)
     host = ModelHost(with_instances(repo.get(a.model), 1), "onnxruntime_cuda").load()
     x = np.random.default_rng(0).random((a.batch,) + SHAPES[a.model], dtype=np.float32)
@@ -60,24 +59,15 @@ def child(a: argparse.Namespace) -> None:
     host.unload()
 
 
-def _flag(rt: Any, mode: str) -> Any:
-    """The runtime's ``cudaDeviceSchedule*`` flag as an int (cuda-python exposes an enum)."""
-    enum = getattr(rt, "cudaDeviceScheduleFlags", None) or getattr(rt, "cudaDeviceFlags", None)
-    value = getattr(enum, MODES[mode], None) if enum is not None else None
-    if value is None:
-        value = getattr(rt, MODES[mode])
-    return int(value)
-
-
 def point(a: argparse.Namespace, mode: str, model: str, batch: int, procs: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.cuda_sync", "_child", "--mode", mode, "--model", model,
            "--batch", str(batch), "--duration-s", str(a.duration_s), "--repository", a.repository]
     children = [subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for _ in range(procs)]
     for c in children:
-        while (line := c.stdout.readline()) and line.strip() != "READY":
+        while (line := c.stdout.readline()).strip() != "READY":
             if not line:
-                raise RuntimeError(f"a {mode} child did not start")
+                raise RuntimeError(f"a {mode} child did not start (its stderr is above)")
     for c in children:
         c.stdin.write("go\n")
         c.stdin.flush()
@@ -95,7 +85,7 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repository", default=str(ROOT / "engines"))
     if argv[:1] == ["_child"]:
-        p.add_argument("--mode", choices=sorted(MODES))
+        p.add_argument("--mode", choices=sorted(WAIT_MODES))
         p.add_argument("--model")
         p.add_argument("--batch", type=int)
         p.add_argument("--duration-s", type=float)

@@ -10,6 +10,9 @@ visible CUDA device, no cuda-python). On the H200 machine: ``onnxruntime-gpu`` c
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -213,3 +216,25 @@ def test_warmup_runs_on_every_cuda_context_and_the_first_request_matches(model_r
         assert_close(host.infer(feeds), cpu_reference(entry, feeds), onnxruntime_cuda.TOLERANCE[False])
     finally:
         host.unload()
+
+
+@pytest.mark.parametrize("mode,flag", [("blocking", 4), ("spin", 1)])
+def test_the_process_waits_for_the_gpu_as_told(prepared_engines, mode, flag):
+    """``TRT_SERVE_CUDA_WAIT`` reaches CUDA: a fresh process (the flag binds when its context is
+    made) loads tiny_cnn on the provider, runs it, and reads the device's scheduling flag back
+    (``cudaGetDeviceFlags``; CUDA's values: Spin 1, BlockingSync 4)."""
+    code = (
+        "import numpy as np\n"
+        "from deployments.runtime.backends.cuda import _runtime\n"
+        "from deployments.runtime.contract.repository import ModelRepository\n"
+        "from deployments.runtime.residency.host import ModelHost\n"
+        f"host = ModelHost(ModelRepository({str(prepared_engines)!r}).get('tiny_cnn'), 'onnxruntime_cuda').load()\n"
+        "out = host.infer({host.config.inputs[0].name: np.zeros((1, 3, 224, 224), np.float32)})\n"
+        "rt = _runtime()\n"
+        "err, flags = rt.cudaGetDeviceFlags()\n"
+        "print(int(err), int(flags) & int(rt.cudaDeviceScheduleMask), len(out))\n")
+    env = {**os.environ, onnxruntime_cuda.CUDA_WAIT_ENV: mode}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=str(prepared_engines.parent))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["0", str(flag), "1"]

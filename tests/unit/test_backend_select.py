@@ -84,3 +84,37 @@ def test_an_explicit_cuda_backend_fails_the_load_with_the_reason(model_repositor
     with pytest.raises(ConfigError, match="no CUDAExecutionProvider"):
         host.load()
     assert not host.ready
+
+
+def test_cuda_wait_mode_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(onnxruntime_cuda.CUDA_WAIT_ENV, raising=False)
+    assert onnxruntime_cuda.cuda_wait_mode() == onnxruntime_cuda.DEFAULT_CUDA_WAIT
+    monkeypatch.setenv(onnxruntime_cuda.CUDA_WAIT_ENV, "spin")
+    assert onnxruntime_cuda.cuda_wait_mode() == "spin"
+    monkeypatch.setenv(onnxruntime_cuda.CUDA_WAIT_ENV, "sleepy")
+    with pytest.raises(ConfigError, match=r"TRT_SERVE_CUDA_WAIT='sleepy' is not a CUDA wait mode; allowed: "
+                                          r"\['auto', 'blocking', 'spin', 'yield'\]"):
+        onnxruntime_cuda.cuda_wait_mode()
+
+
+def test_set_wait_passes_cuda_its_scheduling_flag(monkeypatch):
+    """The flag values are CUDA's (driver_types.h: Spin 1, Yield 2, BlockingSync 4)."""
+    calls = []
+
+    class Runtime:
+        cudaDeviceScheduleAuto, cudaDeviceScheduleSpin, cudaDeviceScheduleYield, cudaDeviceScheduleBlockingSync = 0, 1, 2, 4
+
+        @staticmethod
+        def cudaSetDeviceFlags(flags):
+            calls.append(flags)
+            return (0,) if flags != 2 else (708,)  # cudaErrorSetOnActiveProcess, as a made context answers
+
+    monkeypatch.setattr(cuda, "_runtime", lambda: Runtime)
+    cuda.set_wait("blocking")
+    cuda.set_wait("spin")
+    assert calls == [4, 1]
+    with pytest.raises(cuda.CudaError, match=r"cudaSetDeviceFlags\(cudaDeviceScheduleYield\) failed: 708"):
+        cuda.set_wait("yield")
+    with pytest.raises(ValueError, match=r"CUDA wait mode 'busy' is not one of \['auto', 'blocking', 'spin', 'yield'\]"):
+        cuda.set_wait("busy")
+    assert calls == [4, 1, 2]

@@ -72,6 +72,22 @@ TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
 _PRIME_LOCK = threading.Lock()
 _PRIMED = False
 
+# How this process's threads wait for the GPU (``cuda.WAIT_MODES``), set once by ``prime``.
+CUDA_WAIT_ENV = "TRT_SERVE_CUDA_WAIT"
+DEFAULT_CUDA_WAIT = "auto"
+
+
+def cuda_wait_mode() -> str:
+    """The wait mode ``TRT_SERVE_CUDA_WAIT`` asks for (default ``DEFAULT_CUDA_WAIT``).
+
+    Raises:
+        ConfigError: not one of ``cuda.WAIT_MODES``.
+    """
+    mode = os.environ.get(CUDA_WAIT_ENV, "").strip() or DEFAULT_CUDA_WAIT
+    if mode not in cuda.WAIT_MODES:
+        raise ConfigError(f"{CUDA_WAIT_ENV}={mode!r} is not a CUDA wait mode; allowed: {sorted(cuda.WAIT_MODES)}")
+    return mode
+
 
 def unavailable_reason(device_id: int = 0) -> str | None:
     """Why the CUDA execution provider cannot run here, or None when it can: the installed
@@ -103,11 +119,21 @@ def prime() -> None:
     """Once per process: load the CUDA libraries the provider needs (``preload_dlls``: cuDNN,
     cuBLAS, the CUDA runtime from the pip ``nvidia-*`` packages where present), then run a one-Conv
     graph on the provider and drop it, so that the CUDA context and library modules exist before
-    any model's footprint is measured."""
+    any model's footprint is measured. First of all, before the context exists, it sets how
+    the process's threads wait for the GPU (``cuda_wait_mode``).
+
+    Raises:
+        ConfigError: ``TRT_SERVE_CUDA_WAIT`` is not a wait mode.
+    """
     global _PRIMED
     with _PRIME_LOCK:
         if _PRIMED:
             return
+        mode = cuda_wait_mode()
+        try:
+            cuda.set_wait(mode)
+        except cuda.CudaError as e:  # e.g. something else in the process made the context first
+            logger.warning("CUDA wait mode '%s' not set (%s): the driver's default stands", mode, e)
         preload = getattr(ort, "preload_dlls", None)
         if preload is not None:
             try:
