@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, RequestCancelledError
 
 from .protocol.answer import Answer
+from .protocol.errors import raise_if_error
 from .runtime.contract.errors import ConfigError, ModelNotReady, unknown_model
 
 logger = logging.getLogger("ray.serve")
@@ -165,7 +166,7 @@ class ModelClient:
             try:
                 result = await response
                 self._last_done[name] = time.monotonic()
-                return result
+                return raise_if_error(result)  # replica methods return their errors (errors_as_values)
             except RequestCancelledError:
                 if response not in self._cut:
                     raise

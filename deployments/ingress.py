@@ -51,7 +51,7 @@ from .observe.statistics import statistics
 from .protocol.answer import answer, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
-from .protocol.errors import error_status, overloaded, retry_after_headers
+from .protocol.errors import detached, error_status, overloaded, raise_if_error, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
 from .control import Desired, Follower, follow
@@ -107,6 +107,7 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None, lo
     shed request); ASCII-escaped JSON, so a message quoting any client text always renders.
     ``log``: as in ``error_status``."""
     status, message = error_status(exc, log)
+    detached(exc)  # a cycle that keeps the exception must not keep the request's data
     return Response(json.dumps({"error": message}), status_code=status, media_type="application/json",
                     headers={**retry_after_headers(exc), **(headers or {})})
 
@@ -783,7 +784,7 @@ class ReplicaClient:
         self._infer = infer
 
     async def infer(self, name: str, inputs: dict, outputs: list[str] | None = None, key: str | None = None) -> dict:
-        return await self._infer(inputs, outputs)
+        return raise_if_error(await self._infer(inputs, outputs))
 
 
 class ModelRoutes(RouterApp):

@@ -21,6 +21,7 @@ from ray import serve
 
 from .control import Desired, loaded_at_start, outcome
 from .ingress import Admission, RouterOptions, own_routes
+from .protocol.errors import errors_as_values
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -90,9 +91,13 @@ class ModelDeployment:
                 max_batch_size=policy.max_rows, batch_wait_timeout_s=policy.wait_s,
                 max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
 
+    @errors_as_values
     @observe_replica_infer(lambda self: (self.host.name, self.host.version))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Validate and run one request; see ``ModelHost.infer`` for shapes and raised errors.
+
+        A ``ServingError`` is returned, not raised (``errors_as_values``): its callers, this
+        replica's routes and other deployments' handles, raise it again.
 
         Validated once: by ``ModelHost.infer`` without batching, by ``BatchItem.of`` before a
         request joins the batch queue (the joined batch is not checked again).

@@ -15,6 +15,7 @@ from ray import serve
 from .client import ModelClient, handle, model_handles, router_application
 from .control import Desired, loaded_at_start
 from .ingress import Admission, RouterOptions, own_routes
+from .protocol.errors import errors_as_values
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps
@@ -69,10 +70,11 @@ class PipelineDeployment:
             self.routes.model_unloaded()
         return {}
 
+    @errors_as_values
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request through the pipeline; returns the requested outputs by name.
 
-        Raises:
+        Returns, not raises (``errors_as_values``):
             InvalidInput: the inputs or requested outputs do not fit the pipeline model's config.
             Overloaded: the pipeline's queue is full (``ingress.Admission``).
         """

@@ -13,6 +13,7 @@ from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .protocol.answer import Answer, answer_body
+from .protocol.errors import errors_as_values, raise_if_error
 from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
@@ -78,6 +79,7 @@ class PoolDeployment:
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
+    @errors_as_values
     @observe_replica_infer(lambda self: self._model_version(serve.get_multiplexed_model_id()))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model version named by the multiplexed model id (its cache
@@ -85,11 +87,13 @@ class PoolDeployment:
 
         The cache validates the request once, before any load (``ModelCache.infer_async``).
 
-        Raises: as ``ModelCache.infer_async`` (``InvalidInput``, ``OverBudget``...).
+        Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``ModelCache.infer_async``
+        (``InvalidInput``, ``OverBudget``...).
         """
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
 
+    @errors_as_values
     async def infer_body(self, model: str, version: str, batched: bool, chunks: list[bytes],
                          header_length: str | None, default_timeout_s: float) -> Answer:
         """An infer request's body, as the router got it, for the version named by the
@@ -98,9 +102,13 @@ class PoolDeployment:
         and encoded for ``model`` at ``version`` (``protocol.answer.answer_body``; ``batched``:
         the model's ``max_batch_size > 0``).
 
-        Raises: as ``answer`` and ``infer`` (``InvalidInput`` for a malformed body).
+        Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``answer`` and ``infer``
+        (``InvalidInput`` for a malformed body).
         """
-        return await answer_body(model, version, batched, chunks, header_length, self.infer, default_timeout_s)
+        async def infer(inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
+            return raise_if_error(await self.infer(inputs, outputs))
+
+        return await answer_body(model, version, batched, chunks, header_length, infer, default_timeout_s)
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar
 
@@ -169,19 +170,22 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bo
     too_big = f"input 'image' declares too many pixels; at most {max_pixels:,} pixels are accepted"
     if not data:
         raise InvalidInput("input 'image' is not a decodable PNG or JPEG image (it is empty)")
-    try:  # header only: the format and the size, before any pixel is decoded
-        with Image.open(io.BytesIO(data)) as header:
+    try:  # header only: the format, the size and the orientation, before any pixel is decoded
+        with warnings.catch_warnings():  # Pillow's bomb warning: the size is checked here, with an answer
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            header = Image.open(io.BytesIO(data))
+        with header:
             fmt, (width, height) = header.format, header.size
-            orientation = header.getexif().get(_EXIF_ORIENTATION, 1) if exif_orientation else 1
+            if fmt not in IMAGE_FORMATS:
+                raise InvalidInput(f"input 'image' is not a decodable PNG or JPEG image (it is {fmt})")
+            if width * height > max_pixels:
+                raise InvalidInput(
+                    f"input 'image' is {width}x{height} pixels; at most {max_pixels:,} pixels are accepted")
+            orientation = _orientation(header) if exif_orientation else 1
     except Image.DecompressionBombError:
         raise InvalidInput(too_big) from None
-    except (UnidentifiedImageError, OSError, ValueError):
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise InvalidInput(not_image) from None
-    if fmt not in IMAGE_FORMATS:
-        raise InvalidInput(f"input 'image' is not a decodable PNG or JPEG image (it is {fmt})")
-    if width * height > max_pixels:
-        raise InvalidInput(
-            f"input 'image' is {width}x{height} pixels; at most {max_pixels:,} pixels are accepted")
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     if image is None or image.size == 0:
         raise InvalidInput(not_image)
@@ -195,6 +199,26 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bo
 
 
 _EXIF_ORIENTATION = 0x0112
+
+
+def _orientation(header: Image.Image) -> int:
+    """The EXIF Orientation tag of an opened, not decoded, PNG or JPEG (1 when absent or
+    unreadable). A PNG's eXIf chunk is read as Pillow found it while opening (the chunk goes
+    before the image data): Pillow's ``getexif()`` on a PNG decodes every pixel first, looking
+    for one after them (a 657 KB PNG of 13000 x 13000 cost 650 MB and 2 s that way)."""
+    try:
+        if header.format == "PNG":
+            raw = header.info.get("exif")
+            if not raw:
+                return 1
+            exif = Image.Exif()
+            exif.load(raw)
+        else:
+            exif = header.getexif()  # JPEG: the APP1 segment, no pixels
+        value = exif.get(_EXIF_ORIENTATION, 1)
+    except Exception:  # a corrupt EXIF block: shown as stored, as viewers do
+        return 1
+    return value if isinstance(value, int) else 1
 # EXIF Orientation -> the turn that displays the stored image (PIL.ImageOps.exif_transpose's table).
 _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     2: lambda a: a[:, ::-1],                              # mirrored left-right

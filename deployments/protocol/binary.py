@@ -225,7 +225,12 @@ def decode_request(body: Body, header_length: int | None) -> InferRequest:
         parsed = parse_json(bytes(header))
     except InvalidInput as e:
         if header_length is None:
-            raise
+            raise InvalidInput(
+                f"{e.message}. An infer request's body is a KServe v2 JSON object {{\"inputs\": [...]}} "
+                "(a file such as an image goes in a BYTES input: base64 in JSON with parameters "
+                "{\"content_type\": \"base64\"}), or, with the binary tensor extension, that JSON "
+                "header followed by the tensors' bytes and its length in the Inference-Header-Content-Length "
+                "header") from None
         raise InvalidInput(
             f"the body's first {header_length} bytes (Inference-Header-Content-Length) are not one "
             f"JSON object: {e.message}; the header must give the exact length of the JSON part, "

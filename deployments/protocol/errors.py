@@ -10,8 +10,11 @@ HAProxy answers 502/503/504 in the same shape: ``deployments/loopback.py``, ``ER
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import traceback
+from typing import Any, Awaitable, Callable, TypeVar
 
 from ray.serve.exceptions import BackPressureError
 
@@ -109,3 +112,52 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
         return status, exc.message
     logger.error("internal error", exc_info=exc)
     return 500, "internal server error; the server log has the details"
+
+
+def detached(exc: BaseException) -> BaseException:
+    """``exc`` holding nothing but itself: the locals of every finished frame of its traceback,
+    and of the exceptions chained to it, cleared; then its traceback and chain dropped.
+
+    An exception kept in a reference cycle (Ray's request path keeps the one a replica method
+    raised in its own frame; a frame that keeps an exception it caught) holds every frame it
+    passed, with their locals: a failed request's body and decoded tensors, until Python's cycle
+    collector runs, which large float and bytes payloads never trigger. Measured on 2 cores
+    before this: a pool replica kept about 150 MB per 12 MB bad request (1.1 GB after five), the
+    OCR pipeline 650 MB per oversized image. Frames still running (the caller's) are left as
+    they are.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
+    exc.__traceback__ = None
+    exc.__cause__ = exc.__context__ = None
+    return exc
+
+
+T = TypeVar("T")
+
+
+def errors_as_values(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | ServingError]]:
+    """For a replica method called through a deployment handle: a ``ServingError`` it raises is
+    returned, ``detached``, instead of raised across the handle (raised, it stays in a cycle
+    with Ray's frames and their copy of the request until the cycle collector runs); the
+    caller raises it again (``raise_if_error``). Other exceptions (real faults) are raised."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: Any, **kwargs: Any) -> T | ServingError:
+        try:
+            return await method(*args, **kwargs)
+        except ServingError as exc:
+            return detached(exc)  # type: ignore[return-value]
+
+    return wrapper
+
+
+def raise_if_error(result: T | ServingError) -> T:
+    """``result`` of an ``errors_as_values`` method, or its error raised here."""
+    if isinstance(result, ServingError):
+        raise result
+    return result

@@ -257,9 +257,12 @@ def decode_infer_request(payload: Any,
             if not isinstance(params, dict):
                 raise InvalidInput(f"outputs[{i}]: 'parameters' must be an object")
             check_parameters(f"output '{_text(f'outputs[{i}] name', o['name'])}'", params, OUTPUT_PARAMETERS)
+            if o["name"] in output_parameters:
+                raise InvalidInput(f"output '{o['name']}' is requested twice")
             class_count(f"output '{o['name']}'", params)
             outputs.append(_text(f"outputs[{i}] name", o["name"]))
             output_parameters[o["name"]] = params
+        outputs = outputs or None  # an empty list requests no output in particular: all of them (Triton)
     parameters = payload.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be an object")

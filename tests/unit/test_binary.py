@@ -222,6 +222,15 @@ def test_malformed_json_header_is_400():
         decode(b"{not json" + bytes(8), "9")
 
 
+@pytest.mark.parametrize("body", [b"\x89PNG\r\n\x1a\n" + bytes(8), b"", b"name=tiny_cnn"])
+def test_a_body_that_is_not_json_says_what_an_infer_body_is(body):
+    """A file posted as the body (an image, a form) gets the reason and what the route takes."""
+    with pytest.raises(InvalidInput, match=r"^request body is not valid JSON: .*\. An infer request's body is a "
+                       r"KServe v2 JSON object \{\"inputs\": \[\.\.\.\]\} \(a file such as an image goes in a "
+                       r"BYTES input: base64 .*Inference-Header-Content-Length header$"):
+        decode_request(body, None)
+
+
 @pytest.mark.parametrize("delta", [-3, 5])
 def test_a_header_length_that_misses_the_json_part_names_the_header(delta):
     body, header = binary_body({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32",

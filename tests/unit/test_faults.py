@@ -145,12 +145,15 @@ def test_a_real_full_file_system_under_the_plan_folder_fails_the_build_clearly(t
 # --- text a graph parses as a number (found by bench/fuzz.py: 500 for a client's mistake) ----
 
 @pytest.mark.parametrize("text,ok", [("12", True), (" 7", True), ("-5", True), ("+3", True), ("1.5", True),
-                                     ("0x10", True), ("9223372036854775807", True), ("x", False), ("", False),
+                                     ("0x10", True), ("2147483647", True), ("-2147483648", True),
+                                     ("2147483648", False), ("3000000000", False), ("-2147483649", False),
+                                     ("9223372036854775807", False), ("x", False), ("", False),
                                      ("99999999999999999999", False), ("\u0663", False), ("- 1", False)])
 def test_text_the_graph_casts_to_an_integer_is_checked_as_onnxruntime_parses_it(prepared_engines, text, ok):
     """``simple_string`` casts its string inputs to INT32: text ONNX Runtime's Cast cannot parse
     is a 400 naming input, element and text, not the run's RuntimeException (a 500); text it
-    parses runs as before (the same rule: ``std::stoll``)."""
+    parses runs as before (the same rule: ``std::stoll``), unless its value is outside INT32, into
+    which ONNX Runtime would wrap it ("3000000000" answered -1294967295)."""
     from deployments.runtime.contract.errors import InvalidInput
     from deployments.runtime.residency.host import ModelHost
 
@@ -166,6 +169,6 @@ def test_text_the_graph_casts_to_an_integer_is_checked_as_onnxruntime_parses_it(
                 host.infer({"INPUT0": a, "INPUT1": b})
             assert raised.value.message == (
                 f"model 'simple_string' input 'INPUT0': element 15 is {text!r}, but the model reads it as a "
-                "number (INT32): expected a decimal integer within 64 bits")
+                "number (INT32): expected a decimal integer from -2147483648 to 2147483647")
     finally:
         host.unload()

@@ -376,6 +376,25 @@ def test_decode_applies_every_exif_orientation_as_pil_exif_transpose(orientation
                             else pixels).shape
 
 
+def test_decode_reads_size_and_orientation_without_decoding_pixels_in_pillow(monkeypatch):
+    """An image over the pixel limit is refused from its header, and the EXIF orientation of a
+    PNG or JPEG is read without Pillow decoding its pixels (OpenCV decodes them, once): a small
+    PNG declaring 20 million pixels was decoded whole by ``getexif()`` before."""
+    from PIL import ImageFile
+
+    def no_pixels(self):
+        raise AssertionError("Pillow decoded the pixels")
+
+    over = _png(Image.new("L", (5000, 4000), 255))
+    displayed = Image.fromarray(np.random.default_rng(0).integers(0, 256, (3, 5, 3), dtype=np.uint8))
+    sideways = {fmt: _stored_with_orientation(displayed, 6, fmt) for fmt in ("PNG", "JPEG")}
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_pixels)
+    with pytest.raises(InvalidInput, match=r"^input 'image' is 5000x4000 pixels; at most 16,777,216 pixels are accepted$"):
+        decode_image(over)
+    for data in sideways.values():
+        assert decode_image(data).shape == (3, 5, 3)  # stored 5 x 3, displayed 3 rows x 5 columns
+
+
 @pytest.mark.parametrize("orientation", [6, 8, 5])  # all eight: test_decode_applies_every_exif_orientation
 def test_a_jpeg_stored_sideways_reads_with_boxes_in_the_displayed_frame(pipeline, image_maker, orientation):
     displayed = Image.open(io.BytesIO(image_maker.render_text([HELLO, FOX], size=(800, 300))))

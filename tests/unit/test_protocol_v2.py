@@ -94,10 +94,18 @@ def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
     ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
       "outputs": [{"name": "y", "parameters": [1]}]}, "'parameters' must be an object"),
     ({"id": "\ud800", "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}]}, "not valid Unicode"),
+    ({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
+      "outputs": [{"name": "y"}, {"name": "y", "parameters": {"binary_data": True}}]}, "^output 'y' is requested twice$"),
 ])
 def test_bad_requests_are_invalid_input(payload, fragment):
     with pytest.raises(InvalidInput, match=fragment):
         decode_infer_request(payload)
+
+
+def test_an_empty_outputs_list_requests_every_output_as_triton_does():
+    request = decode_infer_request({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
+                                    "outputs": []})
+    assert request.outputs is None
 
 
 @pytest.mark.parametrize("body", [b"{", b"[1,]", b"\xff\xfe", b'{"a": NaN}', b'{"a": -Infinity}', b"[" * 100000,
