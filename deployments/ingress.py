@@ -255,7 +255,7 @@ class RouterApp:
             try:
                 answered = set(self.backends)  # models a replica answered before this snapshot is asked for
                 counts = await self.client.replica_counts()
-                self.refresh_ready(counts.running, answered)
+                self.refresh_ready(counts.running, answered, counts.stopped)
                 self.note_missing(counts.missing)
                 self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
                 deleting = counts.deleting
@@ -298,7 +298,8 @@ class RouterApp:
                 continue
             self._mark_loaded(entry, state["placement"], None)
 
-    def refresh_ready(self, running: dict[str, int], answered: Iterable[str] = ()) -> None:
+    def refresh_ready(self, running: dict[str, int], answered: Iterable[str] = (),
+                      stopped: Iterable[str] = ()) -> None:
         """Readiness after first load follows the replicas: a model (dedicated once it answered
         ``poll_ready``, or pooled) that Serve has counted with a RUNNING replica is ready while
         it has one, so ready routes and requests answer 503 when it lost them all and 200 again
@@ -311,8 +312,10 @@ class RouterApp:
         Args:
             running: model name -> RUNNING replicas (``ModelClient.replica_counts``).
             answered: models a replica answered (``backends``) before ``running`` was asked for.
+            stopped: models whose application is being deleted (``ReplicaCounts.stopped``): their
+                loss is the plan (Ctrl-C), logged at INFO, not as a warning on the terminal.
         """
-        answered = set(answered)
+        answered, stopped = set(answered), set(stopped)
         self._running = dict(running)
         for name, count in running.items():
             if count:
@@ -321,7 +324,8 @@ class RouterApp:
                     continue  # never answered yet: poll_ready decides
                 self.ready_models.add(name)
             elif (name in self._seen_running or name in answered) and name in self.ready_models:
-                logger.warning("model '%s' has no running replica: not ready (503) until one runs", name)
+                logger.log(logging.INFO if name in stopped else logging.WARNING,
+                           "model '%s' has no running replica: not ready (503) until one runs", name)
                 self.ready_models.discard(name)
 
     def _entry(self, request: Request) -> ModelEntry:

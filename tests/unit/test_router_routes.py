@@ -9,6 +9,7 @@ Ray Serve stays in ``tests/integration``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import gzip
 import json
 import zlib
@@ -363,14 +364,19 @@ def test_header_length_beyond_the_body_is_400(router):
     assert_error(r, 400, "Inference-Header-Content-Length is 10000 bytes")
 
 
-def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(repo):
+def test_a_model_that_loses_its_replicas_is_503_again_and_ready_once_one_runs(repo, caplog):
     client = FakeModelClient(repo)
     app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
     asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
     router = TestClient(app.build_app(), raise_server_exceptions=False)
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
     app.refresh_ready({"ocr_det": 1, "tiny_cnn": 1, "ocr": 1})
-    app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0, "ocr": 1})  # a dedicated and a pooled model lost theirs
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
+        app.refresh_ready({"ocr_det": 0, "tiny_cnn": 0, "ocr": 1}, stopped={"tiny_cnn"})  # both lost theirs
+    # a model whose application is being deleted (Ctrl-C) lost them by plan: no warning on the terminal
+    assert sorted((r.levelname, r.getMessage()) for r in caplog.records if "no running replica" in r.getMessage()) == [
+        ("INFO", "model 'tiny_cnn' has no running replica: not ready (503) until one runs"),
+        ("WARNING", "model 'ocr_det' has no running replica: not ready (503) until one runs")]
     for name in ("ocr_det", "tiny_cnn"):
         assert_error(router.get(f"/v2/models/{name}/ready"), 503, f"model '{name}' is not ready")
     assert_error(router.get("/v2/health/ready"), 503, "ocr_det", "tiny_cnn")
