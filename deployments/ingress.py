@@ -25,10 +25,13 @@ validates its tensors.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 from urllib.parse import unquote
@@ -51,13 +54,13 @@ from .observe.statistics import statistics
 from .protocol.answer import answer, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
-from .protocol.errors import detached, error_status, overloaded, raise_if_error, retry_after_headers
+from .protocol.errors import RETRY_AFTER_S, detached, error_status, overloaded, raise_if_error, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
 from .control import Desired, Follower, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
-                                      ModelNotReady, PayloadTooLarge, RequestTimeout, ServingError, unknown_model,
-                                      unloaded_model)
+                                      ModelNotReady, Overloaded, PayloadTooLarge, RequestTimeout, ServingError,
+                                      unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
@@ -492,7 +495,9 @@ class RouterApp:
         ``reason`` says which). With explicit model control, also every model folder on disk
         not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
         Body (optional): ``{"ready": true}`` lists only READY models."""
-        only_ready = bool((await _json_body(request, "index")).get("ready", False))
+        only_ready = (await _json_body(request, "index")).get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
         pool = await self._pool_models()
         index = []
         for entry in self.repo.entries():
@@ -848,28 +853,65 @@ class Admission:
     It stands where Serve's own bounds stood when the router called the model: the replica is its
     model's ingress now, and Serve's direct-ingress shedding answers plain text. HTTP requests and
     calls through handles (a pipeline's steps) count alike. ``max_queued_requests`` None: no bound.
+
+    With ``timeout_s`` (the application's ``request_timeout_s``) a request is also shed when the
+    requests already held would take longer than that to clear at the rate this replica has
+    been answering since it was last idle: it would only wait to be answered 504. The bounds
+    count requests, and a slow model (the OCR pipeline on 2 cores: ~3.4 images/s) holds more
+    than it serves in 60 s (300 concurrent images: 88 answered 504 after 60 s, none 503). The
+    rate is known once ``RATE_MIN_DONE`` requests finished over ``RATE_MIN_S`` seconds of one
+    busy period; before that, and after ``RATE_STALE_S`` without an answer, only the bounds shed.
     """
 
-    def __init__(self, max_ongoing_requests: int, max_queued_requests: int | None) -> None:
+    RATE_MIN_DONE = 16
+    RATE_MIN_S = 1.0
+    RATE_STALE_S = 5.0
+
+    def __init__(self, max_ongoing_requests: int, max_queued_requests: int | None,
+                 timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_ongoing_requests = max_ongoing_requests
         self.max_queued_requests = max_queued_requests
+        self.timeout_s = timeout_s
         self.in_flight = 0
+        self._clock = clock
+        self._done: collections.deque[float] = collections.deque(maxlen=256)  # this busy period's answers
+
+    def rate(self) -> float | None:
+        """Requests answered per second over this busy period's last answers (at most 256), or
+        None while too few, too brief or stale to say."""
+        done = self._done
+        if len(done) < self.RATE_MIN_DONE or self._clock() - done[-1] > self.RATE_STALE_S:
+            return None
+        span = done[-1] - done[0]
+        return (len(done) - 1) / span if span >= self.RATE_MIN_S else None
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
         """Hold one place for a request.
 
         Raises:
-            Overloaded: ``max_queued_requests`` already wait.
+            Overloaded: ``max_queued_requests`` already wait, or the requests held would take
+                more than ``timeout_s`` to clear at this replica's rate.
         """
         waiting = self.in_flight - self.max_ongoing_requests
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise overloaded(waiting, self.max_queued_requests)
+        rate = self.rate() if self.timeout_s is not None and self.in_flight else None
+        if rate is not None and self.in_flight / rate > self.timeout_s:
+            raise Overloaded(
+                f"server overloaded: the {self.in_flight} requests ahead of this one would take about "
+                f"{self.in_flight / rate:.0f} s at the {rate:.1f} requests/s this replica answers, more than "
+                f"request_timeout_s ({self.timeout_s:g} s); retry after {math.ceil(RETRY_AFTER_S)} s",
+                RETRY_AFTER_S)
         self.in_flight += 1
         try:
             yield
         finally:
             self.in_flight -= 1
+            if self.in_flight:
+                self._done.append(self._clock())
+            else:
+                self._done.clear()  # idle: the next busy period measures its own rate
 
 
 class FullPath:

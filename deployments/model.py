@@ -21,10 +21,10 @@ from ray import serve
 
 from .control import Desired, loaded_at_start, outcome
 from .ingress import Admission, RouterOptions, own_routes
-from .protocol.errors import errors_as_values
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
+from .protocol.errors import errors_as_values
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.repository import ModelRepository
@@ -66,7 +66,7 @@ class ModelDeployment:
         self.gate = Gate(name, open_=loaded)
         if loaded:
             self.host.load()
-        self.admission = Admission(max_ongoing_requests, max_queued_requests)
+        self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         self.routes = own_routes(self.repo.get(name), self.repo, self.infer, routes, metrics, initial,
                                  self.host.backend if loaded else None, self.apply)
         self.recorder = replica_recorder(metrics)

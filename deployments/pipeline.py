@@ -7,6 +7,7 @@ step's application, or the router application's pool).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 import numpy as np
@@ -15,11 +16,11 @@ from ray import serve
 from .client import ModelClient, handle, model_handles, router_application
 from .control import Desired, loaded_at_start
 from .ingress import Admission, RouterOptions, own_routes
-from .protocol.errors import errors_as_values
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
-from .observe.deployment import observed_steps
+from .observe.deployment import observed_steps, replica_recorder
 from .pipelines import create_pipeline
+from .protocol.errors import errors_as_values
 from .runtime.contract.repository import ModelRepository
 from .runtime.contract.validation import validate_request
 
@@ -48,12 +49,14 @@ class PipelineDeployment:
         repo = ModelRepository(repository)
         entry = repo.get(name)
         self.config = entry.config
+        self.version = entry.latest
+        self.recorder = replica_recorder(metrics)  # the pipeline's own executions, as Triton counts an ensemble's
         router_app = router_application(name)
         pool = handle(router_app, "pool") if pool_models else None
         client = ModelClient(model_handles(router_app, dedicated), pool, pool_models)
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
-        self.admission = Admission(max_ongoing_requests, max_queued_requests)
+        self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
                                  "pipeline" if loaded_at_start(initial, name) else None, self.apply)
 
@@ -80,7 +83,11 @@ class PipelineDeployment:
         """
         with self.admission.request():
             wanted = validate_request(self.config, inputs, outputs)
+            start = time.perf_counter()
             result = await self.pipeline.infer(inputs)
+            if self.recorder is not None:  # one execution per request, of its rows (Triton's ensembles)
+                rows = next(iter(inputs.values())).shape[0] if self.config.max_batch_size else 1
+                self.recorder.on_execution(self.config.name, self.version, rows, time.perf_counter() - start)
             return result if outputs is None else {n: result[n] for n in wanted}
 
     def backend(self) -> str:

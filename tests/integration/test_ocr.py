@@ -91,3 +91,22 @@ def test_tritonclient_sends_the_image_as_bytes(server):
     result = client.infer("ocr", [tensor], outputs=[httpclient.InferRequestedOutput("text", binary_data=False)])
     assert [t.decode() if isinstance(t, bytes) else t for t in result.as_numpy("text")] == \
         ["Hello World 2026", "The quick brown fox"]
+
+
+def test_the_pipelines_statistics_count_its_requests_as_triton_counts_an_ensembles(server):
+    """An ensemble's statistics in Triton: one inference and one execution per request (its
+    success count). Counts reach the statistics within a flush interval: polled."""
+    import time
+
+    def counts() -> tuple[int, int, int]:
+        stats = requests.get(f"{server}/v2/models/ocr/stats", timeout=30).json()["model_stats"][0]
+        return stats["inference_stats"]["success"]["count"], stats["inference_count"], stats["execution_count"]
+
+    time.sleep(1.0)  # the earlier tests' counts flushed
+    before = counts()
+    for _ in range(2):
+        outputs(ocr(server, SAMPLE.read_bytes()))
+    deadline = time.monotonic() + 30
+    while min(a - b for a, b in zip(after := counts(), before)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [a - b for a, b in zip(after, before)] == [2, 2, 2]

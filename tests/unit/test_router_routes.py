@@ -148,6 +148,10 @@ def test_repository_index_says_which_models_load_on_first_request(router, repo):
     assert all(index[n]["state"] == "READY" and "reason" not in index[n] for n in set(index) - pooled)
     assert index["tiny_cnn"] == {"name": "tiny_cnn", "version": "1", "state": "UNAVAILABLE",
                                  "reason": "not loaded yet; loads on first request"}
+    ready = router.post("/v2/repository/index", json={"ready": True}).json()
+    assert sorted(i["name"] for i in ready) == sorted(n for n in index if index[n]["state"] == "READY")
+    assert_error(router.post("/v2/repository/index", json={"ready": "yes"}), 400,
+                 "repository index: 'ready' must be true or false, not \"yes\"")
 
 
 def test_memory_gathers_dedicated_engines_and_the_pool(router):

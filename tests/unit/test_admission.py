@@ -1,0 +1,81 @@
+"""``ingress.Admission``: the request bounds of a model replica, and the shedding of requests that
+could only time out (the held requests would take longer than ``request_timeout_s`` to clear)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from deployments.ingress import Admission
+from deployments.protocol.errors import error_status, retry_after_headers
+from deployments.runtime.contract.errors import Overloaded
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hold(admission: Admission, stack: contextlib.ExitStack) -> contextlib.ExitStack:
+    """Admit one request and keep it until ``stack`` is closed; returns its own stack."""
+    own = contextlib.ExitStack()
+    own.enter_context(admission.request())
+    stack.callback(own.close)
+    return own
+
+
+def test_the_bounds_count_requests():
+    admission = Admission(2, 1)
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):
+            hold(admission, stack)
+        with pytest.raises(Overloaded, match=r"1 requests already wait for this model \(limit 1\)"):
+            hold(admission, stack)
+    assert admission.in_flight == 0
+
+
+def test_a_request_that_could_only_time_out_is_shed_at_once():
+    """A replica answering 1 request/s with a 10 s timeout: 11 held -> the next would wait ~11 s."""
+    clock = Clock()
+    admission = Admission(512, None, timeout_s=10.0, clock=clock)
+    with contextlib.ExitStack() as stack:
+        held = [hold(admission, stack) for _ in range(30)]
+        assert admission.rate() is None  # nothing answered yet: only the bounds shed
+        hold(admission, stack).close()
+        for request in held[:19]:  # 19 answers, one a second, while the rest wait
+            clock.now += 1.0
+            request.close()
+        assert admission.in_flight == 11 and admission.rate() == pytest.approx(1.0)
+        with pytest.raises(Overloaded) as shed:
+            hold(admission, stack)
+        assert error_status(shed.value) == (503, "server overloaded: the 11 requests ahead of this one would take "
+                                                 "about 11 s at the 1.0 requests/s this replica answers, more than "
+                                                 "request_timeout_s (10 s); retry after 1 s")
+        assert retry_after_headers(shed.value) == {"Retry-After": "1"}
+        held[19].close()
+        held[20].close()  # 9 held: they clear in ~9 s, within the timeout
+        hold(admission, stack)
+        clock.now += Admission.RATE_STALE_S + 1  # no answer for a while: the rate is unknown again
+        assert admission.rate() is None
+        for _ in range(5):
+            hold(admission, stack)
+    assert admission.in_flight == 0
+
+
+def test_each_busy_period_measures_its_own_rate():
+    """After the replica went idle, a burst is not judged by the rate of the previous one."""
+    clock = Clock()
+    admission = Admission(512, None, timeout_s=10.0, clock=clock)
+    with contextlib.ExitStack() as stack:
+        held = [hold(admission, stack) for _ in range(20)]
+        for request in held:
+            clock.now += 1.0
+            request.close()
+    assert admission.in_flight == 0 and admission.rate() is None
+    with contextlib.ExitStack() as stack:
+        for _ in range(50):  # would be 50 s at the old rate: admitted, the rate is not known yet
+            hold(admission, stack)
