@@ -216,21 +216,34 @@ def answer_replica_deaths(config: str) -> str:
 # While the server starts or stops that is a transition, not an unknown model: a client (and
 # tritonclient) must read it as "retry", so it becomes a JSON 503 with Retry-After: always
 # behind an application's backend (HAProxy matched the path to that application), and from
-# ``default_backend`` when the config routes to no application at all. A path outside every
-# route prefix of a running server stays a 404, in JSON.
+# ``default_backend`` while the config routes no router application (``missing_routers``):
+# none at all, or the dedicated models' applications (``<router>.<model>``, deployments/app.py)
+# without their router's. Serve routes each application on its own as it starts (its target
+# group, to Ray's Python proxy until its ingress has a replica) and drops each as it is
+# deleted: ``make serve`` routed some models' applications 2-5 s before the router's ``/``
+# (which takes every path once routed) in 6 of 9 starts here, ~7 s in a reviewer's, and may
+# keep them a moment after the router's at Ctrl-C (bench/unrouted_window.py). With the router
+# routed, a request reaches ``default_backend`` only when its path is outside the router's
+# prefix (``route_prefix: /api``): that 404 is genuine and stays, in JSON.
 UNROUTED_ANSWERS = {
     503: "no application serves {path} now: the server is starting, stopping or redeploying; send it again shortly",
     404: "no application route matches {path}; GET /-/routes lists the route prefixes",
 }
+# The 503 from ``default_backend`` while router applications known by name are not routed.
+ROUTER_UNROUTED_ANSWER = ("no application serves {path} now: the server is starting, stopping or redeploying (the "
+                          "router application {apps} has no route yet); send it again shortly")
 UNROUTED_MARKER = "# trt-serve: a request no application takes answers JSON (deployments/loopback.py)"
 _NO_ROUTE_RETURN = re.compile(r"^\s+http-request\s+return\s+status\s+404\b")
+_USE_BACKEND = re.compile(r"^\s+use_backend\s+(?P<name>\S+)")
+_DEFAULT_BACKEND = re.compile(r"^\s+default_backend\s+(?P<name>\S+)")
 
 
-def _unrouted_answer(status: int, rule: str, path: str, condition: str = "") -> str:
-    """An ``http-request``/``http-response`` (``rule``) ``return`` line answering
-    ``UNROUTED_ANSWERS[status]`` as JSON, the request's path (the sample ``path``) escaped by
-    HAProxy (``json``)."""
-    body = json.dumps({"error": UNROUTED_ANSWERS[status]}).replace("{path}", f"%[{path},json(utf8s)]")
+def _unrouted_answer(status: int, rule: str, path: str, condition: str = "", text: str | None = None) -> str:
+    """An ``http-request``/``http-response`` (``rule``) ``return`` line answering ``text``
+    (default ``UNROUTED_ANSWERS[status]``) as JSON, ``{path}`` in it the request's path (the
+    sample ``path``) escaped by HAProxy (``json``)."""
+    text = UNROUTED_ANSWERS[status] if text is None else text
+    body = json.dumps({"error": text}).replace("{path}", f"%[{path},json(utf8s)]")
     line = f"{rule} return status {status} content-type application/json lf-string {_haproxy_quoted(body)}"
     line += f" hdr Retry-After {RETRY_AFTER_S}" if status == 503 else ""
     return f"    {line}{condition}\n"
@@ -242,15 +255,57 @@ def _backend_name(line: str) -> str | None:
     return words[1] if len(words) > 1 and words[0] == "backend" else None
 
 
+def routed_backends(config: str) -> set[str]:
+    """The backends that ``config``'s frontends ending in ``default_backend default_backend``
+    (Ray's ``http_frontend``) route paths to (``use_backend NAME ...``): one ``http-<application>``
+    per application with a route prefix and an ingress replica (Ray's ``haproxy.py`` names them;
+    ``<name>-via-ingress-request-router`` beside it with Ray's ingress request router)."""
+    routed: set[str] = set()
+    section, names, default = None, set(), None
+    for line in [*config.splitlines(), "end"]:
+        if _SECTION.match(line) or line == "end":
+            if section == "frontend" and default == "default_backend":
+                routed |= names
+            section, names, default = line.split()[0], set(), None
+            continue
+        use, fallback = _USE_BACKEND.match(line), _DEFAULT_BACKEND.match(line)
+        names |= {use["name"]} if use else set()
+        default = fallback["name"] if fallback else default
+    return routed
+
+
+def missing_routers(routed: set[str]) -> list[str] | None:
+    """The router applications' backends that ``routed`` (``routed_backends``) lacks, sorted:
+    ``R`` for each routed ``R.<model>`` (a dedicated model's application; a router application's
+    name holds no '.', ``deployments.client.model_application``) that is not routed itself.
+    ``None`` when nothing is routed at all (no application known by name)."""
+    if not routed:
+        return None
+    return sorted({name.split(".", 1)[0] for name in routed if "." in name} - routed)
+
+
+def _default_backend_answer(missing: list[str] | None) -> str:
+    """``default_backend``'s ``return`` line given ``missing_routers``: 404 with none missing,
+    503 naming the missing ones' applications (Ray's backend name less ``http-``), or plain 503
+    when nothing is routed."""
+    if missing is None:
+        return _unrouted_answer(503, "http-request", "path")
+    if not missing:
+        return _unrouted_answer(404, "http-request", "path")
+    apps = ", ".join(f"'{name.removeprefix('http-')}'" for name in missing)
+    return _unrouted_answer(503, "http-request", "path", text=ROUTER_UNROUTED_ANSWER.replace("{apps}", apps))
+
+
 def answer_unrouted(config: str) -> str:
     """``config`` with Ray's plain-text 404 for a request no application takes answered as
     ``UNROUTED_ANSWERS`` says (the comment above them): ``default_backend``'s ``return`` line
-    replaced, and in every other backend a plain-text 404 from its server (Ray's Python proxy)
-    answered 503. Idempotent (a marker comment)."""
+    replaced (404 while a router application is routed, else 503: ``missing_routers``, with
+    ``ROUTER_UNROUTED_ANSWER`` where it names them), and in every other backend a plain-text
+    404 from its server (Ray's Python proxy) answered 503. Idempotent (a marker comment)."""
     if UNROUTED_MARKER in config:
         return config
     lines = config.splitlines(keepends=True)
-    routed = any(_backend_name(line) not in (None, "default_backend") for line in lines)
+    unrouted = _default_backend_answer(missing_routers(routed_backends(config)))
     out, backend = [], None
     for line in lines:
         if _SECTION.match(line):
@@ -264,7 +319,7 @@ def answer_unrouted(config: str) -> str:
                                                 " if { status 404 } { res.hdr(content-type) -m beg text/plain }"))
             continue
         if backend == "default_backend" and _NO_ROUTE_RETURN.match(line):
-            out.append(_unrouted_answer(404 if routed else 503, "http-request", "path"))
+            out.append(unrouted)
             continue
         out.append(line)
     return "".join(out)

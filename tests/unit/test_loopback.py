@@ -22,15 +22,20 @@ from deployments import loopback
 WRAPPER = Path(loopback.__file__)
 
 
-def _ray_haproxy_config(tmp_path: Path, host: str) -> Path:
-    """The config file Ray Serve's HAProxyApi writes for an API on ``host``:8000."""
-    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+def _ray_haproxy_config(tmp_path: Path, host: str, routes: dict[str, str] | None = None) -> Path:
+    """The config file Ray Serve's HAProxyApi writes for an API on ``host``:8000, with an HTTP
+    backend ``http-<application>`` (one server, port 9) per ``routes`` item (application -> route
+    prefix), as Ray's HAProxy manager names them."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
     cfg = HAProxyConfig(http_options=HTTPOptions(host=host, port=8000), socket_path=str(tmp_path / "admin.sock"),
                         server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
                         metrics_socket_path=str(tmp_path / "metrics.sock"))
     api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    api.set_backend_configs({f"http-{app}": BackendConfig(name=f"http-{app}", path_prefix=prefix, app_name=app,
+                                                          servers=[ServerConfig(f"SERVE_REPLICA--{app}", "127.0.0.1", 9)])
+                             for app, prefix in (routes or {}).items()})
     api._generate_config_file_internal()
     return tmp_path / "haproxy.cfg"
 
@@ -470,5 +475,57 @@ def test_with_several_router_replicas_each_backs_up_a_model_and_a_live_one_answe
         _until(lambda: _get(front, "/v2/health/ready") == (200, b"second"))
     finally:
         for process in processes.values():
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(("routes", "missing"), [
+    ({}, None),  # nothing routed: Serve starting, or stopped
+    ({"models.ocr": "/v2/models/ocr", "models.ocr_cls": "/v2/models/ocr_cls"}, ["http-models"]),
+    ({"models": "/", "models.ocr": "/v2/models/ocr"}, []),
+    ({"models": "/api"}, []),
+    ({"models": "/", "edge": "/edge", "edge.m": "/edge/v2/models/m"}, []),
+    ({"models.m": "/v2/models/m", "edge": "/edge", "edge.m": "/edge/v2/models/m"}, ["http-models"]),
+])
+def test_the_routers_missing_from_rays_config_are_those_of_routed_model_applications(tmp_path, routes, missing):
+    """A dedicated model's application ``<router>.<model>`` routed without its router's
+    application: the router is missing (Serve routes each application once its ingress has a
+    replica); with nothing routed, nothing is known by name."""
+    config = _ray_haproxy_config(tmp_path, "127.0.0.1", routes).read_text()
+    assert loopback.routed_backends(config) == {f"http-{app}" for app in routes}
+    assert loopback.missing_routers(loopback.routed_backends(config)) == missing
+
+
+def _serve_ray_config(tmp_path: Path, name: str, routes: dict[str, str]) -> tuple[int, subprocess.Popen]:
+    """Ray's config for ``routes`` (``_ray_haproxy_config``), rewritten as the wrapper does, run
+    by the real HAProxy on free ports: (its front port, its process)."""
+    front, stats, prometheus = (_free_port() for _ in range(3))
+    folder = tmp_path / name
+    folder.mkdir()
+    config = loopback.rewrite_config(_ray_haproxy_config(folder, "127.0.0.1", routes).read_text())
+    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("127.0.0.1:8404", f"127.0.0.1:{stats}")
+              .replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    (folder / "rewritten.cfg").write_text(config)
+    return front, subprocess.Popen([_real_haproxy(), "-db", "-f", str(folder / "rewritten.cfg")])
+
+
+def test_a_path_no_application_takes_answers_503_until_the_router_is_routed_then_404_outside_its_prefix(tmp_path):
+    """Ray's config with the models' applications routed but not their router's (as while
+    ``make serve`` starts, or after Ctrl-C): a path none of them takes, a model the router
+    serves, answers JSON 503 with Retry-After naming the router application; with the router
+    routed at /api, a path outside /api is a genuine 404."""
+    path = "/v2/models/simple/infer"
+    models_only = {"models.ocr": "/v2/models/ocr", "models.ocr_cls": "/v2/models/ocr_cls"}
+    with_router = {"models": "/api", "models.ocr": "/api/v2/models/ocr"}
+    starting, starting_haproxy = _serve_ray_config(tmp_path, "starting", models_only)
+    routed, routed_haproxy = _serve_ray_config(tmp_path, "routed", with_router)
+    try:
+        _until(lambda: _get(starting, "/") is not None and _get(routed, "/") is not None)
+        assert _answer(starting, path) == (503, "application/json", "1", {
+            "error": loopback.ROUTER_UNROUTED_ANSWER.format(path=path, apps="'models'")})
+        assert _answer(routed, path) == (
+            404, "application/json", None, {"error": loopback.UNROUTED_ANSWERS[404].format(path=path)})
+    finally:
+        for process in (starting_haproxy, routed_haproxy):
             process.kill()
             process.wait()
