@@ -162,7 +162,8 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bo
     (``(H, W)`` are then the displayed height and width).
 
     Raises:
-        InvalidInput: empty bytes, another format, undecodable data or more than ``max_pixels``.
+        InvalidInput: empty bytes, another format, undecodable data, more than ``max_pixels`` or
+            a side over ``MAX_SIDE`` (checked from the header, before any pixel is decoded).
     """
     not_image = (f"input 'image' is not a decodable PNG or JPEG image ({len(data)} bytes); send the "
                  "file's bytes base64-encoded with parameters {\"content_type\": \"base64\"} in JSON, "
@@ -186,6 +187,8 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bo
         raise InvalidInput(too_big) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         raise InvalidInput(not_image) from None
+    if max(width, height) > MAX_SIDE:  # OpenCV's own limit (CV_IO_MAX_IMAGE_WIDTH / _HEIGHT)
+        raise InvalidInput(f"input 'image' is {width}x{height} pixels; a side of at most {MAX_SIDE:,} pixels is accepted")
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     if image is None or image.size == 0:
         raise InvalidInput(not_image)
@@ -199,6 +202,7 @@ def decode_image(data: bytes, max_pixels: int = 16_777_216, exif_orientation: bo
 
 
 _EXIF_ORIENTATION = 0x0112
+MAX_SIDE = 1 << 20  # pixels; OpenCV's decoders refuse a wider or taller image
 
 
 def _orientation(header: Image.Image) -> int:

@@ -395,6 +395,13 @@ def test_decode_reads_size_and_orientation_without_decoding_pixels_in_pillow(mon
         assert decode_image(data).shape == (3, 5, 3)  # stored 5 x 3, displayed 3 rows x 5 columns
 
 
+def test_a_side_over_opencvs_limit_is_named_not_called_undecodable():
+    strip = _png(Image.new("L", (1_100_000, 1), 255))  # 1.1 M pixels: within the pixel limit
+    with pytest.raises(InvalidInput, match=r"^input 'image' is 1100000x1 pixels; a side of at most 1,048,576 "
+                                          r"pixels is accepted$"):
+        decode_image(strip)
+
+
 @pytest.mark.parametrize("orientation", [6, 8, 5])  # all eight: test_decode_applies_every_exif_orientation
 def test_a_jpeg_stored_sideways_reads_with_boxes_in_the_displayed_frame(pipeline, image_maker, orientation):
     displayed = Image.open(io.BytesIO(image_maker.render_text([HELLO, FOX], size=(800, 300))))
