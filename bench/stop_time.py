@@ -42,13 +42,15 @@ BODY = json.dumps({"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "data
                                "data": [0.5] * (3 * 224 * 224)}]})
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _config(port: int, folder: Path) -> Path:
+def config_on_port(port: int, folder: Path) -> Path:
+    """``serve_config.yaml`` written into ``folder`` with HTTP on ``port`` and absolute repositories."""
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
     for app in config["applications"]:
@@ -85,13 +87,13 @@ COMMANDS = {"serve-run": [str(ROOT / ".venv" / "bin" / "serve"), "run"],  # Ray'
 def measure(env_text: str, code: Path, via: str, ready_timeout_s: float, clients: int) -> dict:
     """One start, load, Ctrl-C and exit of ``COMMANDS[via] <config>`` under the variables in
     ``env_text``, with the application's code from ``code`` (its ``deployments`` package)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, PYTHONPATH=str(code), **dict(item.split("=", 1) for item in env_text.split()))
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
-            proc = subprocess.Popen([*COMMANDS[via], str(_config(port, Path(tmp)))],
+            proc = subprocess.Popen([*COMMANDS[via], str(config_on_port(port, Path(tmp)))],
                                     cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             start = time.monotonic()
             while time.monotonic() - start < ready_timeout_s:

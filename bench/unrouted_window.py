@@ -25,18 +25,16 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
 import requests
-import yaml
 
+from bench.stop_time import config_on_port, free_port
 from deployments.loopback import missing_routers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,22 +43,6 @@ RESULTS = ROOT / "bench" / "results"
 HAPROXY_CONFIG = Path(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "/tmp/haproxy-serve/haproxy.cfg"))
 SIMPLE_BODY = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
                                      for n in ("INPUT0", "INPUT1")]})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _config(port: int, folder: Path) -> Path:
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = port
-    for app in config["applications"]:
-        app["args"]["repository"] = str(ROOT / app["args"]["repository"])
-    path = folder / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def _kind(response: requests.Response) -> str:
@@ -106,7 +88,7 @@ def _state(routed: tuple[str, ...] | None) -> str:
 
 
 def measure(code: Path, model: str, poll_s: float, serve_s: float, ready_timeout_s: float) -> dict:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/v2/models/{model}/infer"
     env_text = subprocess.run(["make", "-s", "print-serve-env"], cwd=code, capture_output=True, text=True,
                               check=True).stdout
@@ -117,7 +99,7 @@ def measure(code: Path, model: str, poll_s: float, serve_s: float, ready_timeout
         log = Path(tmp) / "serve.log"
         with log.open("w") as out:
             start, started_at = time.monotonic(), time.time()
-            proc = subprocess.Popen([sys.executable, "-m", "deployments.run", str(_config(port, Path(tmp)))],
+            proc = subprocess.Popen([sys.executable, "-m", "deployments.run", str(config_on_port(port, Path(tmp)))],
                                     cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             phase, first_200, sigint_at = "starting", None, None
             session = requests.Session()

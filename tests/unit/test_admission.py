@@ -28,6 +28,12 @@ def hold(admission: Admission, stack: contextlib.ExitStack) -> contextlib.ExitSt
     return own
 
 
+def answer_one_a_second(held: list[contextlib.ExitStack], clock: Clock) -> None:
+    for request in held:
+        clock.now += 1.0
+        request.close()
+
+
 def test_the_bounds_count_requests():
     admission = Admission(2, 1)
     with contextlib.ExitStack() as stack:
@@ -38,17 +44,21 @@ def test_the_bounds_count_requests():
     assert admission.in_flight == 0
 
 
-def test_a_request_that_could_only_time_out_is_shed_at_once():
-    """A replica answering 1 request/s with a 10 s timeout: 11 held -> the next would wait ~11 s."""
+@pytest.fixture
+def timed() -> tuple[Clock, Admission]:
+    """An admission with a 10 s timeout on a clock the test moves."""
     clock = Clock()
-    admission = Admission(512, None, timeout_s=10.0, clock=clock)
+    return clock, Admission(512, None, timeout_s=10.0, clock=clock)
+
+
+def test_a_request_that_could_only_time_out_is_shed_at_once(timed):
+    """A replica answering 1 request/s with a 10 s timeout: 11 held -> the next would wait ~11 s."""
+    clock, admission = timed
     with contextlib.ExitStack() as stack:
         held = [hold(admission, stack) for _ in range(30)]
         assert admission.rate() is None  # nothing answered yet: only the bounds shed
         hold(admission, stack).close()
-        for request in held[:19]:  # 19 answers, one a second, while the rest wait
-            clock.now += 1.0
-            request.close()
+        answer_one_a_second(held[:19], clock)  # 19 answers while the rest wait
         assert admission.in_flight == 11 and admission.rate() == pytest.approx(1.0)
         with pytest.raises(Overloaded) as shed:
             hold(admission, stack)
@@ -66,15 +76,11 @@ def test_a_request_that_could_only_time_out_is_shed_at_once():
     assert admission.in_flight == 0
 
 
-def test_each_busy_period_measures_its_own_rate():
+def test_each_busy_period_measures_its_own_rate(timed):
     """After the replica went idle, a burst is not judged by the rate of the previous one."""
-    clock = Clock()
-    admission = Admission(512, None, timeout_s=10.0, clock=clock)
+    clock, admission = timed
     with contextlib.ExitStack() as stack:
-        held = [hold(admission, stack) for _ in range(20)]
-        for request in held:
-            clock.now += 1.0
-            request.close()
+        answer_one_a_second([hold(admission, stack) for _ in range(20)], clock)
     assert admission.in_flight == 0 and admission.rate() is None
     with contextlib.ExitStack() as stack:
         for _ in range(50):  # would be 50 s at the old rate: admitted, the rate is not known yet
