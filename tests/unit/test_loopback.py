@@ -103,6 +103,9 @@ def test_local_env_with_haproxy_wraps_the_binary_ray_would_run_and_keeps_the_use
     assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env and int(env["RAY_SERVE_HAPROXY_METRICS_PORT"]) > 0
     again = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", **env})  # wrapped once, not twice
     assert again[loopback.REAL_BINARY_ENV] == env[loopback.REAL_BINARY_ENV]
+    assert env["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"] == "6"  # a busy replica stays in rotation
+    users = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "3"})
+    assert "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL" not in users  # the user's value stands
 
 
 def test_a_port_held_on_any_interface_gives_way_to_a_free_one():
