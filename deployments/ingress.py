@@ -138,7 +138,13 @@ class RouterApp:
             metrics are off, and ``/metrics`` and the statistics routes answer 404.
         initial: the build-time desired state of explicit model control
             (``deployments.control.initial_state``); None: ``model_control_mode: none``.
+
+    ``admission``: where the routes run in their model's replica (``ModelRoutes``), its
+    ``Admission``, asked before an infer body is read (None: the router; the model's replica
+    admits).
     """
+
+    admission: "Admission | None" = None
 
     def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
                  observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
@@ -738,6 +744,8 @@ class RouterApp:
         encodes it (``PoolDeployment.infer_body``): the router only routes. A dedicated model's
         request is decoded here (in its own replica on the one-hop path, ``ModelRoutes``)."""
         entry, version = self._entry_version(request)
+        if self.admission is not None:
+            self.admission.check()  # before the body is read and decoded: shedding costs nothing
         chunks = await self._read_body(request)
         header_length = request.headers.get(HEADER_LENGTH)
         batched = entry.config.max_batch_size > 0
@@ -896,13 +904,12 @@ class Admission:
         rate = self.rate()
         return rate if rate is not None else self._last_rate
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Hold one place for a request.
+    def check(self) -> None:
+        """Whether a request would be admitted now, holding nothing: the routes ask before they
+        read and decode a body, so that shedding costs an overloaded replica almost nothing.
 
         Raises:
-            Overloaded: ``max_queued_requests`` already wait, or the requests held would take
-                more than ``timeout_s`` to clear at this replica's rate.
+            Overloaded: as ``request``.
         """
         waiting = self.in_flight - self.max_ongoing_requests
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
@@ -914,6 +921,16 @@ class Admission:
                 f"{self.in_flight / rate:.0f} s at the {rate:.1f} requests/s this replica answers, too close to "
                 f"request_timeout_s ({self.timeout_s:g} s); retry after {math.ceil(RETRY_AFTER_S)} s",
                 RETRY_AFTER_S)
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Hold one place for a request.
+
+        Raises:
+            Overloaded: ``max_queued_requests`` already wait, or the requests held would take
+                more than ``SHED_FRACTION`` of ``timeout_s`` to clear at this replica's rate.
+        """
+        self.check()
         self.in_flight += 1
         try:
             yield

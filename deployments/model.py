@@ -69,6 +69,7 @@ class ModelDeployment:
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         self.routes = own_routes(self.repo.get(name), self.repo, self.infer, routes, metrics, initial,
                                  self.host.backend if loaded else None, self.apply)
+        self.routes.admission = self.admission
         self.recorder = replica_recorder(metrics)
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution

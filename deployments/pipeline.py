@@ -59,6 +59,7 @@ class PipelineDeployment:
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
                                  "pipeline" if loaded_at_start(initial, name) else None, self.apply)
+        self.routes.admission = self.admission
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

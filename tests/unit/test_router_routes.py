@@ -645,3 +645,21 @@ def test_an_integer_over_pythons_digit_limit_is_400_without_pythons_advice(route
     r = post(router, "/v2/models/tiny_cnn/infer", body)
     assert_error(r, 400, "an integer of more than 4300 digits")
     assert "sys.set_int_max_str_digits" not in r.json()["error"]
+
+
+def test_routes_in_a_model_replica_shed_before_reading_the_body(repo):
+    """An overloaded replica answers 503 without reading or decoding the body (the routes ask
+    its ``Admission`` first): under 250 clients every shed request had cost a full decode."""
+    from deployments.ingress import Admission
+
+    client = FakeModelClient(repo)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
+    app.admission = Admission(0, 0)  # no room at all
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    r = router.post("/v2/models/ocr_det/infer", content=b"not even JSON")  # a decode would say 400
+    assert_error(r, 503, "server overloaded: 0 requests already wait for this model (limit 0)")
+    assert r.headers["retry-after"] == "1" and client.calls == []
+    app.admission = Admission(1, 0)
+    body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
+    assert post(router, "/v2/models/ocr_det/infer", body).status_code == 200
