@@ -30,7 +30,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Iterator
@@ -54,13 +53,13 @@ from .observe.statistics import statistics
 from .protocol.answer import answer, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
-from .protocol.errors import RETRY_AFTER_S, detached, error_status, overloaded, raise_if_error, retry_after_headers
+from .protocol.errors import detached, error_status, overloaded, past_deadline, raise_if_error, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
 from .control import Desired, Follower, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
-                                      ModelNotReady, Overloaded, PayloadTooLarge, RequestTimeout, ServingError,
-                                      unknown_model, unloaded_model)
+                                      ModelNotReady, PayloadTooLarge, RequestTimeout, ServingError, unknown_model,
+                                      unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
@@ -916,11 +915,7 @@ class Admission:
             raise overloaded(waiting, self.max_queued_requests)
         rate = self.expected_rate() if self.timeout_s is not None and self.in_flight else None
         if rate is not None and self.in_flight / rate > self.SHED_FRACTION * self.timeout_s:
-            raise Overloaded(
-                f"server overloaded: the {self.in_flight} requests ahead of this one would take about "
-                f"{self.in_flight / rate:.0f} s at the {rate:.1f} requests/s this replica answers, too close to "
-                f"request_timeout_s ({self.timeout_s:g} s); retry after {math.ceil(RETRY_AFTER_S)} s",
-                RETRY_AFTER_S)
+            raise past_deadline(self.in_flight, rate, self.timeout_s)
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:

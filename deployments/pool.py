@@ -13,7 +13,7 @@ from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .protocol.answer import Answer, answer_body
-from .protocol.errors import errors_as_values, raise_if_error
+from .protocol.errors import errors_as_values
 from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
@@ -80,7 +80,6 @@ class PoolDeployment:
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
 
     @errors_as_values
-    @observe_replica_infer(lambda self: self._model_version(serve.get_multiplexed_model_id()))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model version named by the multiplexed model id (its cache
         key, ``ModelEntry.key``: the model name for its newest served version).
@@ -90,6 +89,11 @@ class PoolDeployment:
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``ModelCache.infer_async``
         (``InvalidInput``, ``OverBudget``...).
         """
+        return await self._run(inputs, outputs)
+
+    @observe_replica_infer(lambda self: self._model_version(serve.get_multiplexed_model_id()))
+    async def _run(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """``infer``'s work, raising its errors (``infer_body`` runs it inside its own)."""
         name = await self._get_model(serve.get_multiplexed_model_id())
         return await self.cache.infer_async(name, inputs, outputs)
 
@@ -105,10 +109,7 @@ class PoolDeployment:
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``answer`` and ``infer``
         (``InvalidInput`` for a malformed body).
         """
-        async def infer(inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
-            return raise_if_error(await self.infer(inputs, outputs))
-
-        return await answer_body(model, version, batched, chunks, header_length, infer, default_timeout_s)
+        return await answer_body(model, version, batched, chunks, header_length, self._run, default_timeout_s)
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``

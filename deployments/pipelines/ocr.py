@@ -223,6 +223,8 @@ def _orientation(header: Image.Image) -> int:
     except Exception:  # a corrupt EXIF block: shown as stored, as viewers do
         return 1
     return value if isinstance(value, int) else 1
+
+
 # EXIF Orientation -> the turn that displays the stored image (PIL.ImageOps.exif_transpose's table).
 _ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     2: lambda a: a[:, ::-1],                              # mirrored left-right

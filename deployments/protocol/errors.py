@@ -79,6 +79,16 @@ def overloaded(queued: int, limit: int, retry_after_s: float = RETRY_AFTER_S) ->
                       f"retry after {math.ceil(retry_after_s)} s", retry_after_s)
 
 
+def past_deadline(held: int, rate_per_s: float, timeout_s: float,
+                  retry_after_s: float = RETRY_AFTER_S) -> Overloaded:
+    """The error of a request shed because the ``held`` requests ahead of it would take too
+    much of ``timeout_s`` (the application's ``request_timeout_s``) at ``rate_per_s``."""
+    return Overloaded(f"server overloaded: the {held} requests ahead of this one would take about "
+                      f"{held / rate_per_s:.0f} s at the {rate_per_s:.1f} requests/s this replica answers, too "
+                      f"close to request_timeout_s ({timeout_s:g} s); retry after {math.ceil(retry_after_s)} s",
+                      retry_after_s)
+
+
 def retry_after_headers(exc: BaseException) -> dict[str, str]:
     """``{"Retry-After": seconds}`` (RFC 9110 delay-seconds, rounded up) for a shed request
     (``Overloaded`` or Ray's ``BackPressureError``); empty for any other error."""
