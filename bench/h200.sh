@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | autoscale | cpu | metrics | warmup | dashboard
+#   tests | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -42,6 +42,9 @@ case "$1" in
       --gpu-fraction 0.1 --together-concurrency 32 $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   pool) cd /tmp/w && python3 -m bench.throughput --scenarios pool --models tiny_cnn --batched "" --pool-model tiny_cnn \
       --router-replicas 1,2,4 --pool-replicas 4 --pool-concurrency 64,128 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 \
+      | grep -av "^INFO\|^\s*$" | tail -30 ;;
+  poolhop) cd /tmp/w && python3 -m bench.throughput --scenarios pool --models tiny_cnn --batched "" --pool-model tiny_cnn \
+      --router-replicas 1 --pool-replicas ${POOL_REPLICAS:-4} --pool-concurrency 64,128 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 \
       | grep -av "^INFO\|^\s*$" | tail -30 ;;
   autoscale) cd /tmp/w && timeout 400 python3 -m bench.autoscale --model simple --clients 8,64,256 --load-s 25 --after-s 40 \
       --autoscaling '{"max_replicas": 8}' --out "$OUT/autoscale.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -90 ;;

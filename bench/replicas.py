@@ -72,6 +72,11 @@ def kill_replica(session: int, app: str, deployment: str) -> int:
         LookupError: no running replica of that deployment.
     """
     pids = replica_pids(session, app, deployment)
+    for _ in range(10):  # a busy replica's title is rewritten per call (setproctitle): a read can miss it
+        if pids:
+            break
+        time.sleep(0.2)
+        pids = replica_pids(session, app, deployment)
     if not pids:
         raise LookupError(f"no running replica of {app}:{deployment} in session {session}")
     os.kill(pids[0], signal.SIGKILL)

@@ -34,7 +34,11 @@ Triton binary tensors unless the scenario compares encodings):
   replicas. Per point: QPS, p50/p99, QPS per router replica, the router replicas' CPU per
   request and busiest replica's CPU share, the model replicas' CPU shares (from /proc; an idle
   pool replica means two copies landed on one);
-  ``x router`` = the pool path's QPS per router replica / the two-hop path's.
+  ``x router`` = the pool path's QPS per router replica / the two-hop path's. Then, in a second
+  cluster with the applications' route prefixes (``one_hop=True``, as ``make serve``), the same
+  copies by the pool's own path (``pool_one_hop``: HAProxy -> the pool replica its model name
+  hashes to, no router; ``deployments.loopback.hash_pool_models``) and the dedicated model in
+  one hop (``one_hop``); ``x router`` compares them with the first cluster's two-hop path too.
 - ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
   each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)); the echo
   ceiling with k replicas under each model's requests in the same cluster (``of echo`` = QPS /
@@ -652,21 +656,23 @@ class Bench:
                                    "max_queued_requests": 1024},
                         "pool": {"num_replicas": a.pool_replicas, "num_gpus": a.gpu_fraction,
                                  "max_num_models_per_replica": len(copies), "memory_budget_mib": None}}
-            with Server("ray", repo, a.ray_config, replicas=r, backend=self.backend, app_args=app_args,
-                        echo=True, one_hop=False) as server:
-                name = self.input_names.get(model) or yaml.safe_load(
-                    (repo / model / "config.yaml").read_text())["inputs"][0]["name"]
-                pooled = [make_workload(f"pool:{c}", server.url, c, name, x, True) for c in copies]
-                self._place_copies(pooled)
-                paths = {"pool": (pooled, "pool"),
-                         "two_hop": ([make_workload("two_hop", server.url, model, name, x, True)], f"model-{model}"),
-                         "echo": ([make_workload("echo", server.echo_endpoint.url, model, name, x, True)], None)}
-                for c in a.pool_concurrency:
-                    for path, (workloads, backend) in paths.items():
-                        row = self._pool_point(server, path, workloads, backend, r, c)
-                        rows.append(row)
-                        self.log(f"pool r={r} c={c} {path:8} {row['qps']:8.1f} QPS  router "
-                                 f"{row['router_cpu_us_per_request']} us CPU/request")
+            name = self.input_names.get(model) or yaml.safe_load(
+                (repo / model / "config.yaml").read_text())["inputs"][0]["name"]
+            for one_hop in (False, True):
+                with Server("ray", repo, a.ray_config, replicas=r, backend=self.backend, app_args=app_args,
+                            echo=not one_hop, one_hop=one_hop) as server:
+                    pooled = [make_workload(f"pool:{c}", server.url, c, name, x, True) for c in copies]
+                    self._place_copies(pooled)
+                    dedicated = [make_workload("model", server.url, model, name, x, True)]
+                    paths = {"pool_one_hop": (pooled, "pool"), "one_hop": (dedicated, f"model-{model}")} if one_hop else {
+                        "pool": (pooled, "pool"), "two_hop": (dedicated, f"model-{model}"),
+                        "echo": ([make_workload("echo", server.echo_endpoint.url, model, name, x, True)], None)}
+                    for c in a.pool_concurrency:
+                        for path, (workloads, backend) in paths.items():
+                            row = self._pool_point(server, path, workloads, backend, r, c)
+                            rows.append(row)
+                            self.log(f"pool r={r} c={c} {path:12} {row['qps']:8.1f} QPS  router "
+                                     f"{row['router_cpu_us_per_request']} us CPU/request")
         self.results["pool"] = pool_ratios(rows)
 
     def _place_copies(self, workloads: list[Workload]) -> None:
@@ -810,6 +816,8 @@ def markdown(results: dict[str, Any]) -> str:
         out.append("\n## A pool model through the router (pool: HTTP -> router -> pool replica, body passed "
                    "through; two_hop: the same model as a dedicated model reached through the router, "
                    "today's router path before one hop; echo: the ceiling with as many replicas as routers; "
+                   "in a second cluster with route prefixes, pool_one_hop: HAProxy -> the pool replica the "
+                   "model's name hashes to, and one_hop: the dedicated model; "
                    "x router = pool QPS per router replica / two_hop's; CPU busiest = the busiest replica's "
                    "CPU seconds per second)\n")
         out.append(_table(["path", "router replicas", "pool / model replicas", "concurrency", "QPS",

@@ -6,12 +6,16 @@
         import_path: deployments.app:build_app
         args: {repository: engines, pool: {max_num_models_per_replica: 3}}
 
-The router application (``args`` without ``model``): the ``Router`` ingress for every route,
-the multiplexed pool deployment for models whose config says ``mode: pool``, and the control
-deployment of explicit model control. One application per dedicated model (pipelines included),
-``args`` with ``model: <name>``, named ``<router application>.<name>`` at route prefix
+The router application (``args`` without ``model``): the ``Router`` ingress for every route and
+the control deployment of explicit model control. One application per dedicated model (pipelines
+included), ``args`` with ``model: <name>``, named ``<router application>.<name>`` at route prefix
 ``<router prefix>/v2/models/<name>``: its replicas are the ingress of that model's routes
 (``ingress.ModelRoutes``), so a request for a hot model reaches a replica that runs it in one hop.
+With pool models (``mode: pool``), the multiplexed pool's application, ``args`` with ``model:
+pool``, named ``<router application>.pool`` at ``<router prefix>/v2/models``: the ingress (longest
+route prefix first) sends every other model's requests to a pool replica, which decodes, runs and
+answers them (``ingress.PoolRoutes``), and HAProxy picks the replica by the model's name
+(``loopback.hash_pool_models``), so a model's requests find the replica that has it loaded.
 ``applications`` lists them all; ``python -m deployments.check`` checks that ``serve_config.yaml``
 lists the same (``--write`` writes them), and the router finds the others by those names.
 
@@ -43,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ray.serve import Application
 from ray.serve.exceptions import RayServeException
 
-from .client import deployment_name, model_application
+from .client import POOL, deployment_name, model_application
 from .control import ControlDeployment, Desired, initial_state
 from .ingress import Router, RouterOptions
 from .model import ModelDeployment
@@ -97,13 +101,13 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     keeps resident (``CacheOptions``: load policy, ``memory_budget_mib``, model count cap);
     passed whole to ``deployments.pool.PoolDeployment`` and its ``ModelCache``.
 
-    ``max_queued_requests`` defaults to 512, not a dedicated model's 128: a multiplexed request
-    waits in the router's handle until Ray has routed it to a replica holding its model, and at
-    256 clients that wait alone held more than 128 while the replica had room for 512 (H200,
-    tiny_cnn: 116-186 of ~1,600 requests shed with 128, none with 1024 at the same QPS;
-    bench/README.md, "Overload on the GPU"). 512 holds every request of 512 clients, and with
-    the replica's 512 stays within the router's 1024, so the pool's handle, not the router,
-    is what sheds (with this app's error body)."""
+    The pool's replicas are the ingress of its application (``deployments.app`` module
+    docstring): like a dedicated model's, each holds ``max_ongoing_requests`` +
+    ``max_queued_requests`` requests of its models together and sheds the next with this app's
+    error body (``ingress.Admission``; Serve's own bounds are set far above). ``max_queued_requests``
+    defaults to 512, not a dedicated model's 128: one replica holds many models' clients (H200,
+    tiny_cnn at 256 clients through the router: 116-186 of ~1,600 requests shed with 128, none
+    with 1024 at the same QPS; bench/README.md, "Overload on the GPU")."""
 
     max_queued_requests: int = Field(512, ge=-1)
 
@@ -192,7 +196,8 @@ class AppArgs(BaseModel):
     model_control_mode: Literal["none", "explicit"] = "none"
     startup_models: list[str] = []
     # The application of one dedicated model (or pipeline) of the repository: its deployment
-    # is the ingress of its routes at /v2/models/<model> (None: the router application).
+    # is the ingress of its routes at /v2/models/<model>; `pool`: the multiplexed pool's
+    # application, ingress of the pool models' routes at /v2/models (None: the router application).
     model: Optional[str] = None
 
 
@@ -301,6 +306,11 @@ def _read(args: dict[str, Any] | None) -> tuple[AppArgs, list[ModelEntry], dict[
     entries = ModelRepository(app_args.repository, app_args.models).entries()
     placement = deployment_options(entries, app_args.deployments)
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
+    if POOL in {e.name for e in entries} - set(pool_models):
+        entry = next(e for e in entries if e.name == POOL)
+        raise ConfigError(f"{entry.path / 'config.yaml'}: a dedicated model or pipeline may not be named "
+                          f"'{POOL}': its application's name is the multiplexed pool's; rename the folder "
+                          "or give it deployment.mode: pool")
     return app_args, entries, placement, pool_models
 
 
@@ -319,11 +329,23 @@ def _build(args: dict[str, Any] | None) -> Application:
     routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                            request_timeout_s=app_args.request_timeout_s)
     dedicated = {e.name: deployment_name(e.name, bool(e.config.pipeline)) for e in entries if e.name not in pool_models}
+    if app_args.model == POOL:
+        if not pool_models:
+            raise ConfigError(f"serve_config.yaml application args: model: {POOL}: the repository has no pool "
+                              "models (deployment.mode: pool) for a pool application to serve")
+        options = app_args.pool
+        serve_options = ray_options(options, use_gpus, env)
+        if options.max_queued_requests != -1:
+            serve_options.update(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, max_queued_requests=-1)
+        return PoolDeployment.options(name=POOL, **serve_options).bind(
+            app_args.repository, pool_models, app_args.backend, options, metrics=metrics, initial=initial,
+            routes=routes, models=app_args.models, max_ongoing_requests=options.max_ongoing_requests,
+            max_queued_requests=None if options.max_queued_requests == -1 else options.max_queued_requests)
     if app_args.model is not None:
         if app_args.model not in dedicated:
             raise ConfigError(f"serve_config.yaml application args: model: '{app_args.model}' is not a dedicated "
-                              f"model or pipeline of the repository; those are: {sorted(dedicated)} (pool models "
-                              "are served by the router application)")
+                              f"model or pipeline of the repository; those are: {sorted(dedicated)}, and "
+                              f"'{POOL}' for the pool models' application")
         entry = next(e for e in entries if e.name == app_args.model)
         options = placement[entry.name]
         serve_options = ray_options(options, use_gpus, HANDLE_ENV if entry.config.pipeline else env)
@@ -339,14 +361,10 @@ def _build(args: dict[str, Any] | None) -> Application:
                                       {n: d for n, d in dedicated.items() if n != entry.name}, pool_models, **model_args)
         return ModelDeployment.options(name=dedicated[entry.name], **serve_options).bind(
             app_args.repository, entry.name, app_args.backend, **model_args)
-    pool, control = None, control_options(initial)
-    if pool_models:
-        pool = PoolDeployment.options(name="pool", **ray_options(app_args.pool, use_gpus, env)).bind(
-            app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, **control)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
-        app_args.repository, dedicated, pool, pool_models, routes,
-        models=app_args.models, metrics=metrics, **control)
+        app_args.repository, dedicated, pool_models, routes,
+        models=app_args.models, metrics=metrics, **control_options(initial))
 
 
 def applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",
@@ -408,7 +426,8 @@ def delete_server(name: str = "models", wait: bool = True) -> None:
 
 def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> list[tuple[str, str]]:
     """``(model, route prefix)`` of each dedicated model and pipeline the router application
-    built from ``args`` at ``route_prefix`` serves (each its own application).
+    built from ``args`` at ``route_prefix`` serves (each its own application), then ``(POOL,
+    <prefix>/v2/models)`` when it has pool models (the pool's application).
 
     Raises:
         AppConfigError: as ``build_app``.
@@ -418,7 +437,8 @@ def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> 
     except ConfigError as e:
         raise AppConfigError(e.message) from None
     base = route_prefix.rstrip("/")
-    return [(e.name, f"{base}/v2/models/{e.name}") for e in entries if e.name not in pool_models]
+    out = [(e.name, f"{base}/v2/models/{e.name}") for e in entries if e.name not in pool_models]
+    return out + ([(POOL, f"{base}/v2/models")] if pool_models else [])
 
 
 def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: list[str]) -> Desired | None:
@@ -445,8 +465,9 @@ def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: l
 
 
 def control_options(initial: Desired | None) -> dict[str, Any]:
-    """The ``control`` handle and ``initial`` state the router and the pool take: {} with
-    model control off (``initial`` None)."""
+    """The ``control`` handle and ``initial`` state the router takes: {} with model control off
+    (``initial`` None). The other applications' replicas find the control deployment by name
+    (``client.router_application``)."""
     if initial is None:
         return {}
     control = ControlDeployment.options(

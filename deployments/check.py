@@ -135,8 +135,9 @@ def model_applications_error(path: Path, schema: Any) -> str | None:
              "repository", extra), ("with another route_prefix or args than their router application's",
                                     differing)) if names]
     return (f"{path}: applications: each dedicated model and pipeline is its own application named "
-            f"'<router application>.<model>' at route_prefix '<router prefix>/v2/models/<model>' (or null: the "
-            f"router answers its routes) with the router's args plus model; {'; '.join(parts)}. "
+            f"'<router application>.<model>' at route_prefix '<router prefix>/v2/models/<model>', and the pool "
+            f"models' is '<router application>.pool' at '<router prefix>/v2/models' (or null: the router answers "
+            f"their routes), with the router's args plus model; {'; '.join(parts)}. "
             f"`python -m deployments.check --write {path}` writes them")
 
 

@@ -53,11 +53,23 @@ def model_application(router_app: str, model: str) -> str:
     return f"{router_app}.{model}"
 
 
+# The multiplexed pool's deployment, in its own application ``<router application>.pool`` (a
+# model application's name: no dedicated model may be named so, ``deployments.app``).
+POOL = "pool"
+
+
 def deployment_application(router_app: str, deployment: str) -> str:
     """The application running ``deployment`` (``router``, ``pool``, ``model-<m>``,
     ``pipeline-<m>``...) of the server whose router application is ``router_app``."""
+    if deployment == POOL:
+        return model_application(router_app, POOL)
     kind, _, model = deployment.partition("-")
     return model_application(router_app, model) if kind in ("model", "pipeline") and model else router_app
+
+
+def pool_handle(router_app: str) -> Any:
+    """The handle of the multiplexed pool of the server whose router application is ``router_app``."""
+    return handle(model_application(router_app, POOL), POOL)
 
 
 def router_application(model: str) -> str:

@@ -17,9 +17,10 @@ Every error answers ``{"error": "..."}`` with the status from ``protocol.errors`
 routes over one model in its own replica (``ReplicaClient``): each dedicated model and pipeline
 is also its own Serve application at ``/v2/models/<name>`` (``deployments.app.applications``), so
 the ingress (HAProxy or Serve's proxy, longest route prefix first) sends its requests straight to
-a replica that decodes, runs and answers them, with no router hop. The router checks only what
-routing needs (model, version, body size, readiness); the replica that runs a request
-validates its tensors.
+a replica that decodes, runs and answers them, with no router hop. ``PoolRoutes`` is the same
+for the multiplexed pool, at ``/v2/models``: every model without an application of its own
+reaches a pool replica (``PoolClient``) in one hop. The router checks only what routing needs
+(model, version, body size, readiness); the replica that runs a request validates its tensors.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .client import ModelClient, handle, model_handles, router_application
+from .client import ModelClient, handle, model_handles, pool_handle, router_application
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
@@ -138,12 +139,14 @@ class RouterApp:
         initial: the build-time desired state of explicit model control
             (``deployments.control.initial_state``); None: ``model_control_mode: none``.
 
-    ``admission``: where the routes run in their model's replica (``ModelRoutes``), its
-    ``Admission``, asked before an infer body is read (None: the router; the model's replica
-    admits).
+    ``admission``: where the routes run in their model's replica (``ModelRoutes``, ``PoolRoutes``),
+    its ``Admission``, asked before an infer body is read (None: the router; the model's replica
+    admits). ``follower``: there, under explicit model control, the replica's ``Follower``: its
+    requests answer 503 until it has read the desired state once (``Follower.synced``).
     """
 
     admission: "Admission | None" = None
+    follower: "Follower | None" = None
 
     def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
                  observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
@@ -285,7 +288,7 @@ class RouterApp:
         self.missing = missing
 
     def _missing_text(self, name: str) -> str:
-        handle = self.client.dedicated.get(name)
+        handle = self.client.dedicated.get(name) or self.client.pool
         app = getattr(handle, "app_name", f"<router application>.{name}")
         return (f"its application '{app}' is not deployed: the Serve config must list it "
                 "(python -m deployments.check --write serve_config.yaml writes it)")
@@ -378,6 +381,9 @@ class RouterApp:
     def _not_ready(self, entry: ModelEntry) -> ServingError | None:
         """The 503 error for a model whose deployment has no loaded replica yet or that is
         unloaded, 404 for one never loaded (explicit model control), else None."""
+        if self.follower is not None and not self.follower.synced:
+            return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
+                                 "control state (a load or unload made since it started); retry shortly")
         if entry.name not in self.loaded:
             if entry.name in self.unloaded:
                 return unloaded_model(entry.name)
@@ -827,16 +833,69 @@ class ModelRoutes(RouterApp):
         """The model was unloaded through the repository API: new requests answer 503."""
         self._mark_unloaded(self.name)
 
-    def _not_ready(self, entry: ModelEntry) -> ServingError | None:
-        if self.follower is not None and not self.follower.synced:
-            return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
-                                 "control state (a load or unload made since it started); retry shortly")
-        return super()._not_ready(entry)
-
     def build_app(self) -> Starlette:
         app = super().build_app()
         app.add_middleware(FullPath, suffix=f"/v2/models/{self.name}")
         return app
+
+
+class PoolClient:
+    """The ``ModelClient`` of ``PoolRoutes``: the pool's models run in this process, through the
+    pool replica's own ``infer_body`` (keyed by the version's cache key) and ``models``; no
+    handles. ``pool`` is the client itself: the routes treat the pool as present."""
+
+    def __init__(self, pool_models: Iterable[str], infer_body: Callable[..., Awaitable[Any]],
+                 states: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self.dedicated: dict[str, Any] = {}
+        self.pool = self
+        self.pool_models = set(pool_models)
+        self._infer_body = infer_body
+        self._states = states
+
+    async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
+                         header_length: str | None, default_timeout_s: float) -> Any:
+        return raise_if_error(await self._infer_body(name, version, batched, chunks, header_length,
+                                                     default_timeout_s, key))
+
+    async def pool_states(self) -> dict[str, dict[str, Any]]:
+        return self._states()
+
+
+class PoolRoutes(RouterApp):
+    """The KServe v2 model routes of the pool models, served by a pool replica (``PoolClient``):
+    ``GET /v2/models/{name}[/versions/{v}][/ready|/config|/stats]`` and ``POST .../infer``, with
+    the router's code, errors and checks, over the whole repository (a model of another
+    application reaching it answers as the router would: not ready). The deployment reports
+    loads and unloads of explicit model control with ``pool_model_loaded`` and ``model_unloaded``.
+    """
+
+    def pool_model_loaded(self, name: str, backend: str) -> None:
+        """Pool model ``name`` was loaded through the repository API: its folder is read again
+        (it may be new, or have a new version), and its requests are served.
+
+        Raises:
+            ConfigError, ModelNotFound: as ``ModelRepository.read``.
+        """
+        self._mark_loaded(self.repo.read(name), "pool", backend)
+
+    def model_unloaded(self, name: str) -> None:
+        """Pool model ``name`` was unloaded through the repository API: new requests answer 503."""
+        self._mark_unloaded(name)
+
+    def build_app(self) -> Starlette:
+        app = super().build_app()
+        app.add_middleware(FullPath, suffix="/v2/models")
+        return app
+
+
+def pool_routes(repo: ModelRepository, pool_models: Iterable[str], infer_body: Callable[..., Awaitable[Any]],
+                states: Callable[[], dict[str, dict[str, Any]]], options: RouterOptions,
+                metrics: dict[str, Any] | None, initial: Desired | None) -> PoolRoutes:
+    """In a pool replica: the ``PoolRoutes`` of ``repo`` (every served model) for ``pool_models``,
+    run by ``infer_body`` (``PoolDeployment.infer_body``) and described by ``states``
+    (``PoolDeployment.models``)."""
+    return PoolRoutes(repo, PoolClient(pool_models, infer_body, states), options,
+                      router_observer(repo, metrics), initial)
 
 
 def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
@@ -992,8 +1051,7 @@ class Router(RouterApp):
         repository: model repository root.
         dedicated: model name -> name of its dedicated deployment (pipelines included), each in
             its own application (``client.model_application``).
-        pool: handle of the multiplexed pool deployment, or None.
-        pool_models: names served by the pool.
+        pool_models: names served by the pool (its own application, ``client.pool_handle``).
         options: ``RouterOptions``.
         models: the served subset of the repository (None: all).
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
@@ -1001,18 +1059,19 @@ class Router(RouterApp):
         initial: the build-time desired state (None: model control is off).
     """
 
-    def __init__(self, repository: str, dedicated: dict[str, str], pool: Any | None,
-                 pool_models: Iterable[str], options: RouterOptions, models: list[str] | None = None,
+    def __init__(self, repository: str, dedicated: dict[str, str], pool_models: Iterable[str],
+                 options: RouterOptions, models: list[str] | None = None,
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None) -> None:
         repo = ModelRepository(repository, models)
         app = serve.get_replica_context().app_name
-        # The pool's handle made again here, so that it takes this cluster's default transport
-        # (gRPC under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): the one passed in was made where the
-        # application was built, with that process's default, fixed when it imported Ray Serve
-        # (bench.throughput's server imported it before setting the environment: every pool
-        # body went by reference, through the object store, 42% of the router's event loop).
-        pool = handle(app, pool.deployment_name) if pool is not None else None
+        # The handles are made here, so that they take this cluster's default transport (gRPC
+        # under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): one made where the application was built has
+        # that process's default, fixed when it imported Ray Serve (bench.throughput's server
+        # imported it before setting the environment: every pool body went by reference,
+        # through the object store, 42% of the router's event loop).
+        pool_models = list(pool_models)
+        pool = pool_handle(app) if pool_models else None
         client = ModelClient(model_handles(app, dedicated), pool, pool_models, control)
         super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()

@@ -381,10 +381,50 @@ def router_backs_up_models(config: str) -> str:
     return "".join(out)
 
 
+# The multiplexed pool's application (``<router app>.pool``, deployments/app.py) takes every pool
+# model's requests at ``<prefix>/v2/models``. Ray's template balances each backend by least
+# connections, which spreads one model's requests over every pool replica: each would load it,
+# and under a memory budget evict another for it. Here HAProxy hashes the model's name (the
+# path segment after the pool's prefix) on a consistent-hash ring, so a model's requests go to
+# one replica, the one that has it loaded, while others go elsewhere; with bounded loads
+# (``hash-balance-factor``), a replica already holding more than that percentage of the mean
+# load passes a request to the next on the ring: a hot model spreads over more replicas.
+POOL_HASH_MARKER = "# trt-serve: a pool model's requests go to the replica its name hashes to (deployments/loopback.py)"
+POOL_HASH_BALANCE_FACTOR = 150
+_PATH_BEG = re.compile(r"^\s+acl\s+is_(?P<name>\S+)\s+path_beg\s+(?P<prefix>/\S*)$")
+
+
+def hash_pool_models(config: str) -> str:
+    """``config`` with each backend ``B.pool`` where a backend ``B`` exists (Ray names a backend
+    ``http-<application>``) balanced by the hash of the model name in the path (the comment
+    above): ``balance hash path,field(N,/)``, N the segment after the prefix its frontend ACL
+    matches (``acl is_B.pool path_beg <prefix>/``), ``hash-type consistent`` and
+    ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``. A pool backend without that ACL keeps
+    Ray's balance. Idempotent (a marker comment)."""
+    if POOL_HASH_MARKER in config:
+        return config
+    lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
+    backends = {name for line in lines if (name := _backend_name(line)) is not None}
+    prefixes = {m["name"]: m["prefix"] for line in lines if (m := _PATH_BEG.match(line.rstrip("\n")))}
+    out = []
+    for line in lines:
+        out.append(line)
+        name = _backend_name(line) if _SECTION.match(line) else None
+        if name is None or not name.endswith(".pool") or name.removesuffix(".pool") not in backends:
+            continue
+        prefix = prefixes.get(name)
+        if prefix is None:
+            continue
+        field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
+        out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash path,field({field},/)\n",
+                "    hash-type consistent\n", f"    hash-balance-factor {POOL_HASH_BALANCE_FACTOR}\n"]
+    return "".join(out)
+
+
 def rewrite_config(config: str) -> str:
     """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
-    ``answer_unrouted`` then ``router_backs_up_models``."""
-    return router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config))))
+    ``answer_unrouted``, ``router_backs_up_models`` then ``hash_pool_models``."""
+    return hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
 
 
 def _port_or_free(preferred: int) -> int:

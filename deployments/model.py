@@ -93,7 +93,7 @@ class ModelDeployment:
                 max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
 
     @errors_as_values
-    @observe_replica_infer(lambda self: (self.host.name, self.host.version))
+    @observe_replica_infer(lambda self, *_: (self.host.name, self.host.version))
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Validate and run one request; see ``ModelHost.infer`` for shapes and raised errors.
 

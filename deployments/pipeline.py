@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
-from .client import ModelClient, handle, model_handles, router_application
+from .client import ModelClient, model_handles, pool_handle, router_application
 from .control import Desired, loaded_at_start
 from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
@@ -52,7 +52,7 @@ class PipelineDeployment:
         self.version = entry.latest
         self.recorder = replica_recorder(metrics)  # the pipeline's own executions, as Triton counts an ensemble's
         router_app = router_application(name)
-        pool = handle(router_app, "pool") if pool_models else None
+        pool = pool_handle(router_app) if pool_models else None
         client = ModelClient(model_handles(router_app, dedicated), pool, pool_models)
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)

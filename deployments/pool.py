@@ -1,4 +1,11 @@
-"""The multiplexed pool deployment: the long tail of models, under a byte budget per replica."""
+"""The multiplexed pool deployment: the long tail of models, under a byte budget per replica.
+
+The deployment is the ingress of its own application (``deployments.app.applications``): its
+replicas answer the pool models' KServe v2 routes straight from the HTTP ingress
+(``ingress.PoolRoutes``), HAProxy choosing the replica by the model's name
+(``loopback.hash_pool_models``); the router and pipelines call it through handles, by
+multiplexed model id.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,9 @@ from typing import Any, Iterable
 import numpy as np
 from ray import serve
 
+from .client import POOL, handle, router_application
 from .control import Desired, follow, outcome
+from .ingress import Admission, RouterOptions, pool_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
@@ -32,6 +41,7 @@ def _backend_here(requested: str) -> str:
 
 
 @serve.deployment
+@serve.ingress()
 class PoolDeployment:
     """Serves the models not given a dedicated deployment, chosen by multiplexed model id.
 
@@ -47,11 +57,19 @@ class PoolDeployment:
         options: the pool's ``CacheOptions`` (``deployments.app.PoolOptions``), passed whole to
             the ``ModelCache``.
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
+        initial: the build-time desired state of explicit model control (None: off); the
+            control deployment is the router application's (``client.router_application``).
+        routes: body limit and timeout of the pool models' routes (``RouterOptions``).
+        models: the served subset of the repository (None: all); the routes answer for every
+            one of them as the router does (an unknown model's 404 names them).
+        max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
+            with 503 (``ingress.Admission``; ``max_queued_requests`` None: no bound).
     """
 
     def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
-                 metrics: dict[str, Any] | None = None, control: Any | None = None,
-                 initial: Desired | None = None) -> None:
+                 metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                 routes: RouterOptions | None = None, models: list[str] | None = None,
+                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
@@ -69,7 +87,13 @@ class PoolDeployment:
             if name in self.versions and not state["loaded"]:
                 self._unload(name)
         self.cache.start()
-        self._follower = follow(control, initial or {}, self.apply)
+        routes = routes or RouterOptions(max_body_bytes=64 << 20, request_timeout_s=60.0)
+        self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
+        self.routes = pool_routes(ModelRepository(repository, models), names, self.infer_body, self.models,
+                                  routes, metrics, initial)
+        self.routes.admission = self.admission
+        control = handle(router_application(POOL), "control") if initial is not None else None
+        self.routes.follower = self._follower = follow(control, initial or {}, self.apply)
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
@@ -91,25 +115,37 @@ class PoolDeployment:
         """
         return await self._run(inputs, outputs)
 
-    @observe_replica_infer(lambda self: self._model_version(serve.get_multiplexed_model_id()))
-    async def _run(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        """``infer``'s work, raising its errors (``infer_body`` runs it inside its own)."""
-        name = await self._get_model(serve.get_multiplexed_model_id())
-        return await self.cache.infer_async(name, inputs, outputs)
+    async def _run(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                   key: str | None = None) -> dict[str, np.ndarray]:
+        """``infer``'s work for cache key ``key`` (None: the multiplexed model id's), raising its
+        errors (``infer_body`` runs it inside its own)."""
+        return await self._run_key(serve.get_multiplexed_model_id() if key is None else key, inputs, outputs)
+
+    @observe_replica_infer(lambda self, key, *_: self._model_version(key))
+    async def _run_key(self, key: str, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
+        with self.admission.request():
+            name = await self._get_model(key)
+            return await self.cache.infer_async(name, inputs, outputs)
 
     @errors_as_values
     async def infer_body(self, model: str, version: str, batched: bool, chunks: list[bytes],
-                         header_length: str | None, default_timeout_s: float) -> Answer:
-        """An infer request's body, as the router got it, for the version named by the
-        multiplexed model id: decoded here, run as ``infer`` (within the request's own
-        ``parameters.timeout`` where shorter than ``default_timeout_s``, the router's bound),
-        and encoded for ``model`` at ``version`` (``protocol.answer.answer_body``; ``batched``:
-        the model's ``max_batch_size > 0``).
+                         header_length: str | None, default_timeout_s: float, key: str | None = None) -> Answer:
+        """An infer request's body, as it arrived, for the version keyed ``key`` (its cache key,
+        ``ModelEntry.key``; None: the multiplexed model id, a call through a handle): decoded
+        here, run as ``infer`` (within the request's own ``parameters.timeout`` where shorter
+        than ``default_timeout_s``, the routes' bound), and encoded for ``model`` at ``version``
+        (``protocol.answer.answer_body``; ``batched``: the model's ``max_batch_size > 0``).
 
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``answer`` and ``infer``
-        (``InvalidInput`` for a malformed body).
+        (``InvalidInput`` for a malformed body; ``Overloaded`` past the pool's bounds).
         """
-        return await answer_body(model, version, batched, chunks, header_length, self._run, default_timeout_s)
+        async def run(inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+            return await self._run(inputs, outputs, key)
+
+        return await answer_body(model, version, batched, chunks, header_length, run, default_timeout_s)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.routes.build_app()
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``
@@ -121,6 +157,7 @@ class PoolDeployment:
                 continue
             try:
                 if not state["loaded"]:
+                    self.routes.model_unloaded(name)
                     if name in self.versions:
                         self._unload(name)
                     done[name] = outcome(None, False)
@@ -134,6 +171,7 @@ class PoolDeployment:
                     self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
                 for key in self._keys_of(name):
                     self.cache.load(key)
+                self.routes.pool_model_loaded(name, self.backends[name])
                 done[name] = outcome(None, True, self.backends[name])
             except Exception as error:
                 done[name] = outcome(error, False)

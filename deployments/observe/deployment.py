@@ -26,8 +26,9 @@ def cache_recorder(recorder: ReplicaRecorder | None, budget_bytes: int | None) -
 
 
 def observe_replica_infer(key: Callable[[Any], tuple[str, int | None]]) -> Callable:
-    """Wrap a deployment's ``async infer(self, ...)`` in ``self.recorder.request(model,
-    version)``; ``key(self)`` names the model and version (version None: ``self.versions[name]``)."""
+    """Wrap a deployment's ``async infer(self, *args)`` in ``self.recorder.request(model,
+    version)``; ``key(self, *args)`` names the model and version (version None:
+    ``self.versions[name]``)."""
 
     def decorate(infer: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         @functools.wraps(infer)
@@ -35,7 +36,7 @@ def observe_replica_infer(key: Callable[[Any], tuple[str, int | None]]) -> Calla
             recorder: ReplicaRecorder | None = self.recorder
             if recorder is None:
                 return await infer(self, *args, **kwargs)
-            name, version = key(self)
+            name, version = key(self, *args)
             if version is None:
                 version = self.versions.get(name)
                 if version is None:  # not a model of this pool: infer raises ModelNotFound

@@ -29,8 +29,11 @@ def campaign(serve_instance, prepared_engines, tmp_path_factory):
     from deployments.app import delete_server, run_applications
 
     repository = faults.scratch_repository(tmp_path_factory.mktemp("campaign") / "engines", prepared_engines)
+    # Serve's Python proxy in front (the session's Serve instance): the models' applications get no
+    # route prefix, as `make serve FAST=0` gives them (README, "One hop to hot models"): the router
+    # sends again a request whose model replica died holding it, which Serve's proxy does not
     run_applications({"repository": str(repository), "pool": {"max_num_models_per_replica": 2}},
-              name=APP, route_prefix=f"/{APP}")
+                     name=APP, route_prefix=f"/{APP}", one_hop=False)
     url = f"{serve_instance}/{APP}"
     wait_ready(url)
     yield url, os.getsid(0), repository  # ray.init ran here: Ray's processes share this session

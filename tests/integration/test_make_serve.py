@@ -41,6 +41,8 @@ def _env(words: list[str]) -> dict[str, str]:
 def make_serve(tmp_path_factory):
     """``make serve``'s command line and environment on a two-model repository and a free port;
     yields (process, base URL, dashboard URL, output file)."""
+    from deployments.check import write
+
     tmp = tmp_path_factory.mktemp("make_serve")
     root = tmp / "engines"
     for name in ("tiny_cnn", "mid_cnn"):
@@ -50,10 +52,11 @@ def make_serve(tmp_path_factory):
     port = _free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
-    config["applications"] = config["applications"][:1]  # two pool models: no model application
+    config["applications"] = config["applications"][:1]  # two pool models: the pool's application only
     config["applications"][0]["args"]["repository"] = str(root)
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
+    write(path)
     words = _make_line("serve", "-m deployments.run ")
     env = dict(os.environ, PYTHONPATH=str(ROOT), **_env(words))
     env.pop("RAY_ADDRESS", None)

@@ -138,11 +138,12 @@ def test_a_model_whose_replica_cannot_be_placed_answers_503_through_the_router(o
     assert requests.post(f"{url}/v2/models/lost_cnn/infer", json=BODY, timeout=60).status_code == 200
 
 
-def test_router_replicas_grow_under_load_shrink_after_it_and_the_stats_count_every_answer(one_hop):
-    """32 clients on a pool model through HAProxy, straight to the router replicas' own ports
-    (no deployment handle in front of them): the router's count rises from 1, comes back to 1
-    after the load, and ``/v2/models/simple/stats`` counts every answer, whichever router replica
-    (stopped since, or not) gave it."""
+def test_router_replicas_grow_under_load_shrink_after_it_and_the_pool_replica_counts_every_answer(one_hop):
+    """32 clients on the router's own route (the repository index, a call to the pool's handle
+    each) through HAProxy, straight to the router replicas' own ports: the router's count rises
+    from 1 and comes back to 1 after the load. Meanwhile 4 clients on a pool model reach the
+    pool replica in one hop, no router on the way, and ``/v2/models/simple/stats`` counts every
+    answer."""
     from bench.autoscale import Load, request_body
 
     proc, url, _ = one_hop
@@ -150,21 +151,25 @@ def test_router_replicas_grow_under_load_shrink_after_it_and_the_stats_count_eve
     r = requests.post(f"{url}/v2/models/simple/infer", data=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     assert len(replica_pids(proc.pid, "models", "router")) == 1
-    load = Load(f"{url}/v2/models/simple/infer", body, headers, clients=32)
-    load.active = 32
-    load.thread.start()
+    index = Load(f"{url}/v2/repository/index", b"{}", {"Content-Type": "application/json"}, clients=32)
+    pool = Load(f"{url}/v2/models/simple/infer", body, headers, clients=4)
+    for load in (index, pool):
+        load.active = load.clients
+        load.thread.start()
     try:
         until(lambda: len(replica_pids(proc.pid, "models", "router")) > 1, "a second router replica under load")
     finally:
-        load.active = 0
-        load.stop.set()
-        load.thread.join(timeout=90)
-    assert not load.thread.is_alive()
-    statuses = [status for _, status in load.done]
-    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+        for load in (index, pool):
+            load.active = 0
+            load.stop.set()
+            load.thread.join(timeout=90)
+    for load in (index, pool):
+        assert not load.thread.is_alive()
+        statuses = [status for _, status in load.done]
+        assert statuses and set(statuses) == {200}, (load.url, {s: statuses.count(s) for s in set(statuses)})
     until(lambda: len(replica_pids(proc.pid, "models", "router")) == 1, "back to one router replica", 180)
     [stats] = requests.get(f"{url}/v2/models/simple/stats", timeout=10).json()["model_stats"]
-    assert stats["inference_stats"]["success"]["count"] == len(statuses) + 1  # + the first request
+    assert stats["inference_stats"]["success"]["count"] == len(pool.done) + 1  # + the first request
 
 
 def test_a_model_that_lost_its_replicas_answers_503_at_once(one_hop):

@@ -50,7 +50,7 @@ def test_serve_config_yaml_lists_the_application_of_every_dedicated_model_of_eng
     result = run_check(ROOT / "serve_config.yaml")
     assert result.returncode == 0, result.stderr
     names = [app["name"] for app in yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"]]
-    assert names == ["models", "models.ocr", "models.ocr_cls", "models.ocr_det", "models.ocr_rec"]
+    assert names == ["models", "models.ocr", "models.ocr_cls", "models.ocr_det", "models.ocr_rec", "models.pool"]
 
 
 def test_a_model_made_dedicated_is_named_missing_until_write_adds_its_application(repository, tmp_path):
@@ -64,14 +64,15 @@ def test_a_model_made_dedicated_is_named_missing_until_write_adds_its_applicatio
     result = run_check(path)
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
-    assert line.startswith(f"config error: {path}: applications: ") and "missing: ['models.mid_cnn']" in line
+    assert line.startswith(f"config error: {path}: applications: ") and "missing: ['models.mid_cnn', 'models.pool']" in line
     assert f"python -m deployments.check --write {path}" in line
     written = subprocess.run([sys.executable, "-m", "deployments.check", "--write", str(path)], capture_output=True,
                              text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
     assert written.returncode == 0, written.stderr
-    assert written.stdout.splitlines()[0] == f"{path}: wrote 1 model applications ['models.mid_cnn']"
+    assert written.stdout.splitlines()[0] == f"{path}: wrote 2 model applications ['models.mid_cnn', 'models.pool']"
     apps = yaml.safe_load(path.read_text())["applications"]
-    assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/"), ("models.mid_cnn", "/v2/models/mid_cnn")]
+    assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/"), ("models.mid_cnn", "/v2/models/mid_cnn"),
+                                                              ("models.pool", "/v2/models")]
     assert apps[1]["args"] == {**apps[0]["args"], "model": "mid_cnn"}
     assert "args: {<<: *models, model: mid_cnn}" in path.read_text()
     config_path.write_text(config_path.read_text().replace("mode: dedicated", "mode: pool"))  # and back
@@ -99,7 +100,13 @@ def test_a_bad_application_arg_exits_2_naming_the_field_and_the_choices(reposito
 
 
 def test_a_good_config_prints_its_models_and_url(repository, tmp_path):
-    result = run_check(serve_config(tmp_path, repository))
+    from deployments.check import write
+
+    path = serve_config(tmp_path, repository)
+    result = run_check(path)
+    assert result.returncode == 2 and "missing: ['models.pool']" in result.stderr  # the pool models' application
+    write(path)
+    result = run_check(path)
     assert result.returncode == 0, result.stderr
     assert "2 models ['mid_cnn', 'tiny_cnn']" in result.stdout and "http://127.0.0.1:8000/v2" in result.stdout
 
@@ -178,10 +185,11 @@ def test_write_keeps_other_applications_and_refuses_model_applications_listed_by
     write(path)
     apps = yaml.safe_load(path.read_text())["applications"]
     assert [a["name"] for a in apps] == ["models", "echo", "models.ocr", "models.ocr_cls", "models.ocr_det",
-                                         "models.ocr_rec"]  # kept; the written block ends the list
+                                         "models.ocr_rec", "models.pool"]  # kept; the written block ends the list
     by_hand = shipped.replace(WRITTEN_MARK + "\n", "")  # the same applications, without the mark
     path.write_text(by_hand)
-    with pytest.raises(ConfigError, match=r"\['models.ocr', 'models.ocr_cls', 'models.ocr_det', 'models.ocr_rec'\] "
+    with pytest.raises(ConfigError, match=r"\['models.ocr', 'models.ocr_cls', 'models.ocr_det', 'models.ocr_rec', "
+                                          r"'models.pool'\] "
                                           "are listed without the mark"):
         write(path)
     assert path.read_text() == by_hand  # nothing written
@@ -202,6 +210,6 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
     copy = config_for_proxy(path, {})  # make serve FAST=0: Serve's Python proxy
     apps = yaml.safe_load(copy.read_text())["applications"]
     assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/")] + [
-        (f"models.{m}", None) for m in ("ocr", "ocr_cls", "ocr_det", "ocr_rec")]
+        (f"models.{m}", None) for m in ("ocr", "ocr_cls", "ocr_det", "ocr_rec", "pool")]
     assert apps[1:] == [dict(a, route_prefix=None) for a in yaml.safe_load(path.read_text())["applications"][1:]]
     assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops

@@ -532,3 +532,82 @@ def test_a_path_no_application_takes_answers_503_until_the_router_is_routed_then
         for process in (starting_haproxy, routed_haproxy):
             process.kill()
             process.wait()
+
+
+def _ray_pool_config(tmp_path: Path, prefix: str, pool_ports: dict[str, int], router_port: int,
+                     ocr_port: int = 12) -> str:
+    """Ray's HAProxy config (Ray 2.60's code) for a router application ``models`` at ``prefix``,
+    a dedicated model's ``models.ocr`` and the pool's ``models.pool`` at ``<prefix>/v2/models``
+    (servers ``pool_ports``: name -> port), rewritten as the wrapper does."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    base = prefix.rstrip("/")
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=8000), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
+                        metrics_socket_path=str(tmp_path / "metrics.sock"))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    backends = {"models": (prefix, {"router": router_port}), "models.ocr": (f"{base}/v2/models/ocr", {"ocr": ocr_port}),
+                "models.pool": (f"{base}/v2/models", pool_ports)}
+    api.set_backend_configs({f"http-{app}": BackendConfig(
+        name=f"http-{app}", path_prefix=path, app_name=app,
+        servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])
+        for app, (path, servers) in backends.items()})
+    api._generate_config_file_internal()
+    return loopback.rewrite_config((tmp_path / "haproxy.cfg").read_text())
+
+
+def _pool_section(config: str) -> list[str]:
+    section = config.split("backend http-models.pool\n")[1]
+    return [line.strip() for line in section[:section.index("\nbackend ")].splitlines()]
+
+
+@pytest.mark.parametrize(("prefix", "field"), [("/", 4), ("/api", 5)])
+def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, prefix, field):
+    """In Ray's config the pool's backend gets the model-name hash (the path segment after
+    ``<prefix>/v2/models/``) on a consistent ring with bounded loads; the router's and the
+    dedicated model's backends keep Ray's least connections; rewriting again changes nothing."""
+    config = _ray_pool_config(tmp_path, prefix, {"pool-a": 9, "pool-b": 10}, 11)
+    assert loopback.rewrite_config(config) == config
+    pool = _pool_section(config)
+    assert pool[pool.index(loopback.POOL_HASH_MARKER) + 1:][:3] == [
+        f"balance hash path,field({field},/)", "hash-type consistent",
+        f"hash-balance-factor {loopback.POOL_HASH_BALANCE_FACTOR}"]
+    assert config.count("balance hash") == 1 and "balance leastconn" in config  # Ray's default for the others
+    without = config.replace("acl is_http-models.pool path_beg", "acl is_http-models.pool path_end")
+    assert "balance hash" not in loopback.hash_pool_models(without.replace(loopback.POOL_HASH_MARKER, "#").replace(
+        f"    balance hash path,field({field},/)\n", ""))  # no prefix to count from: Ray's balance stays
+
+
+def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_models(tmp_path):
+    """On the real HAProxy with the rewritten config: every request for one pool model (its
+    routes, any version) reaches the same pool replica, and 16 models spread over the three."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
+    router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
+    config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
+    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
+              .replace("127.0.0.1:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    (tmp_path / "pool.cfg").write_text(config)
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+                 for name, port in {**ports, "router": router, "ocr": ocr}.items()]
+    processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
+    try:
+        _until(lambda: all(_get(front, f"/v2/models/m{i}/ready") is not None for i in range(16)), 30)
+        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
+        time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
+        chosen = {}
+        for i in range(16):
+            paths = [f"/v2/models/m{i}/ready", f"/v2/models/m{i}", f"/v2/models/m{i}/versions/2/ready"] * 3
+            answers = {_get(front, path) for path in paths}
+            assert len(answers) == 1, (i, answers)
+            [(status, by)] = answers
+            assert status == 200 and by.decode() in ports, (i, status, by)
+            chosen[f"m{i}"] = by.decode()
+        assert len(set(chosen.values())) >= 2, chosen
+        assert _get(front, "/v2/health/ready") == (200, b"router")
+        assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()

@@ -663,3 +663,37 @@ def test_routes_in_a_model_replica_shed_before_reading_the_body(repo):
     app.admission = Admission(1, 0)
     body = {"inputs": [{"name": "x", "shape": [1, 3, 64, 64], "datatype": "FP32", "data": [0.0] * (3 * 64 * 64)}]}
     assert post(router, "/v2/models/ocr_det/infer", body).status_code == 200
+
+
+def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the_rest(repo):
+    """``PoolRoutes`` as a pool replica serves them at ``/v2/models`` (Serve's root_path): a pool
+    model's infer runs through the replica's own ``infer_body`` with the version's cache key;
+    an unknown model's 404 names every model, as the router's does; a dedicated model (its own
+    application) is not served here (503)."""
+    from deployments.ingress import PoolClient, pool_routes
+
+    fake = FakeModelClient(repo)
+    keys = []
+
+    async def infer_body(name, version, batched, chunks, header_length, default_timeout_s, key):
+        keys.append(key)
+        return await fake.infer_body(name, key, version, batched, chunks, header_length, default_timeout_s)
+
+    states = {name: {"state": "ready", "evictions": 0, "backend": "onnxruntime_cuda"} for name in fake.pool_models}
+    routes = pool_routes(repo, fake.pool_models, infer_body, lambda: states,
+                         RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0), {"enabled": False}, None)
+    assert isinstance(routes.client, PoolClient) and routes.observer is None
+    client = TestClient(routes.build_app(), root_path="/v2/models", raise_server_exceptions=False)
+    x = np.arange(3 * 224 * 224, dtype=np.float32) / 1000
+    r = client.post("/v2/models/tiny_cnn/infer", json={"inputs": [tensor(data=x.tolist())]})
+    assert r.status_code == 200, r.text
+    [out] = r.json()["outputs"]
+    np.testing.assert_allclose(out["data"], 2 * x[:1000], rtol=1e-6)
+    assert keys == ["tiny_cnn"] and r.json()["model_name"] == "tiny_cnn"
+    assert client.get("/v2/models/tiny_cnn").json()["platform"] == "onnxruntime_onnx"
+    r = client.get("/v2/models/no_such_model/ready")
+    assert r.status_code == 404 and f"available models: {repo.names()}" in r.json()["error"], r.text
+    r = client.get("/v2/models/ocr_cls/ready")
+    assert r.status_code == 503 and "ocr_cls" in r.json()["error"], r.text
+    r = client.get("/v2/models/tiny_cnn/infer")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"

@@ -103,7 +103,7 @@ def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_ver
 
 
 def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_unload(tmp_path):
-    from deployments.ingress import ModelRoutes, RouterOptions
+    from deployments.ingress import ModelRoutes, PoolClient, PoolRoutes, RouterOptions
     from deployments.model import ModelDeployment
     from deployments.pool import PoolDeployment
     from deployments.runtime.residency.gate import Gate
@@ -115,6 +115,7 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_
     pool.cache = ModelCache(pool.repo)
     pool.keys, pool.versions = {"cnn": ("cnn", 1)}, {"cnn": 1}
     pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
+    pool.routes = PoolRoutes(ModelRepository(root), PoolClient(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
     dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     dedicated.repo = ModelRepository(root)
     dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
@@ -124,10 +125,12 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load_after_an_
     for replica in (pool, dedicated):
         assert replica.apply(unload)["cnn"]["error"] is None
     assert dedicated.routes.unloaded == {"cnn"} and "cnn" not in dedicated.routes.ready_models  # its routes: 503
+    assert pool.routes.unloaded == {"cnn"} and "cnn" not in pool.routes.loaded
     versioned_repository(root, {2: 5}, {"latest": {"num_versions": 2}})  # version 2 arrives
     for replica in (pool, dedicated):
         assert replica.apply(load)["cnn"]["error"] is None
     assert "cnn" in dedicated.routes.ready_models and dedicated.routes.repo.get("cnn").latest == 2
+    assert "cnn" in pool.routes.loaded and not pool.routes.unloaded and pool.routes.repo.get("cnn").latest == 2
     expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
                 for v in (1, 2)}
     assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}
