@@ -3,7 +3,8 @@
 Starts ``python -m deployments.run`` with ``make serve``'s environment (HAProxy ingress, Ray's
 throughput-optimized mode) on a copy of ``serve_config.yaml``'s router application over a
 repository of one pool model (``simple`` by default: Triton's quickstart add/sub, so the time a
-request takes is the serving path's, not the model's), its router's ``autoscaling`` given
+request takes is the serving path's, not the model's) reached through the router (the pool's
+application without a route prefix: ``write_config``), its router's ``autoscaling`` given
 ``--autoscaling`` over the defaults (short delays, so the test fits in a minute or two). Then,
 once a second: idle (``--idle-s``), ``--clients`` closed-loop clients (``--load-s`` per step), idle
 again until one router replica is left (at most ``--after-s``). Each second's row: seconds
@@ -79,7 +80,9 @@ def start_runner(config: Path, log: Path, fast: int = 1, **env: str) -> subproce
 
 def write_config(tmp: Path, model: str, port: int, router: dict[str, Any]) -> Path:
     """``serve_config.yaml``'s router application on a repository of ``model`` (a pool model),
-    listening on ``port``, ``args.router`` = ``router``."""
+    listening on ``port``, ``args.router`` = ``router``; the pool's application without a route
+    prefix, so that ``model``'s requests cross the router (as ``make serve FAST=0`` serves them;
+    with it, HAProxy would send them to the pool replica in one hop)."""
     from deployments.check import write
 
     root = tmp / "engines"
@@ -93,6 +96,10 @@ def write_config(tmp: Path, model: str, port: int, router: dict[str, Any]) -> Pa
     path = tmp / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     write(path)
+    config = yaml.safe_load(path.read_text())
+    for app in config["applications"][1:]:
+        app["route_prefix"] = None
+    path.write_text(yaml.safe_dump(config))
     return path
 
 
