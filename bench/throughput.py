@@ -676,9 +676,11 @@ class Bench:
         self.results["pool"] = pool_ratios(rows)
 
     def _place_copies(self, workloads: list[Workload]) -> None:
-        """One request to each pool copy in turn, a second apart: Serve's multiplexed routing
-        sends a model seen nowhere yet to a replica with the fewest models, once it knows where
-        the previous copies went, so each copy lands on a replica of its own."""
+        """One request to each pool copy in turn, a second apart: through the router, Serve's
+        multiplexed routing sends a model seen nowhere yet to a replica with the fewest models,
+        once it knows where the previous copies went, so each copy lands on a replica of its own;
+        in one hop HAProxy's hash of the copy's name places it (two may share a replica, and
+        under load the bounded hash spills to the others: ``model_cpu_shares`` says)."""
         for w in workloads:
             run([(w, 1)], duration_s=0.2, warmup_s=0.0)
             time.sleep(1.0)

@@ -308,9 +308,9 @@ def _read(args: dict[str, Any] | None) -> tuple[AppArgs, list[ModelEntry], dict[
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     if POOL in {e.name for e in entries} - set(pool_models):
         entry = next(e for e in entries if e.name == POOL)
-        raise ConfigError(f"{entry.path / 'config.yaml'}: a dedicated model or pipeline may not be named "
-                          f"'{POOL}': its application's name is the multiplexed pool's; rename the folder "
-                          "or give it deployment.mode: pool")
+        raise ConfigError(f"{entry.path}: a dedicated model or pipeline may not be named '{POOL}': its "
+                          f"application's name, '<router application>.{POOL}', is the multiplexed pool's; rename "
+                          "the folder (a model may also be served by the pool: deployment.mode: pool)")
     return app_args, entries, placement, pool_models
 
 

@@ -88,14 +88,15 @@ def _schema(path: Path) -> Any:
 
 def _our_applications(schema: Any) -> tuple[list[Any], list[Any]]:
     """The config's applications of this project (``APP_IMPORT_PATH``): router applications
-    (no ``args.model``) and dedicated models' applications."""
+    (no ``args.model``) and model applications (a dedicated model's, or the pool's)."""
     ours = [app for app in schema.applications if app.import_path == APP_IMPORT_PATH]
     routers = [app for app in ours if (app.args or {}).get("model") is None]
     return routers, [app for app in ours if app not in routers]
 
 
 def model_applications_of(path: Path) -> list[Any]:
-    """The dedicated models' applications the config at ``path`` lists (``_our_applications``).
+    """The model applications (dedicated models' and the pool's) the config at ``path`` lists
+    (``_our_applications``).
 
     Raises:
         ConfigError: as ``_schema``.

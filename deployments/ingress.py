@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import __version__
-from .client import ModelClient, handle, model_handles, pool_handle, router_application
+from .client import POOL, ModelClient, handle, model_application, model_handles, pool_handle, router_application
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .observe.metrics import node_directory, node_families, render as render_metrics
@@ -279,17 +279,19 @@ class RouterApp:
             await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
 
     def note_missing(self, missing: Iterable[str]) -> None:
-        """Dedicated models whose own application Serve does not list (``ReplicaCounts.missing``):
-        their requests reach the router (no route prefix of theirs exists) and answer 503 naming
-        the application the Serve config lacks; logged once each."""
-        missing = set(missing) & set(self.client.dedicated)
+        """Models whose application Serve does not list (``ReplicaCounts.missing``: a dedicated
+        model's own, or the pool's for pool models): their requests reach the router (no route
+        prefix of theirs exists) and answer 503 naming the application the Serve config lacks;
+        logged once each."""
+        missing = set(missing) & (set(self.client.dedicated) | self.client.pool_models)
         for name in sorted(missing - self.missing):
             logger.error("model '%s': %s", name, self._missing_text(name))
         self.missing = missing
 
     def _missing_text(self, name: str) -> str:
-        handle = self.client.dedicated.get(name) or self.client.pool
-        app = getattr(handle, "app_name", f"<router application>.{name}")
+        pooled = name in self.client.pool_models
+        handle = self.client.pool if pooled else self.client.dedicated.get(name)
+        app = getattr(handle, "app_name", f"<router application>.{POOL if pooled else name}")
         return (f"its application '{app}' is not deployed: the Serve config must list it "
                 "(python -m deployments.check --write serve_config.yaml writes it)")
 
@@ -746,8 +748,9 @@ class RouterApp:
     @_answers_errors
     async def infer(self, request: Request) -> Response:
         """A pool model's body goes to the pool replica as bytes, which decodes, runs and
-        encodes it (``PoolDeployment.infer_body``): the router only routes. A dedicated model's
-        request is decoded here (in its own replica on the one-hop path, ``ModelRoutes``)."""
+        encodes it (``PoolDeployment.infer_body``; in the pool replica itself on the one-hop
+        path, ``PoolRoutes``): the router only routes. A dedicated model's request is decoded
+        here (in its own replica on the one-hop path, ``ModelRoutes``)."""
         entry, version = self._entry_version(request)
         if self.admission is not None:
             self.admission.check()  # before the body is read and decoded: shedding costs nothing
@@ -869,6 +872,19 @@ class PoolRoutes(RouterApp):
     loads and unloads of explicit model control with ``pool_model_loaded`` and ``model_unloaded``.
     """
 
+    router_app = "<router application>"  # the router application's name (``pool_routes``)
+
+    def _not_ready(self, entry: ModelEntry) -> ServingError | None:
+        """As the router's, and for a model that is not the pool's (a dedicated model or
+        pipeline: its own application's route is longer), 503 naming that application: it is
+        not routed, so not deployed, or starting or stopping."""
+        if entry.name in self.loaded and entry.name not in self.client.pool_models:
+            return ModelNotReady(
+                f"model '{entry.name}' is not served: its application '{model_application(self.router_app, entry.name)}' "
+                "is not deployed or not routed yet (starting or stopping): the Serve config must list it "
+                "(python -m deployments.check --write serve_config.yaml writes it); retry shortly if it is starting")
+        return super()._not_ready(entry)
+
     def pool_model_loaded(self, name: str, backend: str) -> None:
         """Pool model ``name`` was loaded through the repository API: its folder is read again
         (it may be new, or have a new version), and its requests are served.
@@ -879,7 +895,12 @@ class PoolRoutes(RouterApp):
         self._mark_loaded(self.repo.read(name), "pool", backend)
 
     def model_unloaded(self, name: str) -> None:
-        """Pool model ``name`` was unloaded through the repository API: new requests answer 503."""
+        """Pool model ``name`` was unloaded through the repository API (or its load failed):
+        new requests answer 503 "unloaded", as the router's; a model new to this replica is read
+        first, so that its name is known (a folder that cannot be read stays unknown: 404)."""
+        if name not in self.repo.names():
+            with contextlib.suppress(ConfigError, ModelNotFound):
+                self.repo.read(name)
         self._mark_unloaded(name)
 
     def build_app(self) -> Starlette:
@@ -890,12 +911,14 @@ class PoolRoutes(RouterApp):
 
 def pool_routes(repo: ModelRepository, pool_models: Iterable[str], infer_body: Callable[..., Awaitable[Any]],
                 states: Callable[[], dict[str, dict[str, Any]]], options: RouterOptions,
-                metrics: dict[str, Any] | None, initial: Desired | None) -> PoolRoutes:
+                metrics: dict[str, Any] | None, initial: Desired | None, router_app: str) -> PoolRoutes:
     """In a pool replica: the ``PoolRoutes`` of ``repo`` (every served model) for ``pool_models``,
     run by ``infer_body`` (``PoolDeployment.infer_body``) and described by ``states``
-    (``PoolDeployment.models``)."""
-    return PoolRoutes(repo, PoolClient(pool_models, infer_body, states), options,
-                      router_observer(repo, metrics), initial)
+    (``PoolDeployment.models``), beside router application ``router_app``."""
+    routes = PoolRoutes(repo, PoolClient(pool_models, infer_body, states), options,
+                        router_observer(repo, metrics), initial)
+    routes.router_app = router_app
+    return routes
 
 
 def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],

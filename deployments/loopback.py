@@ -389,31 +389,33 @@ def router_backs_up_models(config: str) -> str:
 # one replica, the one that has it loaded, while others go elsewhere; with bounded loads
 # (``hash-balance-factor``), a replica already holding more than that percentage of the mean
 # load passes a request to the next on the ring: a hot model spreads over more replicas.
+# HAProxy gives each server about (requests in flight + 1) x factor / 100 / servers slots,
+# rounded: at 150, with 3 replicas and one request in flight, the model's replica had a single
+# slot, and the next request for the same model went to another replica, which loaded it too
+# (tests/unit/test_loopback.py, 2 runs of 3); at 300 a replica keeps its models' requests up to
+# about 3x the mean load.
 POOL_HASH_MARKER = "# trt-serve: a pool model's requests go to the replica its name hashes to (deployments/loopback.py)"
-POOL_HASH_BALANCE_FACTOR = 150
+POOL_HASH_BALANCE_FACTOR = 300
 _PATH_BEG = re.compile(r"^\s+acl\s+is_(?P<name>\S+)\s+path_beg\s+(?P<prefix>/\S*)$")
 
 
 def hash_pool_models(config: str) -> str:
-    """``config`` with each backend ``B.pool`` where a backend ``B`` exists (Ray names a backend
-    ``http-<application>``) balanced by the hash of the model name in the path (the comment
-    above): ``balance hash path,field(N,/)``, N the segment after the prefix its frontend ACL
-    matches (``acl is_B.pool path_beg <prefix>/``), ``hash-type consistent`` and
-    ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``. A pool backend without that ACL keeps
-    Ray's balance. Idempotent (a marker comment)."""
+    """``config`` with each backend ``B.pool`` (Ray names a backend ``http-<application>``) whose
+    frontend ACL matches a prefix ending in ``/v2/models/`` (``acl is_B.pool path_beg
+    <prefix>/v2/models/``: the pool's application) balanced by the hash of the model name in the
+    path (the comment above): ``balance hash path,field(N,/)``, N the segment after that prefix,
+    ``hash-type consistent`` and ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``. Other backends
+    keep Ray's balance. Idempotent (a marker comment)."""
     if POOL_HASH_MARKER in config:
         return config
     lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
-    backends = {name for line in lines if (name := _backend_name(line)) is not None}
     prefixes = {m["name"]: m["prefix"] for line in lines if (m := _PATH_BEG.match(line.rstrip("\n")))}
     out = []
     for line in lines:
         out.append(line)
         name = _backend_name(line) if _SECTION.match(line) else None
-        if name is None or not name.endswith(".pool") or name.removesuffix(".pool") not in backends:
-            continue
-        prefix = prefixes.get(name)
-        if prefix is None:
+        prefix = prefixes.get(name) if name is not None and name.endswith(".pool") else None
+        if prefix is None or not prefix.endswith("/v2/models/"):
             continue
         field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
         out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash path,field({field},/)\n",

@@ -43,10 +43,12 @@ def _backend_here(requested: str) -> str:
 @serve.deployment
 @serve.ingress()
 class PoolDeployment:
-    """Serves the models not given a dedicated deployment, chosen by multiplexed model id.
+    """Serves the models not given a dedicated deployment: their HTTP routes (``PoolRoutes``, the
+    model named in the path), and calls through handles chosen by multiplexed model id.
 
-    Ray Serve's multiplexing routes a model's requests to a replica that has it and caps the
-    models per replica by count (``max_num_models_per_replica``); what is actually resident is
+    HAProxy sends a model's requests to the replica its name hashes to; Ray Serve's multiplexing
+    routes a handle's calls to a replica that has the model and caps the models per replica
+    by count (``max_num_models_per_replica``); what is actually resident is
     decided by the replica's ``ModelCache``: the same count cap plus ``memory_budget_mib``, with
     the chosen ``load_policy``, never evicting a model a request holds.
 
@@ -56,10 +58,10 @@ class PoolDeployment:
         backend: ``auto``, ``onnxruntime`` or ``tensorrt``.
         options: the pool's ``CacheOptions`` (``deployments.app.PoolOptions``), passed whole to
             the ``ModelCache``.
+        routes: body limit and timeout of the pool models' routes (``RouterOptions``).
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
-        routes: body limit and timeout of the pool models' routes (``RouterOptions``).
         models: the served subset of the repository (None: all); the routes answer for every
             one of them as the router does (an unknown model's 404 names them).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
@@ -67,9 +69,9 @@ class PoolDeployment:
     """
 
     def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
-                 metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 routes: RouterOptions | None = None, models: list[str] | None = None,
-                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
+                 routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                 models: list[str] | None = None, max_ongoing_requests: int = 512,
+                 max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
@@ -87,12 +89,12 @@ class PoolDeployment:
             if name in self.versions and not state["loaded"]:
                 self._unload(name)
         self.cache.start()
-        routes = routes or RouterOptions(max_body_bytes=64 << 20, request_timeout_s=60.0)
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
+        router_app = router_application(POOL)
         self.routes = pool_routes(ModelRepository(repository, models), names, self.infer_body, self.models,
-                                  routes, metrics, initial)
+                                  routes, metrics, initial, router_app)
         self.routes.admission = self.admission
-        control = handle(router_application(POOL), "control") if initial is not None else None
+        control = handle(router_app, "control") if initial is not None else None
         self.routes.follower = self._follower = follow(control, initial or {}, self.apply)
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
@@ -174,6 +176,7 @@ class PoolDeployment:
                 self.routes.pool_model_loaded(name, self.backends[name])
                 done[name] = outcome(None, True, self.backends[name])
             except Exception as error:
+                self.routes.model_unloaded(name)  # as the router marks a failed load
                 done[name] = outcome(error, False)
         return done
 

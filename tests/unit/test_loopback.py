@@ -558,7 +558,7 @@ def _ray_pool_config(tmp_path: Path, prefix: str, pool_ports: dict[str, int], ro
 
 
 def _pool_section(config: str) -> list[str]:
-    section = config.split("backend http-models.pool\n")[1]
+    section = config.split("backend http-models.pool\n")[1] + "\nbackend "
     return [line.strip() for line in section[:section.index("\nbackend ")].splitlines()]
 
 
@@ -574,6 +574,9 @@ def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, pr
         f"balance hash path,field({field},/)", "hash-type consistent",
         f"hash-balance-factor {loopback.POOL_HASH_BALANCE_FACTOR}"]
     assert config.count("balance hash") == 1 and "balance leastconn" in config  # Ray's default for the others
+    alone = loopback.rewrite_config(_ray_haproxy_config(tmp_path / "alone", "127.0.0.1", {  # routed before its router
+        "models.pool": "/v2/models", "other.pool": "/other"}).read_text())
+    assert "balance hash path,field(4,/)" in _pool_section(alone) and alone.count("balance hash") == 1
     without = config.replace("acl is_http-models.pool path_beg", "acl is_http-models.pool path_end")
     assert "balance hash" not in loopback.hash_pool_models(without.replace(loopback.POOL_HASH_MARKER, "#").replace(
         f"    balance hash path,field({field},/)\n", ""))  # no prefix to count from: Ray's balance stays

@@ -8,7 +8,7 @@ from ray.serve.schema import ApplicationStatus
 
 from deployments.client import ReplicaCounts, replica_counts
 
-DEPLOYMENTS = {"ocr_cls": ("models.ocr_cls", "model-ocr_cls"), "tiny_cnn": ("models", "pool")}
+DEPLOYMENTS = {"ocr_cls": ("models.ocr_cls", "model-ocr_cls"), "tiny_cnn": ("models.pool", "pool")}
 
 
 def details(**apps) -> dict:
@@ -22,20 +22,22 @@ def app(status, **deployments) -> dict:
 
 def test_running_replicas_are_counted_per_model_from_serve_enums():
     counts = replica_counts(details(**{
-        "models": app(ApplicationStatus.RUNNING, pool=[ReplicaState.RUNNING, ReplicaState.STARTING]),
+        "models": app(ApplicationStatus.RUNNING, router=[ReplicaState.RUNNING]),
+        "models.pool": app(ApplicationStatus.RUNNING, pool=[ReplicaState.RUNNING, ReplicaState.STARTING]),
         "models.ocr_cls": app(ApplicationStatus.RUNNING, **{"model-ocr_cls": [ReplicaState.RUNNING] * 3})}),
         DEPLOYMENTS, own_app="models")
     assert counts == ReplicaCounts({"ocr_cls": 3, "tiny_cnn": 1})
 
 
 def test_a_model_whose_application_is_not_listed_is_missing_with_no_replica():
-    counts = replica_counts(details(models=app("RUNNING", pool=["RUNNING"])), DEPLOYMENTS, own_app="models")
+    counts = replica_counts(details(**{"models": app("RUNNING", router=["RUNNING"]),
+                                       "models.pool": app("RUNNING", pool=["RUNNING"])}), DEPLOYMENTS, own_app="models")
     assert counts == ReplicaCounts({"ocr_cls": 0, "tiny_cnn": 1}, missing=frozenset({"ocr_cls"}))
 
 
 def test_a_deleting_application_stops_its_models_and_marks_the_server_deleting():
     counts = replica_counts(details(**{
-        "models": app("RUNNING", pool=["RUNNING"]),
+        "models": app("RUNNING", router=["RUNNING"]), "models.pool": app("RUNNING", pool=["RUNNING"]),
         "models.ocr_cls": app(ApplicationStatus.DELETING, **{"model-ocr_cls": ["STOPPING"]})}), DEPLOYMENTS, "models")
     assert counts == ReplicaCounts({"ocr_cls": 0, "tiny_cnn": 1}, frozenset({"ocr_cls"}), True)
 

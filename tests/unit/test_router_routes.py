@@ -551,6 +551,20 @@ def test_a_dedicated_model_whose_application_is_not_deployed_is_503_naming_it_un
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
 
 
+def test_a_pool_model_whose_pools_application_is_not_deployed_is_503_naming_it(repo):
+    # a Serve config written before the pool had an application of its own (plain serve run)
+    client = CountingClient(repo, {"tiny_cnn": 0})
+    client.missing = {"tiny_cnn"}
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    router = TestClient(app.build_app(), raise_server_exceptions=False)
+    _one_watch_pass(app, client)
+    for r in (router.get("/v2/models/tiny_cnn/ready"), post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]})):
+        assert_error(r, 503, "model 'tiny_cnn' is not served: its application '<router application>.pool' is not "
+                     "deployed", "python -m deployments.check --write serve_config.yaml")
+    assert_error(router.get("/v2/health/ready"), 503, "models ['tiny_cnn'] are not served")
+    assert not client.calls  # nothing waited on a pool that is not there
+
+
 def test_a_snapshot_asked_for_before_the_first_answer_changes_nothing(repo):
     # The snapshot left before the replica answered and counts none: it is older than the replica.
     client = CountingClient(repo, {"ocr_det": 0})
@@ -681,7 +695,8 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
 
     states = {name: {"state": "ready", "evictions": 0, "backend": "onnxruntime_cuda"} for name in fake.pool_models}
     routes = pool_routes(repo, fake.pool_models, infer_body, lambda: states,
-                         RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0), {"enabled": False}, None)
+                         RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0), {"enabled": False}, None,
+                         "models")
     assert isinstance(routes.client, PoolClient) and routes.observer is None
     client = TestClient(routes.build_app(), root_path="/v2/models", raise_server_exceptions=False)
     x = np.arange(3 * 224 * 224, dtype=np.float32) / 1000
@@ -693,7 +708,9 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
     assert client.get("/v2/models/tiny_cnn").json()["platform"] == "onnxruntime_onnx"
     r = client.get("/v2/models/no_such_model/ready")
     assert r.status_code == 404 and f"available models: {repo.names()}" in r.json()["error"], r.text
-    r = client.get("/v2/models/ocr_cls/ready")
-    assert r.status_code == 503 and "ocr_cls" in r.json()["error"], r.text
+    for r in (client.get("/v2/models/ocr_cls/ready"), post(client, "/v2/models/ocr_cls/infer", {"inputs": [GOOD]})):
+        assert_error(r, 503, "model 'ocr_cls' is not served: its application 'models.ocr_cls' is not deployed or not "
+                     "routed yet", "python -m deployments.check --write serve_config.yaml")
+    assert keys == ["tiny_cnn"]
     r = client.get("/v2/models/tiny_cnn/infer")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
