@@ -508,7 +508,7 @@ class RouterApp:
         ``reason`` says which). With explicit model control, also every model folder on disk
         not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
         Body (optional): ``{"ready": true}`` lists only READY models."""
-        only_ready = (await _json_body(request, "index")).get("ready", False)
+        only_ready = (await _json_body(request, "index", self._read_body)).get("ready", False)
         if not isinstance(only_ready, bool):
             raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
         pool = await self._pool_models()
@@ -618,7 +618,7 @@ class RouterApp:
         changes), then load it on every replica of its deployment (pool models: into every pool
         replica's cache); answers 200 with an empty body once all have it."""
         name = self._control(request, "load")
-        parameters = (await _json_body(request, "load")).get("parameters") or {}
+        parameters = (await _json_body(request, "load", self._read_body)).get("parameters") or {}
         unsupported = sorted(parameters)
         if unsupported:
             raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
@@ -654,7 +654,7 @@ class RouterApp:
         unloads it from its cache); answers 200 once all have. ``parameters.unload_dependents``
         is accepted and has no effect (a pipeline using the model answers 503 for it)."""
         name = self._control(request, "unload")
-        await _json_body(request, "unload")
+        await _json_body(request, "unload", self._read_body)
         if name not in self.repo.names():
             raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
         entry = self.repo.get(name)
@@ -1037,13 +1037,16 @@ class FullPath:
         await self.app(scope, receive, send)
 
 
-async def _json_body(request: Request, what: str) -> dict[str, Any]:
-    """The optional JSON object body of a repository request ({} when empty).
+async def _json_body(request: Request, what: str,
+                     read: Callable[[Request], Awaitable[list[bytes]]]) -> dict[str, Any]:
+    """The optional JSON object body of a repository request ({} when empty), read by ``read``
+    (``RouterApp._read_body``: the body limit, the stall timeout, a client that leaves).
 
     Raises:
-        InvalidInput: a body that is not a JSON object.
+        InvalidInput: a body that is not a JSON object, or a client that left before its end.
+        PayloadTooLarge, RequestTimeout: as ``RouterApp._read_body``.
     """
-    body = await request.body()
+    body = b"".join(await read(request))
     if not body.strip():
         return {}
     try:

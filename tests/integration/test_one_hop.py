@@ -6,12 +6,15 @@ placed, or lost and unable to load again) the router takes them and answers 503 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, in its
 own session (so ``bench.replicas`` finds its replicas), on a repository of a pool model, a
 dedicated model (``lost_cnn``) and a dedicated model that asks for a GPU the machine lacks
-(``gpu_cnn``, ``use_gpus: true``), plus ``simple`` (a pool model whose requests cost little) for
-the router's replicas scaling with load, with delays of seconds (``ROUTER_SCALING``)."""
+(``gpu_cnn``, ``use_gpus: true``), plus ``simple`` (a pool model whose requests cost little),
+with the router's replicas scaling with load on delays of seconds (``ROUTER_SCALING``). Pool
+models are one hop too: HAProxy -> the pool replica (the pool's application)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -170,6 +173,60 @@ def test_router_replicas_grow_under_load_shrink_after_it_and_the_pool_replica_co
     until(lambda: len(replica_pids(proc.pid, "models", "router")) == 1, "back to one router replica", 180)
     [stats] = requests.get(f"{url}/v2/models/simple/stats", timeout=10).json()["model_stats"]
     assert stats["inference_stats"]["success"]["count"] == len(pool.done) + 1  # + the first request
+
+
+def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_heals(one_hop):
+    """Two clients on a pool model in one hop (HAProxy -> the pool replica), requests within
+    HAProxy's 16 KiB buffer (``simple``); the pool replica is killed. Every request gets an HTTP
+    answer: the right sums (HAProxy sends one the killed replica held again, to the router,
+    whose servers back up the pool's backend while it has no replica), a JSON 502 / 503 with
+    Retry-After from HAProxy, or the router's JSON 503 "not ready" while Serve counts no pool
+    replica; then the new pool replica answers in one hop. (A request over the buffer in flight in the killed replica is
+    answered 502 on a fresh client connection and not at all on a reused one: HAProxy's rule,
+    README "Reliability campaigns".)"""
+    from bench.faults import SIMPLE_BODY, SIMPLE_SUM
+
+    proc, url, _ = one_hop
+    stop, seen = threading.Event(), []
+
+    def client() -> None:
+        with requests.Session() as session:  # a reused connection, as tritonclient's
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    r = session.post(f"{url}/v2/models/simple/infer", json=SIMPLE_BODY, timeout=120)
+                    seen.append((sent, r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"),
+                                 r.text))
+                except requests.RequestException as e:
+                    seen.append((sent, None, None, None, repr(e)))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        killed, killed_at = kill_replica(proc.pid, "models", "pool"), time.monotonic()
+        try:
+            until(lambda: set(replica_pids(proc.pid, "models", "pool")) - {killed}
+                  and sum(1 for s in list(seen) if s[0] > killed_at and s[1] == 200) >= 20, "the pool serving again")
+        except AssertionError as e:
+            after = [(round(s[0] - killed_at, 1), s[1], s[4][:120]) for s in list(seen) if s[0] > killed_at - 5]
+            raise AssertionError(f"{e}; pool replicas {replica_pids(proc.pid, 'models', 'pool')} (killed {killed}); "
+                                 f"answers since 5 s before the kill: {after[:40]}") from None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(150)
+    assert not any(t.is_alive() for t in threads)
+    for sent, status, kind, retry_after, text in seen:
+        if status == 200:
+            outputs = {o["name"]: o["data"] for o in json.loads(text)["outputs"]}
+            assert outputs["OUTPUT0"] == SIMPLE_SUM, text
+        else:  # HAProxy's 502 / 503 (with Retry-After), or the router's 503 while the pool has no replica
+            assert status in (502, 503) and kind == "application/json" and "error" in json.loads(text), (
+                round(sent - killed_at, 2), status, kind, text[:300])
+            assert retry_after or "is not ready" in text, (round(sent - killed_at, 2), status, text[:300])
+    assert sum(1 for s in seen if s[1] == 200) > len(seen) // 2, [s[1] for s in seen]
 
 
 def test_a_model_that_lost_its_replicas_answers_503_at_once(one_hop):

@@ -714,3 +714,17 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
     assert keys == ["tiny_cnn"]
     r = client.get("/v2/models/tiny_cnn/infer")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
+def test_a_repository_request_body_is_read_as_an_infer_body_is(router):
+    """The repository index's body (and load's and unload's, read by the same ``_json_body``)
+    keeps the infer routes' limit (413 from the declared length, or once more arrived), and a
+    gzip body is read (``RouterApp._read_body``)."""
+    big = b"{" + b" " * LIMIT_BYTES + b"}"
+    assert_error(post(router, "/v2/repository/index", big), 413, "request body is", f"the limit is {LIMIT_BYTES} bytes")
+    chunked = router.post("/v2/repository/index", content=iter([big[:LIMIT_BYTES], big[LIMIT_BYTES:]]),
+                          headers={"Content-Type": "application/json"})
+    assert_error(chunked, 413, f"request body exceeds the limit of {LIMIT_BYTES} bytes")
+    r = router.post("/v2/repository/index", content=gzip.compress(b'{"ready": true}'),
+                    headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 200 and all(item["state"] == "READY" for item in r.json()), r.text
