@@ -534,17 +534,24 @@ def test_a_model_whose_replica_answered_then_died_before_any_count_saw_it_runnin
     assert router.get("/v2/models/ocr_det/ready").status_code == 200
 
 
+def _not_served(repo: ModelRepository, model: str, app: str) -> tuple[RouterApp, CountingClient, TestClient]:
+    """A router whose Serve snapshot lacks ``model``'s application ``app``: its routes and the
+    server's readiness answer 503 naming it."""
+    client = CountingClient(repo, {model: 0})
+    client.missing = {model}
+    router_app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    router = TestClient(router_app.build_app(), raise_server_exceptions=False)
+    _one_watch_pass(router_app, client)
+    for r in (router.get(f"/v2/models/{model}/ready"), post(router, f"/v2/models/{model}/infer", {"inputs": [GOOD]})):
+        assert_error(r, 503, f"model '{model}' is not served: its application '<router application>.{app}' is not "
+                     "deployed", "python -m deployments.check --write serve_config.yaml")
+    assert_error(router.get("/v2/health/ready"), 503, f"models ['{model}'] are not served")
+    return router_app, client, router
+
+
 def test_a_dedicated_model_whose_application_is_not_deployed_is_503_naming_it_until_it_is(repo):
     # serve run with a Serve config that lacks the model's application (the router app alone)
-    client = CountingClient(repo, {"ocr_det": 0})
-    client.missing = {"ocr_det"}
-    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
-    router = TestClient(app.build_app(), raise_server_exceptions=False)
-    _one_watch_pass(app, client)
-    for r in (router.get("/v2/models/ocr_det/ready"), post(router, "/v2/models/ocr_det/infer", {"inputs": [GOOD]})):
-        assert_error(r, 503, "model 'ocr_det' is not served: its application '<router application>.ocr_det' is not "
-                     "deployed", "python -m deployments.check --write serve_config.yaml")
-    assert_error(router.get("/v2/health/ready"), 503, "models ['ocr_det'] are not served")
+    app, client, router = _not_served(repo, "ocr_det", "ocr_det")
     client.missing, client.counts = set(), {"ocr_det": 1}  # deployed now
     asyncio.run(asyncio.wait_for(app.poll_ready(), 5.0))
     _one_watch_pass(app, client)
@@ -553,15 +560,7 @@ def test_a_dedicated_model_whose_application_is_not_deployed_is_503_naming_it_un
 
 def test_a_pool_model_whose_pools_application_is_not_deployed_is_503_naming_it(repo):
     # a Serve config written before the pool had an application of its own (plain serve run)
-    client = CountingClient(repo, {"tiny_cnn": 0})
-    client.missing = {"tiny_cnn"}
-    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
-    router = TestClient(app.build_app(), raise_server_exceptions=False)
-    _one_watch_pass(app, client)
-    for r in (router.get("/v2/models/tiny_cnn/ready"), post(router, "/v2/models/tiny_cnn/infer", {"inputs": [GOOD]})):
-        assert_error(r, 503, "model 'tiny_cnn' is not served: its application '<router application>.pool' is not "
-                     "deployed", "python -m deployments.check --write serve_config.yaml")
-    assert_error(router.get("/v2/health/ready"), 503, "models ['tiny_cnn'] are not served")
+    _, client, _ = _not_served(repo, "tiny_cnn", "pool")
     assert not client.calls  # nothing waited on a pool that is not there
 
 
