@@ -102,8 +102,10 @@ def test_lazy_cache_measures_each_model_at_first_load_and_never_evicts(lazy_run:
 def test_random_workload_stays_under_budget_and_matches_a_serial_run(
         repo: ModelRepository, sizes: dict[str, int]) -> None:
     total = sum(sizes.values())
-    budget = int(0.45 * total)
-    assert max(sizes.values()) <= budget < total / 2
+    # the biggest model fits, half of them do not; measured footprints vary run to run (one CI
+    # run read ocr_rec at 1.87 GB of 4.11 GB, over 0.45 of the total)
+    budget = max(int(0.45 * total), max(sizes.values()))
+    assert budget < total / 2, sizes
     rng = np.random.default_rng(1234)
     requests = [(name, random_inputs(repo.get(name).config, rng))
                 for name in rng.choice(MODELS, size=48, p=[0.25, 0.2, 0.2, 0.1, 0.15, 0.1])]
