@@ -256,6 +256,21 @@ def ray_options(options: DeploymentOptions, use_gpus: bool, env: dict[str, str] 
     return out
 
 
+def ingress_options(options: DeploymentOptions, use_gpus: bool,
+                    env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """For a deployment that is its application's ingress (a dedicated model, a pipeline, the
+    pool): its ``.options(...)`` (``ray_options``; with a queue bound, Serve's own bounds set far
+    above: ``INGRESS_MAX_ONGOING_REQUESTS``, no queue limit) and the bounds its replicas shed at
+    themselves (``ingress.Admission``), as ``max_ongoing_requests`` / ``max_queued_requests``
+    keyword arguments (``max_queued_requests`` None: no bound)."""
+    serve_options = ray_options(options, use_gpus, env)
+    if options.max_queued_requests != -1:
+        serve_options.update(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, max_queued_requests=-1)
+    return serve_options, {"max_ongoing_requests": options.max_ongoing_requests,
+                           "max_queued_requests": None if options.max_queued_requests == -1
+                           else options.max_queued_requests}
+
+
 def deployment_options(entries: list[Any], overrides: dict[str, dict[str, Any]]) -> dict[str, DeploymentOptions]:
     """Each model's ``deployment`` section with ``overrides[model]``'s fields put over it.
 
@@ -333,27 +348,19 @@ def _build(args: dict[str, Any] | None) -> Application:
         if not pool_models:
             raise ConfigError(f"serve_config.yaml application args: model: {POOL}: the repository has no pool "
                               "models (deployment.mode: pool) for a pool application to serve")
-        options = app_args.pool
-        serve_options = ray_options(options, use_gpus, env)
-        if options.max_queued_requests != -1:
-            serve_options.update(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, max_queued_requests=-1)
+        serve_options, bounds = ingress_options(app_args.pool, use_gpus, env)
         return PoolDeployment.options(name=POOL, **serve_options).bind(
-            app_args.repository, pool_models, app_args.backend, options, metrics=metrics, initial=initial,
-            routes=routes, models=app_args.models, max_ongoing_requests=options.max_ongoing_requests,
-            max_queued_requests=None if options.max_queued_requests == -1 else options.max_queued_requests)
+            app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, initial=initial,
+            routes=routes, models=app_args.models, **bounds)
     if app_args.model is not None:
         if app_args.model not in dedicated:
             raise ConfigError(f"serve_config.yaml application args: model: '{app_args.model}' is not a dedicated "
                               f"model or pipeline of the repository; those are: {sorted(dedicated)}, and "
                               f"'{POOL}' for the pool models' application")
         entry = next(e for e in entries if e.name == app_args.model)
-        options = placement[entry.name]
-        serve_options = ray_options(options, use_gpus, HANDLE_ENV if entry.config.pipeline else env)
-        if options.max_queued_requests != -1:
-            serve_options.update(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, max_queued_requests=-1)
-        model_args = dict(metrics=metrics, initial=initial, routes=routes,
-                          max_ongoing_requests=options.max_ongoing_requests,
-                          max_queued_requests=None if options.max_queued_requests == -1 else options.max_queued_requests)
+        serve_options, bounds = ingress_options(placement[entry.name], use_gpus,
+                                                HANDLE_ENV if entry.config.pipeline else env)
+        model_args = dict(metrics=metrics, initial=initial, routes=routes, **bounds)
         if entry.config.pipeline:
             return PipelineDeployment.options(
                 name=dedicated[entry.name], graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,

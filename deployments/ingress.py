@@ -508,7 +508,7 @@ class RouterApp:
         ``reason`` says which). With explicit model control, also every model folder on disk
         not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
         Body (optional): ``{"ready": true}`` lists only READY models."""
-        only_ready = (await _json_body(request, "index", self._read_body)).get("ready", False)
+        only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
             raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
         pool = await self._pool_models()
@@ -618,7 +618,7 @@ class RouterApp:
         changes), then load it on every replica of its deployment (pool models: into every pool
         replica's cache); answers 200 with an empty body once all have it."""
         name = self._control(request, "load")
-        parameters = (await _json_body(request, "load", self._read_body)).get("parameters") or {}
+        parameters = (await self._json_body(request, "load")).get("parameters") or {}
         unsupported = sorted(parameters)
         if unsupported:
             raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
@@ -654,7 +654,7 @@ class RouterApp:
         unloads it from its cache); answers 200 once all have. ``parameters.unload_dependents``
         is accepted and has no effect (a pipeline using the model answers 503 for it)."""
         name = self._control(request, "unload")
-        await _json_body(request, "unload", self._read_body)
+        await self._json_body(request, "unload")
         if name not in self.repo.names():
             raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
         entry = self.repo.get(name)
@@ -719,6 +719,25 @@ class RouterApp:
         if encoding is not None:
             chunks = [decompress(b"".join(chunks), encoding, self.max_body_bytes)]
         return chunks
+
+    async def _json_body(self, request: Request, what: str) -> dict[str, Any]:
+        """The optional JSON object body of a repository request ({} when empty), read as an
+        infer body is (``_read_body``: the body limit, the stall timeout, a client that leaves).
+
+        Raises:
+            InvalidInput: a body that is not a JSON object, or a client that left before its end.
+            PayloadTooLarge, RequestTimeout: as ``_read_body``.
+        """
+        body = b"".join(await self._read_body(request))
+        if not body.strip():
+            return {}
+        try:
+            value = json.loads(body)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
+        return value
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
                           timeout_s: float | None = None, key: str | None = None) -> dict:
@@ -879,8 +898,9 @@ class PoolRoutes(RouterApp):
         pipeline: its own application's route is longer), 503 naming that application: it is
         not routed, so not deployed, or starting or stopping."""
         if entry.name in self.loaded and entry.name not in self.client.pool_models:
+            app = model_application(self.router_app, entry.name)
             return ModelNotReady(
-                f"model '{entry.name}' is not served: its application '{model_application(self.router_app, entry.name)}' "
+                f"model '{entry.name}' is not served: its application '{app}' "
                 "is not deployed or not routed yet (starting or stopping): the Serve config must list it "
                 "(python -m deployments.check --write serve_config.yaml writes it); retry shortly if it is starting")
         return super()._not_ready(entry)
@@ -1023,7 +1043,7 @@ class Admission:
 class FullPath:
     """ASGI middleware: route on the full path. Serve mounts an application at its route prefix
     (``scope["root_path"]``: e.g. ``/v2/models/ocr_cls``), and Starlette matches routes on the
-    path after it; ``ModelRoutes`` keeps the router's full-path routes (the same table, the
+    path after it; ``ModelRoutes`` and ``PoolRoutes`` keep the router's full-path routes (the same table, the
     same ``{name}`` parameters), so the prefix's ``suffix`` is taken off ``root_path`` again."""
 
     def __init__(self, app: Callable, suffix: str) -> None:
@@ -1035,27 +1055,6 @@ class FullPath:
         if scope["type"] in ("http", "websocket") and root.endswith(self.suffix):
             scope = {**scope, "root_path": root[:-len(self.suffix)]}
         await self.app(scope, receive, send)
-
-
-async def _json_body(request: Request, what: str,
-                     read: Callable[[Request], Awaitable[list[bytes]]]) -> dict[str, Any]:
-    """The optional JSON object body of a repository request ({} when empty), read by ``read``
-    (``RouterApp._read_body``: the body limit, the stall timeout, a client that leaves).
-
-    Raises:
-        InvalidInput: a body that is not a JSON object, or a client that left before its end.
-        PayloadTooLarge, RequestTimeout: as ``RouterApp._read_body``.
-    """
-    body = b"".join(await read(request))
-    if not body.strip():
-        return {}
-    try:
-        value = json.loads(body)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
-    return value
 
 
 def router_observer(repo: ModelRepository, metrics: dict[str, Any] | None) -> RouterObserver | None:

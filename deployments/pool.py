@@ -9,6 +9,7 @@ multiplexed model id.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Iterable
 
@@ -95,7 +96,7 @@ class PoolDeployment:
                                   routes, metrics, initial, router_app)
         self.routes.admission = self.admission
         control = handle(router_app, "control") if initial is not None else None
-        self.routes.follower = self._follower = follow(control, initial or {}, self.apply)
+        self.routes.follower = follow(control, initial or {}, self.apply)
 
         async def register(name: str) -> str:  # a plain function: Ray keeps its routing LRU on it
             if name not in self.cache.names:
@@ -115,16 +116,13 @@ class PoolDeployment:
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``ModelCache.infer_async``
         (``InvalidInput``, ``OverBudget``...).
         """
-        return await self._run(inputs, outputs)
-
-    async def _run(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
-                   key: str | None = None) -> dict[str, np.ndarray]:
-        """``infer``'s work for cache key ``key`` (None: the multiplexed model id's), raising its
-        errors (``infer_body`` runs it inside its own)."""
-        return await self._run_key(serve.get_multiplexed_model_id() if key is None else key, inputs, outputs)
+        return await self._run(serve.get_multiplexed_model_id(), inputs, outputs)
 
     @observe_replica_infer(lambda self, key, *_: self._model_version(key))
-    async def _run_key(self, key: str, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
+    async def _run(self, key: str, inputs: dict[str, np.ndarray],
+                   outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """``infer``'s work for cache key ``key``, raising its errors (``infer_body`` runs it
+        inside its own)."""
         with self.admission.request():
             name = await self._get_model(key)
             return await self.cache.infer_async(name, inputs, outputs)
@@ -141,9 +139,7 @@ class PoolDeployment:
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``answer`` and ``infer``
         (``InvalidInput`` for a malformed body; ``Overloaded`` past the pool's bounds).
         """
-        async def run(inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-            return await self._run(inputs, outputs, key)
-
+        run = functools.partial(self._run, serve.get_multiplexed_model_id() if key is None else key)
         return await answer_body(model, version, batched, chunks, header_length, run, default_timeout_s)
 
     def __serve_build_asgi_app__(self) -> Any:
