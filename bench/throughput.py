@@ -639,7 +639,6 @@ class Bench:
         self.log(f"scaleout {name} k={k} together: {total:.1f} QPS")
         return rows
 
-
     def pool(self) -> None:
         """The ``pool`` scenario (module docstring): per router replica count r, one cluster
         serving ``--pool-model`` both ways and the echo ceiling, each at every
@@ -647,7 +646,15 @@ class Bench:
         a = self.args
         model, copies = a.pool_model, pool_copies(a.pool_model, a.pool_replicas)
         x = np.random.default_rng(0).random(SHAPES[model], dtype=np.float32)
-        rows = []
+        rows: list[dict[str, Any]] = []
+        try:
+            self._pool_clusters(a, model, copies, x, rows)
+        finally:  # the points measured so far survive a cluster that does not start
+            self.results["pool"] = pool_ratios(rows)
+
+    def _pool_clusters(self, a: argparse.Namespace, model: str, copies: list[str], x: Any,
+                       rows: list[dict[str, Any]]) -> None:
+        """``pool``'s clusters, appending each point to ``rows`` as it is measured."""
         for r in a.router_replicas:
             repo = prepare_pool_repository(self.repository.parent / f"engines-pool-r{r}", Path(a.repository),
                                            model, len(copies), a.pool_replicas, a.gpu_fraction)
@@ -673,7 +680,6 @@ class Bench:
                             rows.append(row)
                             self.log(f"pool r={r} c={c} {path:12} {row['qps']:8.1f} QPS  router "
                                      f"{row['router_cpu_us_per_request']} us CPU/request")
-        self.results["pool"] = pool_ratios(rows)
 
     def _place_copies(self, workloads: list[Workload]) -> None:
         """One request to each pool copy in turn, a second apart: through the router, Serve's
