@@ -40,6 +40,7 @@ import os
 import re
 import socket
 import sys
+import zlib
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -394,9 +395,29 @@ def router_backs_up_models(config: str) -> str:
 # slot, and the next request for the same model went to another replica, which loaded it too
 # (tests/unit/test_loopback.py, 2 runs of 3); at 300 a replica keeps its models' requests up to
 # about 3x the mean load.
+# HAProxy places a server on the ring by its numeric id, which defaults to its position in the
+# backend's server list; Ray lists the replicas running now, so when one goes (a replica dies,
+# a scale-down) every server after it takes the next one's place, and their models move with it
+# (4 replicas, one removed: 22 of the 39 models on the other three moved). HAProxy 2.8, Ray's,
+# has no ``hash-key addr-port``; so each server gets an explicit ``id`` from its name (Ray's
+# replica id): a server keeps its place for its life, and only the models of one that went move.
 POOL_HASH_MARKER = "# trt-serve: a pool model's requests go to the replica its name hashes to (deployments/loopback.py)"
 POOL_HASH_BALANCE_FACTOR = 300
+# Server ids from names fall in [base, 2^28): HAProxy's ring uses the 28 low bits of an id, and
+# ids below the base stay free for servers HAProxy numbers itself (1, 2, ...).
+POOL_SERVER_ID_BASE = 1 << 16
+_POOL_SERVER_ID_SPAN = (1 << 28) - POOL_SERVER_ID_BASE
 _PATH_BEG = re.compile(r"^\s+acl\s+is_(?P<name>\S+)\s+path_beg\s+(?P<prefix>/\S*)$")
+
+
+def pool_server_id(name: str, taken: set[int]) -> int:
+    """The ring id of server ``name`` in the pool's backend: a CRC-32 of the name in
+    [``POOL_SERVER_ID_BASE``, 2^28), the next free one when ``taken`` holds it (the same name
+    gives the same id in every config Ray renders while the others' do not collide)."""
+    server_id = POOL_SERVER_ID_BASE + zlib.crc32(name.encode()) % _POOL_SERVER_ID_SPAN
+    while server_id in taken:
+        server_id = POOL_SERVER_ID_BASE + (server_id + 1 - POOL_SERVER_ID_BASE) % _POOL_SERVER_ID_SPAN
+    return server_id
 
 
 def hash_pool_models(config: str) -> str:
@@ -404,19 +425,29 @@ def hash_pool_models(config: str) -> str:
     frontend ACL matches a prefix ending in ``/v2/models/`` (``acl is_B.pool path_beg
     <prefix>/v2/models/``: the pool's application) balanced by the hash of the model name in the
     path (the comment above): ``balance hash path,field(N,/)``, N the segment after that prefix,
-    ``hash-type consistent`` and ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``. Other backends
-    keep Ray's balance. Idempotent (a marker comment)."""
+    ``hash-type consistent`` and ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``, and each of
+    its servers an ``id`` from its name (``pool_server_id``: its place on the ring for its life).
+    Other backends keep Ray's balance. Idempotent (a marker comment)."""
     if POOL_HASH_MARKER in config:
         return config
     lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
     prefixes = {m["name"]: m["prefix"] for line in lines if (m := _PATH_BEG.match(line.rstrip("\n")))}
-    out = []
+    out: list[str] = []
+    taken: set[int] | None = None  # in a hashed pool backend: the ids its servers have so far
     for line in lines:
+        if _SECTION.match(line):
+            taken = None
+        server = _SERVER.match(line.rstrip("\n")) if taken is not None else None
+        if server is not None and "id" not in server["options"].split():
+            server_id = pool_server_id(server["name"], taken)
+            taken.add(server_id)
+            line = line.rstrip("\n") + f" id {server_id}\n"
         out.append(line)
         name = _backend_name(line) if _SECTION.match(line) else None
         prefix = prefixes.get(name) if name is not None and name.endswith(".pool") else None
         if prefix is None or not prefix.endswith("/v2/models/"):
             continue
+        taken = set()
         field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
         out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash path,field({field},/)\n",
                 "    hash-type consistent\n", f"    hash-balance-factor {POOL_HASH_BALANCE_FACTOR}\n"]

@@ -614,3 +614,64 @@ def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_
         for process in processes:
             process.kill()
             process.wait()
+
+
+def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
+    """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
+    port): the server each of ``models`` pool models' requests reach."""
+    router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
+    config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
+    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
+              .replace("127.0.0.1:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    (tmp_path / "pool.cfg").write_text(config)
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+                 for name, port in {**ports, "router": router, "ocr": ocr}.items()]
+    processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
+    try:
+        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
+        _until(lambda: _get(front, "/v2/models/m0/ready") is not None, 30)
+        time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
+        chosen = {}
+        for i in range(models):
+            answer = _get(front, f"/v2/models/m{i}/ready")
+            assert answer is not None and answer[0] == 200, answer
+            chosen[f"m{i}"] = answer[1].decode()
+        return chosen
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_a_pool_replica_that_goes_moves_only_its_own_models(tmp_path):
+    """Ray lists the running replicas, so one that dies or is scaled down leaves the list and the
+    servers after it move up; HAProxy's ring places a server by its id, by default its position:
+    without an id of its own, 22 of the 39 models on the 3 remaining replicas moved too (and each
+    replica had to load another's). With ids from the servers' names only the gone replica's
+    models move."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c", "pool-d")}
+    (tmp_path / "four").mkdir()
+    (tmp_path / "three").mkdir()
+    before = _pool_models_replicas(tmp_path / "four", ports, 48)
+    after = _pool_models_replicas(tmp_path / "three", {n: p for n, p in ports.items() if n != "pool-b"}, 48)
+    stayed = {model for model, server in before.items() if server != "pool-b"}
+    assert len(set(before.values())) >= 3 and stayed, before
+    assert {model: after[model] for model in stayed} == {model: before[model] for model in stayed}
+
+
+def test_the_pool_servers_ids_come_from_their_names(tmp_path):
+    """Each pool server's ``id`` follows its name, whatever its place in the list; other backends'
+    servers keep HAProxy's numbering; rewriting again changes nothing."""
+    config = _ray_pool_config(tmp_path, "/", {"pool-a": 9, "pool-b": 10, "pool-c": 11}, 12, 13)
+    (tmp_path / "fewer").mkdir()
+    fewer = _ray_pool_config(tmp_path / "fewer", "/", {"pool-c": 11, "pool-a": 9}, 12, 13)
+    ids = {line.split()[1]: line.split()[-1] for line in _pool_section(config) if line.startswith("server ")}
+    assert ids["pool-a"] == str(loopback.pool_server_id("pool-a", set())) and len(set(ids.values())) == len(ids)
+    assert {line.split()[1]: line.split()[-1] for line in _pool_section(fewer) if line.startswith("server pool-")} == {
+        "pool-a": ids["pool-a"], "pool-c": ids["pool-c"]}
+    assert all(int(i) >= loopback.POOL_SERVER_ID_BASE for i in ids.values())
+    servers = [line.strip() for line in config.splitlines() if line.strip().startswith("server ")]
+    assert sum(" id " in line for line in servers) == len(ids) < len(servers)  # the router's, ocr's: none
+    assert loopback.rewrite_config(config) == config
+    assert loopback.pool_server_id("x", {loopback.pool_server_id("x", set())}) != loopback.pool_server_id("x", set())
