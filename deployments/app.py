@@ -344,6 +344,10 @@ def _build(args: dict[str, Any] | None) -> Application:
     routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                            request_timeout_s=app_args.request_timeout_s)
     dedicated = {e.name: deployment_name(e.name, bool(e.config.pipeline)) for e in entries if e.name not in pool_models}
+    # Every replica reads the models served at build, not the folder as it is when the replica
+    # starts: a folder added since (model control reads it on its load) whose config is bad
+    # would stop every later replica (a replacement, a scale-out) in its constructor.
+    served = [e.name for e in entries]
     if app_args.model == POOL:
         if not pool_models:
             raise ConfigError(f"serve_config.yaml application args: model: {POOL}: the repository has no pool "
@@ -351,7 +355,7 @@ def _build(args: dict[str, Any] | None) -> Application:
         serve_options, bounds = ingress_options(app_args.pool, use_gpus, env)
         return PoolDeployment.options(name=POOL, **serve_options).bind(
             app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, initial=initial,
-            routes=routes, models=app_args.models, **bounds)
+            routes=routes, models=served, **bounds)
     if app_args.model is not None:
         if app_args.model not in dedicated:
             raise ConfigError(f"serve_config.yaml application args: model: '{app_args.model}' is not a dedicated "
@@ -365,13 +369,14 @@ def _build(args: dict[str, Any] | None) -> Application:
             return PipelineDeployment.options(
                 name=dedicated[entry.name], graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                 **serve_options).bind(app_args.repository, entry.name,
-                                      {n: d for n, d in dedicated.items() if n != entry.name}, pool_models, **model_args)
+                                      {n: d for n, d in dedicated.items() if n != entry.name}, pool_models,
+                                      models=served, **model_args)
         return ModelDeployment.options(name=dedicated[entry.name], **serve_options).bind(
             app_args.repository, entry.name, app_args.backend, **model_args)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
         app_args.repository, dedicated, pool_models, routes,
-        models=app_args.models, metrics=metrics, **control_options(initial))
+        models=served, metrics=metrics, **control_options(initial))
 
 
 def applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",

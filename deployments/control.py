@@ -32,6 +32,10 @@ from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, 
 logger = logging.getLogger("ray.serve")
 
 POLL_S = 0.25  # how often a replica reads the desired state
+# How long a starting replica waits to apply the desired state before Serve may route to it (its
+# constructor awaits ``Follower.first_sync``); past it (the control replica unreachable) the
+# replica serves, answering 503 for its models until it has synced.
+FIRST_SYNC_S = 15.0
 REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
 
 Desired = dict[str, dict[str, Any]]  # model -> {"loaded": bool, "placement": str, "generation": int}
@@ -114,6 +118,7 @@ class Follower:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
         self.task: asyncio.Task | None = None  # ``run``, started by ``follow``
+        self._first = asyncio.Event()  # set once the desired state has been applied
 
     @property
     def synced(self) -> bool:
@@ -129,7 +134,20 @@ class Follower:
             if changed:
                 self.outcomes.update(await asyncio.to_thread(self.apply, changed))
             self.applied, self.revision = dict(desired["models"]), desired["revision"]
+        self._first.set()
         await self.control.report.remote(self.replica, self.deployment, self.revision, self.outcomes)
+
+    async def first_sync(self, timeout_s: float = FIRST_SYNC_S) -> None:
+        """Wait until this replica has applied the desired state once, at most ``timeout_s``
+        seconds. A replica's constructor awaits it: Serve routes no request to a replica before
+        its constructor returns, so one that starts after a load or unload (autoscaling, a
+        replacement) serves the current state from its first request, instead of answering 503
+        "reading the model control state" while it loads the models loaded since the build."""
+        try:
+            await asyncio.wait_for(self._first.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("model control: the desired state was not applied within %.0f s; serving, "
+                           "and answering 503 for this replica's models until it is", timeout_s)
 
     async def run(self) -> None:
         while True:
@@ -153,3 +171,10 @@ def follow(control: Any, initial: Desired, apply: Callable[[Desired], dict[str, 
     follower = Follower(control, initial, apply)
     follower.task = asyncio.get_running_loop().create_task(follower.run())
     return follower
+
+
+async def first_sync(follower: Follower | None) -> None:
+    """At the end of a replica's constructor: ``follower.first_sync()`` (None, model control
+    off: nothing to wait for)."""
+    if follower is not None:
+        await follower.first_sync()

@@ -1078,7 +1078,8 @@ class Router(RouterApp):
             its own application (``client.model_application``).
         pool_models: names served by the pool (its own application, ``client.pool_handle``).
         options: ``RouterOptions``.
-        models: the served subset of the repository (None: all).
+        models: the models served at build (None: every folder of the repository); one loaded
+            later is read on its load (``follow_desired``).
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         control: handle of ``deployments.control.ControlDeployment`` (explicit model control).
         initial: the build-time desired state (None: model control is off).

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from .control import Desired, loaded_at_start, outcome
+from .control import Desired, first_sync, loaded_at_start, outcome
 from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
@@ -55,9 +55,9 @@ class ModelDeployment:
     once at one of those sizes (``ModelHost.warm``), so no request pays a size's first run.
     """
 
-    def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
-                 metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
+    async def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
+                       metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                       max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = loaded_at_start(initial, name)
@@ -91,6 +91,7 @@ class ModelDeployment:
             self._batched = serve.batch(
                 max_batch_size=policy.max_rows, batch_wait_timeout_s=policy.wait_s,
                 max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
+        await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     @errors_as_values
     @observe_replica_infer(lambda self, *_: (self.host.name, self.host.version))

@@ -14,7 +14,7 @@ import numpy as np
 from ray import serve
 
 from .client import ModelClient, model_handles, pool_handle, router_application
-from .control import Desired, loaded_at_start
+from .control import Desired, first_sync, loaded_at_start
 from .ingress import Admission, RouterOptions, own_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
@@ -37,16 +37,18 @@ class PipelineDeployment:
         name: the pipeline model.
         dedicated: model name -> deployment name of each dedicated model (its steps among them).
         pool_models: models the router application's pool serves.
+        models: the models served at build (None: every folder of the repository).
         routes, metrics, initial, max_ongoing_requests, max_queued_requests: as
             ``ModelDeployment``'s.
     """
 
-    def __init__(self, repository: str, name: str, dedicated: dict[str, str], pool_models: Iterable[str],
-                 routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
+    async def __init__(self, repository: str, name: str, dedicated: dict[str, str], pool_models: Iterable[str],
+                       routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                       max_ongoing_requests: int = 512, max_queued_requests: int | None = None,
+                       models: list[str] | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
-        repo = ModelRepository(repository)
+        repo = ModelRepository(repository, models)
         entry = repo.get(name)
         self.config = entry.config
         self.version = entry.latest
@@ -60,6 +62,7 @@ class PipelineDeployment:
         self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
                                  "pipeline" if loaded_at_start(initial, name) else None, self.apply)
         self.routes.admission = self.admission
+        await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

@@ -17,7 +17,7 @@ import numpy as np
 from ray import serve
 
 from .client import POOL, handle, router_application
-from .control import Desired, follow, outcome
+from .control import Desired, first_sync, follow, outcome
 from .ingress import Admission, RouterOptions, pool_routes
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
@@ -63,16 +63,17 @@ class PoolDeployment:
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
-        models: the served subset of the repository (None: all); the routes answer for every
-            one of them as the router does (an unknown model's 404 names them).
+        models: the models served at build (None: every folder of the repository); the routes
+            answer for every one of them as the router does (an unknown model's 404 names them),
+            and for one loaded later once it is (``apply``).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
             with 503 (``ingress.Admission``; ``max_queued_requests`` None: no bound).
     """
 
-    def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
-                 routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                 models: list[str] | None = None, max_ongoing_requests: int = 512,
-                 max_queued_requests: int | None = None) -> None:
+    async def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
+                       routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
+                       models: list[str] | None = None, max_ongoing_requests: int = 512,
+                       max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
@@ -105,6 +106,7 @@ class PoolDeployment:
 
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
+        await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     @errors_as_values
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:

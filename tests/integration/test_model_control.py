@@ -10,8 +10,10 @@ A second application ("control", under /control) serves a small repository: ``ti
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,3 +166,46 @@ def test_a_bad_config_on_load_is_400_naming_file_and_field_and_changes_nothing(c
     with pytest.raises(InferenceServerException, match="failed to load 'no_such_model'"):
         client.load_model("no_such_model")
     assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=cnn_body(X[:1])).status_code == 200
+
+
+def pool_replicas() -> list[dict]:
+    """The control application's pool replicas as the Serve controller reports them."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details()["applications"].get("control.pool")
+    return [] if app is None else app["deployments"]["pool"]["replicas"]
+
+
+def test_a_pool_replica_started_after_a_load_is_routed_only_once_it_serves_the_load(control):
+    """A replica that starts after a run-time load (here a replacement for a killed pool replica)
+    catches up before Serve routes to it: its constructor awaits the first sync of the desired
+    state. ``late_cnn``'s warmup makes its load take seconds on these cores; a replica routed
+    before its sync answered 404 (a model it had not read yet) or 503 "reading the model
+    control state" meanwhile."""
+    import ray
+
+    url, root = control
+    copy_model(root, "tiny_cnn", "late_cnn", warmup={"batch_sizes": [32] * 8, "data": "random"})
+    assert requests.post(f"{url}/v2/repository/models/late_cnn/load").status_code == 200
+    expected = ort.InferenceSession(str(root / "late_cnn" / "1" / "model.onnx")).run(None, {"input": X[:1]})[0]
+    (old,) = [r for r in pool_replicas() if r["state"] == "RUNNING"]
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"))
+    deadline = time.monotonic() + 120
+    while not any(r["state"] == "RUNNING" and r["replica_id"] != old["replica_id"] for r in pool_replicas()):
+        assert time.monotonic() < deadline, "no replacement pool replica running"
+        time.sleep(0.1)
+    answers = []
+    for _ in range(100):  # the replacement is running: it has applied the load
+        r = requests.post(f"{url}/v2/models/late_cnn/infer", json=cnn_body(X[:1]))
+        answers.append((r.status_code, r.text))
+        if len([a for a in answers if a[0] == 200]) >= 20:
+            break
+        time.sleep(0.05)
+    assert not [a for a in answers if "reading the model control state" in a[1]], answers[:3]
+    # until HAProxy and the router see the replacement, a request may get "not ready" (or HAProxy's
+    # 502/503 for the dead server)
+    first = next(i for i, a in enumerate(answers) if a[0] == 200)
+    assert all(a[0] in (502, 503) for a in answers[:first]), answers[:first]
+    assert all(a[0] == 200 for a in answers[first:]), answers[first:]
+    np.testing.assert_allclose(np.array(json.loads(answers[-1][1])["outputs"][0]["data"], np.float32).reshape(
+        expected.shape), expected, rtol=1e-4, atol=1e-5)
