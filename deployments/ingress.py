@@ -725,7 +725,8 @@ class RouterApp:
         infer body is (``_read_body``: the body limit, the stall timeout, a client that leaves).
 
         Raises:
-            InvalidInput: a body that is not a JSON object, or a client that left before its end.
+            InvalidInput: a body that is not a JSON object, ``parameters`` that is not one (as an
+                infer request's: a falsy value counts as none), or a client that left before its end.
             PayloadTooLarge, RequestTimeout: as ``_read_body``.
         """
         body = b"".join(await self._read_body(request))
@@ -737,6 +738,9 @@ class RouterApp:
             value = None
         if not isinstance(value, dict):
             raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
+        if not isinstance(value.get("parameters") or {}, dict):
+            raise InvalidInput(f"the {what} request's 'parameters' must be a JSON object, got "
+                               f"{json.dumps(value['parameters'])[:40]}")
         return value
 
     async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
@@ -808,8 +812,8 @@ class RouterApp:
         """Triton's statistics extension: every model, one model, or one version of it."""
         self._metrics_off()
         if "name" in request.path_params:
-            entry = self._entry(request)
-            models = [(entry.name, request.path_params.get("version") or str(entry.latest))]
+            entry, version = self._entry_version(request)  # "01" is version 1: its series' label is "1"
+            models = [(entry.name, str(version))]
         else:
             models = [(e.name, str(v)) for e in self.repo.entries() for v in self._served(e)]
         families = await asyncio.to_thread(node_families, node_directory())

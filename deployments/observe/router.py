@@ -41,7 +41,7 @@ class RouterObserver:
         version = self.versions.get(name)
         status = response.status_code
         asked = request.path_params.get("version")
-        label = asked if asked is not None else version
+        label = _version_label(asked) if asked is not None else version
         if version is not None and not (asked is not None and status == 404):
             # a 404 on a versioned route is a version not served: a label per made-up version
             # would let clients grow the series without bound
@@ -63,6 +63,13 @@ class RouterObserver:
         line["request_id"] = _request_id(request)
         line["duration_ms"] = round((time.perf_counter() - timing.start) * 1e3, 3)
         (request_log.warning if status >= 500 else request_log.info)(json.dumps(line))
+
+
+def _version_label(asked: str) -> str:
+    """The label of a version as a path spells it: a served version has one label however it is
+    spelled ("01" and "001" are version 1, as the routes read them), since a label per spelling
+    would let clients grow the series without bound. Other text (a 404) is kept as it came."""
+    return str(int(asked)) if len(asked) <= 18 and asked.isascii() and asked.isdigit() else asked
 
 
 def _request_id(request: Request) -> str | None:

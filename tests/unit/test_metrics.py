@@ -190,6 +190,42 @@ def test_a_version_not_served_adds_no_series(tmp_path):
     assert "zz" not in text  # no series, success or failure, for the made-up versions
 
 
+def _versions_spelled_with_zeros(root: str) -> str:
+    """In a fresh process: version 1 of tiny_cnn asked as "1", "01" and "001" (the routes read
+    all three as version 1) through the router's observer; returns /metrics text."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from deployments.observe.router import RouterObserver, observe_infer
+
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+
+    class Ingress:
+        observer = RouterObserver({"tiny_cnn": "1"})
+
+        @observe_infer
+        async def infer(self, request):
+            return JSONResponse({"model_version": str(int(request.path_params["version"])), "outputs": []})
+
+    client = TestClient(Starlette(routes=[Route("/v2/models/{name}/versions/{version}/infer",
+                                                Ingress().infer, methods=["POST"])]))
+    for version in ("1", "01", "001"):
+        assert client.post(f"/v2/models/tiny_cnn/versions/{version}/infer", json={}).status_code == 200
+    m.flush()
+    return m.render(os.path.join(root, "default")).decode()
+
+
+def test_a_version_spelled_with_leading_zeros_counts_under_its_one_label(tmp_path):
+    """``/versions/01/infer`` is version 1: one series, not one per spelling a client makes up."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        text = pool.apply(_versions_spelled_with_zeros, (str(tmp_path),))
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 3
+    assert 'version="01"' not in text and 'version="001"' not in text
+
+
 def _pipeline_steps(root: str) -> str:
     """In a fresh process: two good and one bad step call of a pipeline; returns /metrics text."""
     import asyncio

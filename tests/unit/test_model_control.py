@@ -6,6 +6,7 @@ runs the real thing)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import threading
 import time
@@ -210,6 +211,17 @@ def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]
     r = client.post("/v2/repository/models/nope/load")
     assert r.status_code == 404 and r.json()["error"].startswith("failed to load 'nope': no model folder 'nope'")
+
+
+@pytest.mark.parametrize("route", ["models/simple/load", "models/simple/unload", "index"])
+@pytest.mark.parametrize("parameters", [5, "config", [1], True])
+def test_repository_parameters_that_are_not_an_object_are_400(root, route, parameters):
+    """``{"parameters": 5}`` was a 500 on load (its keys were sorted) and a string's letters
+    were named as unsupported parameters; unload and index took anything."""
+    client = router(ModelRepository(root), explicit=True)
+    r = client.post(f"/v2/repository/{route}", json={"parameters": parameters})
+    assert r.status_code == 400, r.text
+    assert "'parameters' must be a JSON object, got " + json.dumps(parameters) in r.json()["error"]
 
 
 # --- warmup -----------------------------------------------------------------------------------
