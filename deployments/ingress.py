@@ -393,12 +393,24 @@ class RouterApp:
                                  f"POST /v2/repository/models/{entry.name}/load loads it")
         if entry.name in self.missing:
             return ModelNotReady(f"model '{entry.name}' is not served: {self._missing_text(entry.name)}")
+        if down := self._unloaded_steps(entry):
+            return ModelNotReady(f"model '{entry.name}' is not ready: its step model(s) {down} are not loaded; "
+                                 f"POST /v2/repository/models/{down[0]}/load loads it")
         if entry.name in self.ready_models:
             return None
         return ModelNotReady(
             f"model '{entry.name}' is not ready: its deployment is starting, stopping or has no "
             "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
                 "{name}", entry.name))
+
+    def _unloaded_steps(self, entry: ModelEntry) -> list[str]:
+        """A pipeline's step models (its config's ``parameters.steps``) that are not loaded now
+        (explicit model control: unloaded, or never loaded); the pipeline is not ready while
+        one is, as its requests could only fail at that step."""
+        if self.initial is None or not entry.config.pipeline:
+            return []
+        steps = (entry.config.parameters or {}).get("steps") or []
+        return [step for step in steps if isinstance(step, str) and step not in self.loaded]
 
     def _require_ready(self, entry: ModelEntry) -> None:
         error = self._not_ready(entry)
@@ -858,6 +870,11 @@ class ModelRoutes(RouterApp):
     def model_unloaded(self) -> None:
         """The model was unloaded through the repository API: new requests answer 503."""
         self._mark_unloaded(self.name)
+
+    def step_changed(self, name: str, loaded: bool) -> None:
+        """A step model of this pipeline was loaded or unloaded through the repository API: the
+        pipeline answers 503 naming it while it is not loaded (``_unloaded_steps``)."""
+        (self.loaded.add if loaded else self.loaded.discard)(name)
 
     def build_app(self) -> Starlette:
         app = super().build_app()

@@ -69,12 +69,15 @@ class PipelineDeployment:
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control: the pipeline answers its routes (loaded) or 503 (unloaded); its
-        steps are loaded and unloaded as models of their own."""
+        steps are loaded and unloaded as models of their own, and while one is not loaded the
+        pipeline answers 503 naming it."""
         state = changed.get(self.routes.name)
         if state is not None and state["loaded"]:
             self.routes.model_loaded("pipeline")
         elif state is not None:
             self.routes.model_unloaded()
+        for step in set(self.pipeline.steps) & set(changed):
+            self.routes.step_changed(step, changed[step]["loaded"])
         return {}
 
     @errors_as_values

@@ -203,6 +203,33 @@ def test_a_load_and_an_unload_at_once_end_in_the_state_the_replicas_keep(root):
         assert r.status_code == 503 and "has no available versions" in r.json()["error"]
 
 
+def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_the_step(root):
+    """A pipeline whose step model is unloaded answers ready 503 and infer 503 naming the step
+    (it answered ready 200 while every request failed at that step), and is ready again once
+    the step is loaded; with model control off its steps always serve."""
+    raw = yaml.safe_load((ENGINES / "ocr" / "config.yaml").read_text())
+    raw["parameters"]["steps"] = ["simple"]
+    (root / "pipe").mkdir()
+    (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
+    repo = ModelRepository(root)
+    control = FakeControlClient(repo)
+    control.pool_models.discard("pipe")
+    control.desired = initial_state({"simple": "pool", "pipe": "pipeline"}, {"simple", "pipe"})
+    app = RouterApp(repo, control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=control.desired)
+    app.ready_models.add("pipe")  # its replica answered
+    client = TestClient(app.build_app(), raise_server_exceptions=False)
+    assert client.get("/v2/models/pipe/ready").json() == {"name": "pipe", "ready": True}
+    assert client.post("/v2/repository/models/simple/unload").status_code == 200
+    for r in (client.get("/v2/models/pipe/ready"), client.post("/v2/models/pipe/infer", json={
+            "inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["x"]}]})):
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == ("model 'pipe' is not ready: its step model(s) ['simple'] are not loaded; "
+                                     "POST /v2/repository/models/simple/load loads it")
+    assert client.post("/v2/repository/models/simple/load").status_code == 200
+    assert client.get("/v2/models/pipe/ready").status_code == 200
+    assert router(ModelRepository(root), explicit=False).get("/v2/models/pipe/ready").status_code == 200
+
+
 def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     client = router(ModelRepository(root), explicit=True)
     r = client.post("/v2/repository/models/simple/load", json={"parameters": {"config": "{}"}})
