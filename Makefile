@@ -94,4 +94,4 @@ integration: models
 	$(PY) -m pytest tests/integration
 
 clean:
-	rm -rf $(VENV) engines/.cache engines/*/[0-9]*/
+	rm -rf $(VENV) engines/.cache engines/*/[0-9]*
