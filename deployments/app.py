@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any, Iterable, Literal, Optional, Union
 
@@ -80,6 +81,10 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
 # Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
+# A dedicated model's name is its application's route prefix; HAProxy and Serve's proxy match a
+# prefix against the path as sent, and clients percent-encode other characters (tritonclient
+# quotes every name): RFC 3986's unreserved characters are the ones no client encodes.
+ROUTE_SAFE_NAME = re.compile(r"[A-Za-z0-9._~-]+")
 DELETE_POLL_S = 0.1  # seconds between checks that deleted applications are gone
 DELETE_TIMEOUT_S = 60.0  # serve.delete's own bound
 # Serve's limit of requests at once in a dedicated model's replica, which is its model's ingress:
@@ -321,6 +326,12 @@ def _read(args: dict[str, Any] | None) -> tuple[AppArgs, list[ModelEntry], dict[
     entries = ModelRepository(app_args.repository, app_args.models).entries()
     placement = deployment_options(entries, app_args.deployments)
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
+    for entry in entries:
+        if entry.name not in pool_models and not ROUTE_SAFE_NAME.fullmatch(entry.name):
+            raise ConfigError(
+                f"{entry.path}: the name '{entry.name}' of a dedicated model or pipeline becomes its route "
+                "prefix /v2/models/<name>, which the ingress matches as the client encodes it: use letters, "
+                "digits, '.', '_', '-' or '~' (rename the folder), or serve it from the pool (deployment.mode: pool)")
     if POOL in {e.name for e in entries} - set(pool_models):
         entry = next(e for e in entries if e.name == POOL)
         raise ConfigError(f"{entry.path}: a dedicated model or pipeline may not be named '{POOL}': its "

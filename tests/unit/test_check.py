@@ -111,6 +111,23 @@ def test_a_good_config_prints_its_models_and_url(repository, tmp_path):
     assert "2 models ['mid_cnn', 'tiny_cnn']" in result.stdout and "http://127.0.0.1:8000/v2" in result.stdout
 
 
+def test_a_dedicated_model_whose_name_clients_encode_is_a_config_error_and_a_pool_model_may_have_it(repository):
+    """A dedicated model's name is its route prefix; tritonclient sends ``a@b`` as ``a%40b``,
+    which no ingress matches against the prefix ``/v2/models/a@b``: refused at build, naming the
+    folder and what is allowed. A pool model's name is matched by the pool's own routes."""
+    (repository / "tiny_cnn").rename(repository / "tiny@cnn")
+    config = repository / "tiny@cnn" / "config.yaml"
+    config.write_text(config.read_text().replace("mode: pool", "mode: dedicated"))
+    with pytest.raises(AppConfigError) as raised:
+        build_app({"repository": str(repository), "model": "tiny@cnn"})
+    assert str(raised.value).startswith(f"{repository / 'tiny@cnn'}")
+    assert ("the name 'tiny@cnn' of a dedicated model or pipeline becomes its route prefix /v2/models/<name>, "
+            "which the ingress matches as the client encodes it: use letters, digits, '.', '_', '-' or '~'") \
+        in str(raised.value)
+    config.write_text(config.read_text().replace("mode: dedicated", "mode: pool"))
+    assert build_app({"repository": str(repository), "model": "pool"}) is not None
+
+
 def test_the_builders_config_error_is_a_ray_serve_exception_so_serve_does_not_retry_it(repository):
     # Serve's build task returns a RayServeException's message as DEPLOY_FAILED at once; it
     # retries any other exception (ray.serve._private.application_state.build_serve_application).
