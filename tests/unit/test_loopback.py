@@ -5,6 +5,7 @@ gets; the wrapper as Ray runs it."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -582,43 +584,11 @@ def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, pr
         f"    balance hash path,field({field},/)\n", ""))  # no prefix to count from: Ray's balance stays
 
 
-def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_models(tmp_path):
-    """On the real HAProxy with the rewritten config: every request for one pool model (its
-    routes, any version) reaches the same pool replica, and 16 models spread over the three."""
-    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
-    router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
-    config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
-    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
-              .replace("127.0.0.1:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
-    (tmp_path / "pool.cfg").write_text(config)
-    (tmp_path / "backend.py").write_text(_BACKEND)
-    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
-                 for name, port in {**ports, "router": router, "ocr": ocr}.items()]
-    processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
-    try:
-        _until(lambda: all(_get(front, f"/v2/models/m{i}/ready") is not None for i in range(16)), 30)
-        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
-        time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
-        chosen = {}
-        for i in range(16):
-            paths = [f"/v2/models/m{i}/ready", f"/v2/models/m{i}", f"/v2/models/m{i}/versions/2/ready"] * 3
-            answers = {_get(front, path) for path in paths}
-            assert len(answers) == 1, (i, answers)
-            [(status, by)] = answers
-            assert status == 200 and by.decode() in ports, (i, status, by)
-            chosen[f"m{i}"] = by.decode()
-        assert len(set(chosen.values())) >= 2, chosen
-        assert _get(front, "/v2/health/ready") == (200, b"router")
-        assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-
-
-def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
-    """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
-    port): the server each of ``models`` pool models' requests reach."""
+@contextlib.contextmanager
+def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
+    """The real HAProxy on the rewritten config of a pool with servers ``ports`` (name -> port),
+    a router and ``ocr``, each a small server answering with its name; yields the front port
+    once every pool server is up."""
     router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
     config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
     config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
@@ -632,16 +602,41 @@ def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) ->
         _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
         _until(lambda: _get(front, "/v2/models/m0/ready") is not None, 30)
         time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
+        yield front
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_models(tmp_path):
+    """On the real HAProxy with the rewritten config: every request for one pool model (its
+    routes, any version) reaches the same pool replica, and 16 models spread over the three."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
+    with _pool_haproxy(tmp_path, ports) as front:
+        chosen = {}
+        for i in range(16):
+            paths = [f"/v2/models/m{i}/ready", f"/v2/models/m{i}", f"/v2/models/m{i}/versions/2/ready"] * 3
+            answers = {_get(front, path) for path in paths}
+            assert len(answers) == 1, (i, answers)
+            [(status, by)] = answers
+            assert status == 200 and by.decode() in ports, (i, status, by)
+            chosen[f"m{i}"] = by.decode()
+        assert len(set(chosen.values())) >= 2, chosen
+        assert _get(front, "/v2/health/ready") == (200, b"router")
+        assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
+
+
+def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
+    """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
+    port): the server each of ``models`` pool models' requests reach."""
+    with _pool_haproxy(tmp_path, ports) as front:
         chosen = {}
         for i in range(models):
             answer = _get(front, f"/v2/models/m{i}/ready")
             assert answer is not None and answer[0] == 200, answer
             chosen[f"m{i}"] = answer[1].decode()
         return chosen
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
 
 
 def test_a_pool_replica_that_goes_moves_only_its_own_models(tmp_path):

@@ -154,8 +154,9 @@ def test_one_structured_log_line_per_failed_request_and_successes_only_with_acce
 
 
 def _versioned_routes(root: str) -> str:
-    """In a fresh process: a served and a made-up version of tiny_cnn through the router's
-    observer; returns /metrics text."""
+    """In a fresh process: served and made-up versions of tiny_cnn through the router's
+    observer, version 1 also spelled "01" and "001" (the routes read all three as version 1);
+    returns /metrics text."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -170,59 +171,27 @@ def _versioned_routes(root: str) -> str:
 
         @observe_infer
         async def infer(self, request):
-            if request.path_params["version"] not in ("1", "2"):
+            version = request.path_params["version"]
+            if not version.isdigit() or int(version) not in (1, 2):
                 return JSONResponse({"error": "version not served"}, 404)
-            return JSONResponse({"outputs": []})
+            return JSONResponse({"model_version": str(int(version)), "outputs": []})
 
     client = TestClient(Starlette(routes=[Route("/v2/models/{name}/versions/{version}/infer",
                                                 Ingress().infer, methods=["POST"])]))
-    for version in ("1", "zz1", "zz2", "1"):
+    for version in ("1", "zz1", "zz2", "1", "01", "001"):
         client.post(f"/v2/models/tiny_cnn/versions/{version}/infer", json={})
     m.flush()
     return m.render(os.path.join(root, "default")).decode()
 
 
-def test_a_version_not_served_adds_no_series(tmp_path):
+def test_a_version_not_served_adds_no_series_and_a_served_one_has_one_label(tmp_path):
+    """A made-up version adds no series; ``/versions/01/infer`` is version 1: one series, not one
+    per spelling a client makes up."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         text = pool.apply(_versioned_routes, (str(tmp_path),))
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 2
+    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 4
     assert "zz" not in text  # no series, success or failure, for the made-up versions
-
-
-def _versions_spelled_with_zeros(root: str) -> str:
-    """In a fresh process: version 1 of tiny_cnn asked as "1", "01" and "001" (the routes read
-    all three as version 1) through the router's observer; returns /metrics text."""
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-    from starlette.testclient import TestClient
-
-    from deployments.observe.router import RouterObserver, observe_infer
-
-    os.environ["TRT_SERVE_METRICS_DIR"] = root
-
-    class Ingress:
-        observer = RouterObserver({"tiny_cnn": "1"})
-
-        @observe_infer
-        async def infer(self, request):
-            return JSONResponse({"model_version": str(int(request.path_params["version"])), "outputs": []})
-
-    client = TestClient(Starlette(routes=[Route("/v2/models/{name}/versions/{version}/infer",
-                                                Ingress().infer, methods=["POST"])]))
-    for version in ("1", "01", "001"):
-        assert client.post(f"/v2/models/tiny_cnn/versions/{version}/infer", json={}).status_code == 200
-    m.flush()
-    return m.render(os.path.join(root, "default")).decode()
-
-
-def test_a_version_spelled_with_leading_zeros_counts_under_its_one_label(tmp_path):
-    """``/versions/01/infer`` is version 1: one series, not one per spelling a client makes up."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        text = pool.apply(_versions_spelled_with_zeros, (str(tmp_path),))
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
-    assert _value(fams["nv_inference_request_success"], model="tiny_cnn", version="1") == 3
     assert 'version="01"' not in text and 'version="001"' not in text
 
 
