@@ -22,8 +22,10 @@ line shows twice. Per-request access lines stay in the files.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import sys
+from typing import Any
 
 SERVE_LOGGER = "ray.serve"
 APP_LOGGER = "deployments"
@@ -72,8 +74,32 @@ def _serve_streams(serve: logging.Logger) -> bool:
     return any(type(h) is logging.StreamHandler for h in serve.handlers)
 
 
+def print_to_files_whole() -> None:
+    """Mend Ray Serve 2.60's ``print`` in a replica: where Serve does not stream its log to stderr
+    (``make serve``'s default), it replaces ``builtins.print`` with ``logging_utils.redirected_print``,
+    which hands a print to any other file the tuple of its objects (``buildin_print(objects,
+    ...)``, not ``*objects``). ``traceback.print_exception`` prints each line to a StringIO, so
+    every traceback ``logging`` formatted read ``('Traceback (most recent call last):\n',)('  File
+    ...',)``, the error of an internal fault included. Ours prints to other files as the builtin
+    does and leaves stdout and stderr to Serve's. Idempotent; nothing where print is not Serve's."""
+    current = builtins.print
+    if getattr(current, "__name__", "") != "redirected_print" or "ray.serve" not in getattr(current, "__module__", ""):
+        return
+    builtin = sys.modules[current.__module__].buildin_print
+
+    def print_whole(*objects: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None,
+                    flush: bool = False) -> None:
+        if file not in (sys.stdout, sys.stderr, None):
+            return builtin(*objects, sep=sep, end=end, file=file, flush=flush)
+        return current(*objects, sep=sep, end=end, file=file, flush=flush)
+
+    builtins.print = print_whole
+
+
 def show_on_terminal() -> None:
-    """Route the application's log lines as the module docstring says. Idempotent per process."""
+    """Route the application's log lines as the module docstring says (and ``print_to_files_whole``).
+    Idempotent per process."""
+    print_to_files_whole()
     app = logging.getLogger(APP_LOGGER)
     if any(isinstance(h, _ToServeLog) for h in app.handlers):
         return

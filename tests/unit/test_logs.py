@@ -84,3 +84,46 @@ def test_an_error_a_replica_raised_by_design_is_one_line_and_a_real_fault_keeps_
     assert err.count("ERROR ray.serve: Request failed.") == 1 and "KeyError: 'boom'" in err
     assert "ModelNotReady" not in err and "Traceback" in err
     assert log_file.messages[1:] == ["Request failed with error 503: model 'm' is not ready", "Request failed."]
+
+
+def test_a_traceback_formatted_under_serves_replica_print_reads_as_text():
+    """In a replica, Serve's ``redirected_print`` hands prints to other files the tuple of their
+    objects, so ``logging`` formatted every traceback as ``('Traceback ...',)``;
+    ``print_to_files_whole`` mends it, and prints to stdout still go to Serve's logger."""
+    import builtins
+    import io
+
+    from ray.serve._private import logging_utils
+
+    from deployments.logs import print_to_files_whole
+
+    def formatted() -> str:
+        try:
+            raise ValueError("boom")
+        except ValueError as e:
+            return logging.Formatter().formatException((type(e), e, e.__traceback__))
+
+    original = builtins.print
+    builtins.print = logging_utils.redirected_print
+    try:
+        assert formatted().startswith("('Traceback (most recent call last):\\n',)")  # Serve 2.60's print
+        print_to_files_whole()
+        print_to_files_whole()  # idempotent
+        text = formatted()
+        assert text.startswith("Traceback (most recent call last):\n") and text.endswith("ValueError: boom")
+        sink = io.StringIO()
+        print("a", 1, sep="-", file=sink)
+        assert sink.getvalue() == "a-1\n"
+        serve, records = logging.getLogger(SERVE_LOGGER), []
+        handler, level = logging.Handler(logging.INFO), serve.level
+        handler.emit = records.append
+        serve.addHandler(handler)
+        serve.setLevel(logging.INFO)
+        try:
+            print("to", "stdout")
+        finally:
+            serve.removeHandler(handler)
+            serve.setLevel(level)
+        assert [r.getMessage() for r in records] == ["to stdout\n"]
+    finally:
+        builtins.print = original
