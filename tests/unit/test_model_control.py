@@ -360,3 +360,32 @@ def test_first_sync_gives_up_after_its_bound_when_the_control_replica_is_unreach
     synced, waited = asyncio.run(start())
     assert not synced and 0.2 <= waited < 2
 
+
+@pytest.mark.parametrize("batching", [None, {"max_queue_delay_ms": 2, "preferred_batch_size": [4]}])
+def test_a_dedicated_replica_starts_with_its_model_not_loaded_and_serves_it_once_loaded(
+        root, replica_context, monkeypatch, batching):
+    """``startup_models`` leaving a dedicated model out: its replica's constructor asked the
+    unloaded host for its backend and failed (ModelNotReady), so the deploy failed."""
+    from deployments import ingress, model
+    from deployments.ingress import RouterOptions
+
+    add_model(root, "ded", deployment={"mode": "dedicated"}, **({"dynamic_batching": batching} if batching else {}))
+    initial = initial_state({"ded": "dedicated"}, set())
+    desired = {"revision": 0, "models": initial}
+    monkeypatch.setattr(ingress, "handle", lambda app, deployment: FakeControl(desired))
+    monkeypatch.setattr(model, "replica_grpc_on_loopback", lambda: None)
+    cls = model.ModelDeployment.func_or_class
+
+    async def start_load_infer() -> tuple[bool, dict, dict]:
+        replica = cls.__new__(cls)
+        await cls.__init__(replica, str(root), "ded", "onnxruntime", RouterOptions(1 << 20, 10.0),
+                           metrics={"enabled": False}, initial=initial)
+        replica.routes.follower.task.cancel()
+        ready_at_start = replica.host.ready
+        loaded = {"ded": {"loaded": True, "placement": "dedicated", "generation": 1}}
+        report = await asyncio.to_thread(replica.apply, loaded)
+        return ready_at_start, report, await replica.infer(PAIR)
+
+    ready_at_start, report, out = asyncio.run(start_load_infer())
+    assert not ready_at_start and report == {"ded": outcome(None, True, "onnxruntime")}
+    assert (out["OUTPUT0"] == PAIR["INPUT0"] + 1).all()
