@@ -32,9 +32,10 @@ from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, 
 logger = logging.getLogger("ray.serve")
 
 POLL_S = 0.25  # how often a replica reads the desired state
-# How long a starting replica waits to apply the desired state before Serve may route to it (its
-# constructor awaits ``Follower.first_sync``); past it (the control replica unreachable) the
-# replica serves, answering 503 for its models until it has synced.
+# How long a starting replica waits to read the desired state before Serve may route to it (its
+# constructor awaits ``Follower.first_sync``, then applying it, however long its loads take);
+# past it (the control replica unreachable) the replica serves, answering 503 for its models
+# until it has synced.
 FIRST_SYNC_S = 15.0
 REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
 
@@ -118,6 +119,7 @@ class Follower:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
         self.task: asyncio.Task | None = None  # ``run``, started by ``follow``
+        self._read = asyncio.Event()  # set once the desired state has been read
         self._first = asyncio.Event()  # set once the desired state has been applied
 
     @property
@@ -129,6 +131,7 @@ class Follower:
     async def sync(self) -> None:
         """One round: read the state, apply what changed, report."""
         desired = await self.control.desired.remote()
+        self._read.set()
         if desired["revision"] != self.revision:
             changed = {name: entry for name, entry in desired["models"].items() if self.applied.get(name) != entry}
             if changed:
@@ -138,16 +141,22 @@ class Follower:
         await self.control.report.remote(self.replica, self.deployment, self.revision, self.outcomes)
 
     async def first_sync(self, timeout_s: float = FIRST_SYNC_S) -> None:
-        """Wait until this replica has applied the desired state once, at most ``timeout_s``
-        seconds. A replica's constructor awaits it: Serve routes no request to a replica before
-        its constructor returns, so one that starts after a load or unload (autoscaling, a
+        """Wait until this replica has applied the desired state once: at most ``timeout_s``
+        seconds for the control replica to answer, then as long as applying it takes. A
+        replica's constructor awaits it: Serve routes no request to a replica before its
+        constructor returns, so one that starts after a load or unload (autoscaling, a
         replacement) serves the current state from its first request, instead of answering 503
-        "reading the model control state" while it loads the models loaded since the build."""
+        "reading the model control state" while it loads the models loaded since the build.
+        The bound is for an unreachable control replica only: a load slower than it (a long
+        ``warmup``) made a replacement pool replica answer every pool model 503 "reading the
+        model control state" until that load ended (it was bounded by the whole apply)."""
         try:
-            await asyncio.wait_for(self._first.wait(), timeout_s)
+            await asyncio.wait_for(self._read.wait(), timeout_s)
         except asyncio.TimeoutError:
-            logger.warning("model control: the desired state was not applied within %.0f s; serving, "
-                           "and answering 503 for this replica's models until it is", timeout_s)
+            logger.warning("model control: the desired state could not be read within %.0f s; serving, "
+                           "and answering 503 for this replica's models until it is applied", timeout_s)
+            return
+        await self._first.wait()
 
     async def run(self) -> None:
         while True:

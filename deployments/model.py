@@ -74,15 +74,17 @@ class ModelDeployment:
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution
         self.batch_stats = BatchStats()
-        policy = BatchPolicy.of(self.host.config, self.host.backend)
+        # Its padding depends on the backend, known once loaded (``_loaded_policy``, again at each
+        # load); the batch queue's size and delay do not. A model not loaded at start (explicit
+        # model control) has no backend yet: asking the host for it failed the constructor.
+        self._policy = self._loaded_policy() if loaded else BatchPolicy.of(self.host.config)
+        policy = self._policy
         self._batched = None
         self._max_rows = 0 if policy is None else policy.max_rows
-        if policy is not None and policy.pad_to:
-            self.host.warm(policy.pad_to)
         if policy is not None:
             async def run(items: list[BatchItem]) -> list:
                 start = time.perf_counter()
-                done = await asyncio.to_thread(run_batch, self.host, items, policy)
+                done = await asyncio.to_thread(run_batch, self.host, items, self._policy)
                 self.batch_stats.record(items, done)
                 if self.recorder is not None:
                     self.recorder.batch_ran(items, time.perf_counter() - start)
@@ -132,6 +134,7 @@ class ModelDeployment:
                 if not self.host.ready:
                     self._take_new_version()
                 self.host.load()
+                self._policy = self._loaded_policy()
                 self.gate.open()
                 self.routes.model_loaded(self.host.backend)
                 return {self.host.name: outcome(None, True, self.host.backend)}
@@ -141,6 +144,14 @@ class ModelDeployment:
             return {self.host.name: outcome(None, False)}
         except Exception as error:
             return {self.host.name: outcome(error, False)}
+
+    def _loaded_policy(self) -> BatchPolicy | None:
+        """The batch policy for the loaded model's backend, its padded sizes warmed
+        (``BatchPolicy.pad_to``, ``ModelHost.warm``). Blocking."""
+        policy = BatchPolicy.of(self.host.config, self.host.backend)
+        if policy is not None and policy.pad_to:
+            self.host.warm(policy.pad_to)
+        return policy
 
     def _take_new_version(self) -> None:
         """Before a load of the unloaded model: read its folder again (the validation the router

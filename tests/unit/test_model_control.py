@@ -289,3 +289,103 @@ def test_the_cache_timeline_shows_warmup_apart_from_the_load(root):
     assert cold["warmup_ms"] == 0
     np.testing.assert_array_equal(cache.infer("warm", PAIR)["OUTPUT0"], PAIR["INPUT0"] + 1)
     cache.close()
+
+
+class _Remote:
+    def __init__(self, call):
+        self.remote = call
+
+
+class FakeControl:
+    """The control deployment's handle as a ``Follower`` calls it; ``reachable`` False: every
+    read fails, as while the control replica restarts."""
+
+    def __init__(self, desired: dict, reachable: bool = True) -> None:
+        async def read() -> dict:
+            if not reachable:
+                raise ConnectionError("control replica unreachable")
+            return desired
+
+        async def report(*args: Any) -> None:
+            return None
+
+        self.desired, self.report = _Remote(read), _Remote(report)
+
+
+@pytest.fixture
+def replica_context(monkeypatch):
+    from types import SimpleNamespace
+
+    from deployments import control
+
+    context = SimpleNamespace(replica_id=SimpleNamespace(unique_id="r1"), deployment="pool", app_name="models.ded",
+                              _deployment_config=SimpleNamespace(max_ongoing_requests=8))
+    monkeypatch.setattr(control.serve, "get_replica_context", lambda: context)
+    return control
+
+
+def test_first_sync_waits_for_a_load_slower_than_its_bound_once_the_state_is_read(replica_context):
+    """A replacement replica that loads a model loaded since the build (its warmup longer than
+    ``FIRST_SYNC_S``) is routed only once it has: it answered every model 503 "reading the model
+    control state" from the bound on (a pool replica: every pool model)."""
+    control = replica_context
+    initial = initial_state({"late": "pool"}, set())
+    desired = {"revision": 1, "models": {"late": {"loaded": True, "placement": "pool", "generation": 1}}}
+    applied = []
+
+    def apply(changed):
+        time.sleep(0.5)  # the load and its warmup
+        applied.append(sorted(changed))
+        return {name: outcome(None, True, "onnxruntime") for name in changed}
+
+    async def start() -> bool:
+        follower = control.follow(FakeControl(desired), initial, apply)
+        await follower.first_sync(timeout_s=0.1)
+        follower.task.cancel()
+        return follower.synced
+
+    assert asyncio.run(start()) and applied == [["late"]]
+
+
+def test_first_sync_gives_up_after_its_bound_when_the_control_replica_is_unreachable(replica_context):
+    control = replica_context
+
+    async def start() -> tuple[bool, float]:
+        follower = control.follow(FakeControl({}, reachable=False), {}, lambda changed: {})
+        began = time.monotonic()
+        await follower.first_sync(timeout_s=0.2)
+        follower.task.cancel()
+        return follower.synced, time.monotonic() - began
+
+    synced, waited = asyncio.run(start())
+    assert not synced and 0.2 <= waited < 2
+
+
+@pytest.mark.parametrize("batching", [None, {"max_queue_delay_ms": 2, "preferred_batch_size": [4]}])
+def test_a_dedicated_replica_starts_with_its_model_not_loaded_and_serves_it_once_loaded(
+        root, replica_context, monkeypatch, batching):
+    """``startup_models`` leaving a dedicated model out: its replica's constructor asked the
+    unloaded host for its backend and failed (ModelNotReady), so the deploy failed."""
+    from deployments import ingress, model
+    from deployments.ingress import RouterOptions
+
+    add_model(root, "ded", deployment={"mode": "dedicated"}, **({"dynamic_batching": batching} if batching else {}))
+    initial = initial_state({"ded": "dedicated"}, set())
+    desired = {"revision": 0, "models": initial}
+    monkeypatch.setattr(ingress, "handle", lambda app, deployment: FakeControl(desired))
+    monkeypatch.setattr(model, "replica_grpc_on_loopback", lambda: None)
+    cls = model.ModelDeployment.func_or_class
+
+    async def start_load_infer() -> tuple[bool, dict, dict]:
+        replica = cls.__new__(cls)
+        await cls.__init__(replica, str(root), "ded", "onnxruntime", RouterOptions(1 << 20, 10.0),
+                           metrics={"enabled": False}, initial=initial)
+        replica.routes.follower.task.cancel()
+        ready_at_start = replica.host.ready
+        loaded = {"ded": {"loaded": True, "placement": "dedicated", "generation": 1}}
+        report = await asyncio.to_thread(replica.apply, loaded)
+        return ready_at_start, report, await replica.infer(PAIR)
+
+    ready_at_start, report, out = asyncio.run(start_load_infer())
+    assert not ready_at_start and report == {"ded": outcome(None, True, "onnxruntime")}
+    assert (out["OUTPUT0"] == PAIR["INPUT0"] + 1).all()
