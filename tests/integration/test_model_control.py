@@ -4,8 +4,9 @@ model is unloaded and loaded again; a bad config is refused; meanwhile every req
 other models succeeds. Over plain HTTP and with ``tritonclient.http`` unmodified.
 
 A second application ("control", under /control) serves a small repository: ``tiny_cnn``
-(pool, loaded at start), ``spare_cnn`` (pool, not in ``startup_models``) and ``simple_dedicated``
-(Triton's ``simple`` on a dedicated deployment).
+(pool, loaded at start), ``spare_cnn`` (pool, not in ``startup_models``), ``simple_dedicated``
+(Triton's ``simple`` on a dedicated deployment) and ``spare_dedicated`` (the same, with dynamic
+batching, not in ``startup_models``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def control(serve_instance, tmp_path_factory):
     copy_model(root, "tiny_cnn", "tiny_cnn")
     copy_model(root, "tiny_cnn", "spare_cnn")
     copy_model(root, "simple", "simple_dedicated", deployment={"mode": "dedicated"})
+    copy_model(root, "simple", "spare_dedicated", deployment={"mode": "dedicated"},
+               dynamic_batching={"max_queue_delay_ms": 2, "preferred_batch_size": [4]})
     run_applications({"repository": str(root), "model_control_mode": "explicit",
                          "startup_models": ["tiny_cnn", "simple_dedicated"]},
               name="control", route_prefix=PREFIX)
@@ -148,6 +151,21 @@ def test_tritonclient_unloads_and_loads_a_dedicated_model_and_reads_the_index(co
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), PAIR[0] + PAIR[1])
     assert len(background["tiny_cnn"]) > 2 and set(background["tiny_cnn"]) == {200}
     assert set(background["simple_dedicated"]) <= {200, 503}  # 503 while it was unloaded
+
+
+def test_a_dedicated_model_left_out_of_startup_models_starts_unloaded_and_serves_once_loaded(control):
+    """Its replica starts with the model not loaded (the constructor asked the unloaded host for
+    its backend, to pick the batch padding, and failed: the whole deploy failed), answers 404
+    "not loaded" until a load, then the right sums, through its batch queue."""
+    url, _ = control
+    r = requests.post(f"{url}/v2/models/spare_dedicated/infer", json=simple_body())
+    assert r.status_code == 404 and "it is in the repository but not loaded" in r.json()["error"], r.text
+    assert requests.post(f"{url}/v2/repository/models/spare_dedicated/load").status_code == 200
+    r = requests.post(f"{url}/v2/models/spare_dedicated/infer", json=simple_body())
+    assert r.status_code == 200, r.text
+    outputs = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert outputs["OUTPUT0"] == (PAIR[0] + PAIR[1]).ravel().tolist()
+    assert outputs["OUTPUT1"] == (PAIR[0] - PAIR[1]).ravel().tolist()
 
 
 def test_a_bad_config_on_load_is_400_naming_file_and_field_and_changes_nothing(control):
