@@ -142,7 +142,8 @@ class RouterApp:
     ``admission``: where the routes run in their model's replica (``ModelRoutes``, ``PoolRoutes``),
     its ``Admission``, asked before an infer body is read (None: the router; the model's replica
     admits). ``follower``: there, under explicit model control, the replica's ``Follower``: its
-    requests answer 503 until it has read the desired state once (``Follower.synced``).
+    requests answer 503 until it has applied the desired state once (``Follower.synced``; the
+    constructor awaits it, ``Follower.first_sync``, so only where the control replica was out of reach).
     """
 
     admission: "Admission | None" = None
@@ -853,7 +854,7 @@ class ModelRoutes(RouterApp):
     ``POST .../infer``, with the router's code, errors and checks (body limit, timeout, readiness,
     explicit model control). The deployment reports its model's state with ``model_loaded(backend)``
     and ``model_unloaded()``; under explicit model control its requests answer 503 until its
-    ``follower`` has read the desired state once (``Follower.synced``).
+    ``follower`` has applied the desired state once (``Follower.synced``).
     """
 
     def __init__(self, entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Awaitable[dict]],
