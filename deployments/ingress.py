@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Sequence
 from urllib.parse import unquote
 
 from ray import serve
@@ -167,6 +167,9 @@ class RouterApp:
         # Model control (``deployments.control``): None in model_control_mode none, where every
         # model of the repository serves and load / unload are refused.
         self.initial = initial
+        # Pipeline -> its step models, where the pipeline itself says (its replica: the built
+        # pipeline's ``steps``, defaults included); else its config's ``parameters.steps``.
+        self.steps: dict[str, Sequence[str]] = {}
         self.loaded: set[str] = set(repo.names()) if initial is None else {
             name for name, state in initial.items() if state["loaded"]}
         self.unloaded: set[str] = set()  # unloaded through the API (index reason "unloaded")
@@ -405,12 +408,12 @@ class RouterApp:
                 "{name}", entry.name))
 
     def _unloaded_steps(self, entry: ModelEntry) -> list[str]:
-        """A pipeline's step models (its config's ``parameters.steps``) that are not loaded now
-        (explicit model control: unloaded, or never loaded); the pipeline is not ready while
-        one is, as its requests could only fail at that step."""
+        """A pipeline's step models (``steps``, else its config's ``parameters.steps``) that are
+        not loaded now (explicit model control: unloaded, or never loaded); the pipeline is not
+        ready while one is, as its requests could only fail at that step."""
         if self.initial is None or not entry.config.pipeline:
             return []
-        steps = (entry.config.parameters or {}).get("steps") or []
+        steps = self.steps.get(entry.name) or (entry.config.parameters or {}).get("steps") or []
         return [step for step in steps if isinstance(step, str) and step not in self.loaded]
 
     def _require_ready(self, entry: ModelEntry) -> None:

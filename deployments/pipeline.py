@@ -62,6 +62,7 @@ class PipelineDeployment:
         self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
                                  "pipeline" if loaded_at_start(initial, name) else None, self.apply)
         self.routes.admission = self.admission
+        self.routes.steps[name] = self.pipeline.steps  # its parameters' defaults included
         await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     def __serve_build_asgi_app__(self) -> Any:

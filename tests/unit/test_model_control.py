@@ -229,6 +229,18 @@ def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_
     assert client.get("/v2/models/pipe/ready").status_code == 200
     assert router(ModelRepository(root), explicit=False).get("/v2/models/pipe/ready").status_code == 200
 
+    # A config without parameters.steps (the pipeline's defaults): the steps its replica's built
+    # pipeline names (``steps``) are the ones checked.
+    del raw["parameters"]["steps"]
+    (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
+    app = RouterApp(ModelRepository(root), control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5),
+                    initial=control.desired)
+    app.ready_models.add("pipe")
+    app.steps["pipe"] = ("simple",)
+    app.loaded.discard("simple")
+    r = TestClient(app.build_app(), raise_server_exceptions=False).get("/v2/models/pipe/ready")
+    assert r.status_code == 503 and "its step model(s) ['simple'] are not loaded" in r.json()["error"], r.text
+
 
 def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     client = router(ModelRepository(root), explicit=True)
