@@ -183,7 +183,8 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
     Retry-After from HAProxy, or the router's JSON 503 "not ready" while Serve counts no pool
     replica; then the new pool replica answers in one hop. (A request over the buffer in flight in the killed replica is
     answered 502 on a fresh client connection and not at all on a reused one: HAProxy's rule,
-    README "Reliability campaigns".)"""
+    README "Reliability campaigns"; one whose answer the replica was writing when killed gets it
+    cut after its headers.)"""
     from bench.faults import SIMPLE_BODY, SIMPLE_SUM
 
     proc, url, _ = one_hop
@@ -219,6 +220,10 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
             t.join(150)
     assert not any(t.is_alive() for t in threads)
     for sent, status, kind, retry_after, text in seen:
+        if status is None and sent < killed_at and "IncompleteRead" in text:
+            # the replica held it and was killed while writing its answer, after the headers had
+            # gone out (a CI run, 10 ms before the kill): no proxy can send the rest or send it again
+            continue
         if status == 200:
             outputs = {o["name"]: o["data"] for o in json.loads(text)["outputs"]}
             assert outputs["OUTPUT0"] == SIMPLE_SUM, text
