@@ -18,11 +18,10 @@ from deployments.app import AppArgs
 from deployments.check import reference
 from deployments.runtime.contract.config import ModelConfig
 from deployments.runtime.contract.repository import ModelRepository
+from tests.unit.test_links import PAGES, ROOT
 from tests.unit.test_router_routes import make_router
 
 # The lab notes are history: their commands ran against the code of their day.
-ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CURRENT = [p for p in PAGES if p.name != "lab-notes.md"]
 CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 
