@@ -38,13 +38,13 @@ endif
 models: $(STAMP)
 	$(PY) -m deployments.runtime.tools.prepare --root engines
 
-# Ray Serve's fast paths, on unless FAST=0 (measurements: bench/README.md): the HAProxy
+# Ray Serve's fast paths, on unless FAST=0 (docs/placement.md, "Ray's fast paths"): the HAProxy
 # ingress, Ray's throughput-optimized mode (gRPC between deployments, user code and handle
 # routers on the replica's event loop), and gRPC messages up to 2 GiB (the 4 MiB default
 # refuses a (1, 3, 640, 640) FP32 tensor). On a running cluster set them in its environment.
 # Locally, the ingress replica need not stay reachable for 30 s after Ctrl-C so that external
 # load balancers can deregister it (Serve's default drain with HAProxy; there is none here):
-# DRAINING_PERIOD 0 stops in seconds; replicas still finish their requests (README, "Stopping").
+# DRAINING_PERIOD 0 stops in seconds; replicas still finish their requests (docs/operations.md, "Stopping").
 FAST ?= 1
 CONFIG ?= serve_config.yaml
 FAST_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
@@ -72,7 +72,7 @@ status:
 print-serve-env:
 	@echo $(SERVE_ENV)
 
-# Ray Serve app vs the single-process baseline (bench/README.md); results in bench/results/.
+# Ray Serve app vs the single-process baseline (bench/README.md, docs/performance.md); results in bench/results/.
 bench: models
 	$(PY) -m bench.throughput --quick
 

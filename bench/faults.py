@@ -184,7 +184,7 @@ PYTHON_PROXY_500 = "not an error body: 'Internal Server Error'"
 
 def documented_router_kill_answer(status: int | None, error: str | None, in_flight: bool,
                                   python_proxy: bool = False) -> bool:
-    """Whether an answer to a request sent while the router replica was killed is one the README
+    """Whether an answer to a request sent while the router replica was killed is one docs/api.md
     documents: 200; 502, 503 or 504 with an ``{"error": ...}`` body (HAProxy's answers,
     ``deployments/loopback.py``, or the server's own); with Ray's Python proxy in front, a
     plain-text 500 for a request that was in flight in the killed replica."""

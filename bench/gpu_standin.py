@@ -1,7 +1,7 @@
 """BENCHMARK ONLY: an engine that waits like a GPU and computes nothing.
 
 ``GpuStandInEngine`` mimics the cost profile of a model on a GPU, measured on the H200
-(bench/README.md, "In-process engine ceiling": resnet18 0.79 ms at batch 1, 1.27 ms at batch 8):
+(docs/lab-notes.md, "In-process engine ceiling": resnet18 0.79 ms at batch 1, 1.27 ms at batch 8):
 a run waits ``base_ms + per_row_ms x rows`` (default 1.0 + 0.05 ms: batch 8 costs 1.33x batch 1)
 in ``time.sleep``, which holds no CPU and releases the GIL, as a thread waiting for a CUDA
 stream does. The wait is split in ``GIL_RELEASES`` (4) sleeps, as the CUDA backend's run
@@ -15,7 +15,7 @@ execution plan whenever a session's input shape differs from the shape of its PR
 ``CreateCudnnFeExecutionPlan``, no per-shape cache; microsoft/onnxruntime#23006, "x15 slower
 after 1.19.2 -> 1.20.1 ... interleaving of input tensor resolutions"). So a context fed
 alternating batch sizes pays that rebuild on every call. The stand-in waits ``switch_ms``
-(``BENCH_GPU_STANDIN_SWITCH_MS``, default 30: resnet18 on the H200, bench/README.md) more when
+(``BENCH_GPU_STANDIN_SWITCH_MS``, default 30: resnet18 on the H200, docs/lab-notes.md, "In-process engine ceiling") more when
 a run's input shapes differ from its context's previous run; 0 turns it off. Outputs are zeros of
 the config's output shapes with the request's rows, so the serving path (batching, splitting,
 encoding) does its real work. It answers nothing meaningful: it exists so that a machine

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 run of bench/README.md ("GPU"), one step per device call, from the repository root
+# The H200 runs of docs/h200.md, one step per device call, from the repository root
 # there (the device tool sends /work/main's tree; this branch travels as .device/gpu/repo):
 #   chunk N   carry .device/gpu/ortgpu/N (N = 0..3): the onnxruntime-gpu wheel's parts to /tmp/gpu
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to

@@ -130,7 +130,7 @@ async def _closed_loop(plan: Sequence[tuple[Workload, int]], warmup_s: float,
     timeout = aiohttp.ClientTimeout(total=max(60.0, 3 * duration_s))
     # Accept-Encoding: identity, as tritonclient and perf_analyzer send by default: aiohttp would
     # ask for gzip, which the product grants (8% of a GPU replica's CPU went to zlib on H200,
-    # py-spy, bench/README.md "One hop") and the single-process baseline does not.
+    # py-spy, docs/lab-notes.md, "One hop to hot models") and the single-process baseline does not.
     sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=max(1, c), force_close=False),
                                       timeout=timeout, headers={"Accept-Encoding": "identity"}) for _, c in plan]
     start = time.perf_counter() + warmup_s

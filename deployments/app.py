@@ -65,7 +65,7 @@ logger = logging.getLogger("ray.serve")
 
 # Replicas whose deployment handles call other deployments (router, pipelines) retry a full
 # replica every 25 ms, 50 ms, then every 50 ms, not up to Ray's default 0.5 s: a retry that
-# sleeps longer than the replica takes to drain its queue leaves it idle (bench/README.md,
+# sleeps longer than the replica takes to drain its queue leaves it idle (docs/lab-notes.md,
 # "Overload"). A value in the environment wins.
 HANDLE_ENV = {name: os.environ.get(name, default) for name, default in (
     ("RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S", "0.05"),)}
@@ -112,7 +112,7 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     error body (``ingress.Admission``; Serve's own bounds are set far above). ``max_queued_requests``
     defaults to 512, not a dedicated model's 128: one replica holds many models' clients (H200,
     tiny_cnn at 256 clients through the router: 116-186 of ~1,600 requests shed with 128, none
-    with 1024 at the same QPS; bench/README.md, "Overload on the GPU")."""
+    with 1024 at the same QPS; docs/lab-notes.md, "Overload on the GPU")."""
 
     max_queued_requests: int = Field(512, ge=-1)
 
@@ -125,15 +125,15 @@ def cores() -> int:
 def router_max_replicas(cores: int) -> int:
     """The router's default most replicas on a node of ``cores``: half of them, 1 to 8. A
     router replica uses at most one core, and the models need the rest: on 2 cores a second
-    one added nothing (the cores were the limit) and cost 150 MiB (bench/README.md, "Router
-    replicas scale with load")."""
+    one added nothing (the cores were the limit) and cost 150 MiB (docs/performance.md, "Router
+    replicas")."""
     return max(1, min(8, cores // 2))
 
 
-# The router's replicas follow its load (README, "Router replicas scale with load"). The router
+# The router's replicas follow its load (docs/placement.md, "Router replicas scale with load"). The router
 # holds every request it takes until the model answers, so its ongoing requests are the clients
 # in flight through it, wherever the time goes. One replica saturates its core near 500 QPS,
-# which a few clients reach (H200, bench/README.md): the target keeps about 8 in flight per
+# which a few clients reach (H200, docs/performance.md, "Router replicas"): the target keeps about 8 in flight per
 # replica. Serve's delays (30 s up, 600 s down, 30 s look-back, pushes every 10 s) suit replicas
 # that take long to load; a router starts in seconds. Computed where the app is built (on a
 # cluster, the head: give max_replicas in serve_config.yaml where the router's nodes differ).
@@ -397,7 +397,7 @@ def applications(args: dict[str, Any] | None, name: str = "models", route_prefix
     model and pipeline (``args`` + ``model``), named and routed as the router finds them
     (``model_application``). ``one_hop`` False: the models' applications get no route prefix,
     so the router answers their routes through its handles (two hops: what a server without
-    HAProxy should run, README "One hop to hot models").
+    HAProxy should run, docs/placement.md, "Where a request goes").
 
     Raises:
         AppConfigError: as ``build_app``.

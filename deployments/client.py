@@ -26,7 +26,7 @@ _REPLICA_LOST_RETRIES = 1  # sends again of a request whose model replica died h
 
 # Requests whose inputs hold at least this many bytes go to the replica by reference (Ray's
 # object store: shared memory on one node) even where handles default to gRPC, which copies
-# and was 5x slower for a 4.9 MB tensor (bench/README.md).
+# and was 5x slower for a 4.9 MB tensor (docs/placement.md, "Ray's fast paths").
 BY_REFERENCE_MIN_BYTES = 1 << 20
 
 
@@ -204,7 +204,7 @@ class ModelClient:
         replica is killed (Ctrl-C of ``make serve`` waited out the router's whole grace
         period). Calls a replica took are left to finish, and so are queued calls while the
         model still finishes calls: a draining replica keeps taking queued calls (cutting them
-        at once answered 503 to requests sent before Ctrl-C, bench/README.md "Stopping").
+        at once answered 503 to requests sent before Ctrl-C, docs/lab-notes.md, "Stopping").
         Whether a replica took a call is the handle response's assignment future
         (``DeploymentResponse._replica_result_future``, Ray 2.60, pinned)."""
         now = time.monotonic()
@@ -280,7 +280,7 @@ def _replica_counts(handles: dict[str, Any]) -> ReplicaCounts:
     sends them (``ServeControllerClient.get_serve_details``, Ray 2.60, pinned), not
     ``serve.status()``, which builds them into pydantic models first: 11 ms against 2 ms for one
     application on 2 cores, and with the router's applications, every second, 5% of a core
-    of the router replica's (bench/README.md, "The pool path through the router")."""
+    of the router replica's (docs/lab-notes.md, "The pool path through the router")."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)

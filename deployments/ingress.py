@@ -366,7 +366,7 @@ class RouterApp:
 
     def _served(self, entry: ModelEntry) -> tuple[int, ...]:
         """The versions ``entry`` serves here: its ``version_policy``'s for a pool model; a
-        dedicated model (or pipeline) serves its newest served version only (README, "Versions")."""
+        dedicated model (or pipeline) serves its newest served version only (docs/models.md, "Versions")."""
         return entry.served if entry.name in self.client.pool_models and entry.served else (entry.latest,)
 
     def _version(self, request: Request, entry: ModelEntry) -> int:

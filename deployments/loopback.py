@@ -117,7 +117,7 @@ def bind_loopback(config: str) -> str:
 
 
 # What HAProxy does with a request whose ingress replica (the ``Router``, or Ray's Python proxy
-# as the fallback) dies before answering it (README, "Reliability campaigns"):
+# as the fallback) dies before answering it (docs/reliability.md, "Faults"):
 # 1. Retry it when no byte of an answer came back (``empty-response``; ``conn-failure`` is
 #    Ray's own default) and the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
 #    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``, 16 KiB): ``option http-buffer-request`` makes HAProxy
@@ -218,7 +218,7 @@ def answer_replica_deaths(config: str) -> str:
     return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
 
 
-# A request no application takes (README, "Stopping"): Ray answers a plain-text 404 "Path '...'
+# A request no application takes (docs/operations.md, "Stopping"): Ray answers a plain-text 404 "Path '...'
 # not found", from HAProxy's ``default_backend`` (no route prefix matches) or from its Python
 # proxy behind an application's backend (the fallback server, once Serve removed the route).
 # While the server starts or stops that is a transition, not an unknown model: a client (and

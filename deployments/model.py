@@ -156,7 +156,7 @@ class ModelDeployment:
     def _take_new_version(self) -> None:
         """Before a load of the unloaded model: read its folder again (the validation the router
         did) and serve its newest served version from now on, as the router reports it (a version
-        folder added since; README "Versions"). The config stays the one this replica started
+        folder added since; docs/models.md, "Versions"). The config stays the one this replica started
         with (its batch queue was built from it).
 
         Raises:

@@ -60,7 +60,7 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     """The config ``serve run`` gets: ``path`` itself with HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``,
     ``make serve``); with Serve's Python proxy (``make serve FAST=0``) a copy beside it in which
     the models' applications have no route prefix, so the router answers their routes (two
-    hops): one hop needs HAProxy (README, "One hop to hot models"), and the copy says why on
+    hops): one hop needs HAProxy (docs/placement.md, "Where a request goes"), and the copy says why on
     stderr. ``path`` unchanged where no model application has a prefix."""
     environ = os.environ if environ is None else environ
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":

@@ -18,7 +18,7 @@ and written to the process's file at most every ``FLUSH_INTERVAL_S`` (at the end
 or by a daemon thread when the process is idle): writing every value through
 ``prometheus_client`` costs about 1.2 us each (a lock, ``os.getpid()``, a struct write), 15 per
 request. The recorders of one request, router and replica, cost 24 us of CPU written through
-and 5 us buffered (bench/README.md, "Metrics on vs off"). So a scrape sees a request's counts at
+and 5 us buffered (docs/lab-notes.md, "Metrics on vs off"). So a scrape sees a request's counts at
 most ``FLUSH_INTERVAL_S`` (plus scheduling delay) after its answer; a replica killed outright
 loses what it had not written.
 

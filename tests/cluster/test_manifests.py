@@ -202,7 +202,7 @@ def _containers(cluster: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_rayservice_exposes_nothing_outside_the_cluster_and_turns_on_rays_token_auth(rayservice):
-    """Threat model (README): KubeRay's Services stay ClusterIP with no Ingress (the dashboard
+    """Threat model (docs/security.md, "On a cluster"): KubeRay's Services stay ClusterIP with no Ingress (the dashboard
     and Jobs API are not reachable from outside), no pod port on its node's network, and Ray's
     token authentication on (KubeRay's authOptions, Ray 2.52+)."""
     spec = rayservice["spec"]
@@ -270,7 +270,7 @@ def test_cluster_launcher_installs_the_project_on_every_node(launcher):
 
 
 def test_cluster_launcher_keeps_the_dashboard_on_loopback_and_turns_on_rays_token_auth(launcher):
-    """Threat model (README): no `ray start` binds the dashboard (and its Jobs API) beyond the
+    """Threat model (docs/security.md, "On a cluster"): no `ray start` binds the dashboard (and its Jobs API) beyond the
     head's 127.0.0.1, and every container runs with RAY_AUTH_MODE=token and the same token."""
     starts = [c for c in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
               if "ray start" in c]

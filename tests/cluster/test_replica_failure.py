@@ -42,7 +42,7 @@ def test_killed_replica_under_load_is_retried_no_request_hangs_and_the_model_rec
         # The router sends a request again when the replica holding it dies (ActorDiedError):
         # clients see no failure. Were it lost twice, the answer would be a typed 503; and while
         # a model has no running replica at all (one replica, killed), new requests get the
-        # documented 503 "not ready" at once instead of waiting (README, errors table).
+        # documented 503 "not ready" at once instead of waiting (docs/api.md, "Errors").
         assert all(o.status == 503 and "model 'victim'" in (o.error or "") for o in failed), failed[:3]
         if num_replicas > 1:
             assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:3]}"

@@ -4,7 +4,7 @@ a request at the profile max, the footprint in GPU bytes, and eviction returning
 
 Skipped, with the reason, where the provider cannot run (the CPU ``onnxruntime`` build, no
 visible CUDA device, no cuda-python). On the H200 machine: ``onnxruntime-gpu`` carried there
-(bench/README.md, "Running it on the H200 machine").
+(docs/h200.md, "onnxruntime-gpu in chunks").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The reliability campaigns in their short form (bench/fuzz.py, bench/soak.py, bench/faults.py
-run the full ones; README, "Reliability campaigns"), against one application of the real
+run the full ones; docs/reliability.md), against one application of the real
 repository served by real Ray Serve on 127.0.0.1, shared by the module.
 
 The application serves a scratch copy of ``engines/`` (version folders linked; a fault copies
@@ -30,7 +30,7 @@ def campaign(serve_instance, prepared_engines, tmp_path_factory):
 
     repository = faults.scratch_repository(tmp_path_factory.mktemp("campaign") / "engines", prepared_engines)
     # Serve's Python proxy in front (the session's Serve instance): the models' applications get no
-    # route prefix, as `make serve FAST=0` gives them (README, "One hop to hot models"): the router
+    # route prefix, as `make serve FAST=0` gives them (docs/placement.md, "Where a request goes"): the router
     # sends again a request whose model replica died holding it, which Serve's proxy does not
     run_applications({"repository": str(repository), "pool": {"max_num_models_per_replica": 2}},
                      name=APP, route_prefix=f"/{APP}", one_hop=False)

@@ -29,7 +29,7 @@ def test_tritonclient_get_model_config_answers_tritons_model_config(server):
     assert (config["name"], config["platform"], config["backend"]) == ("ocr_cls", "onnxruntime_onnx", "onnxruntime")
     assert config["max_batch_size"] == 32
     assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 48, 192]}]
-    assert "dynamic_batching" not in config  # ocr_cls ships with batching off (bench/README.md, "GPU")
+    assert "dynamic_batching" not in config  # ocr_cls ships with batching off (docs/performance.md, "Dynamic batching on the GPU")
     assert config["instance_group"] == [{"name": "ocr_cls", "kind": "KIND_CPU", "count": 1}]
     assert client.get_model_config("tiny_cnn", "1")["platform"] == "onnxruntime_onnx"
     assert client.get_model_config("ocr")["platform"] == "ensemble"

@@ -183,7 +183,7 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
     Retry-After from HAProxy, or the router's JSON 503 "not ready" while Serve counts no pool
     replica; then the new pool replica answers in one hop. (A request over the buffer in flight in the killed replica is
     answered 502 on a fresh client connection and not at all on a reused one: HAProxy's rule,
-    README "Reliability campaigns"; one whose answer the replica was writing when killed gets it
+    docs/reliability.md, "Faults"; one whose answer the replica was writing when killed gets it
     cut after its headers.)"""
     from bench.faults import SIMPLE_BODY, SIMPLE_SUM
 

@@ -25,7 +25,7 @@ from .conftest import REPOSITORY, wait_ready
 pytestmark = pytest.mark.integration
 
 PREFIX = "/overload"
-SATURATING_CLIENTS = 8   # ocr_cls's QPS flattens from here on (bench/README.md, "Overload")
+SATURATING_CLIENTS = 8   # ocr_cls's QPS flattens from here on (docs/performance.md, "Overload")
 QUEUE = {"max_ongoing_requests": 4, "max_queued_requests": 4}
 
 

@@ -2,7 +2,7 @@
 (``deployments.run`` under ``make print-serve-env``'s environment), then every listening socket
 of its processes (Ray's GCS, raylet, agents, dashboard, every worker's gRPC server, HAProxy,
 the replicas' metrics port) is on 127.0.0.1 / ::1, but for what Ray 2.60 hard-codes
-(README, "Threat model"); each replica's gRPC server, which Ray binds to ``[::]``, is moved
+(docs/security.md, "What listens where"); each replica's gRPC server, which Ray binds to ``[::]``, is moved
 to 127.0.0.1 (``loopback.replica_grpc_on_loopback``):
 
 - HAProxy's syslog sender (``log 127.0.0.1:514`` in Ray's template): a UDP socket the kernel

@@ -137,7 +137,7 @@ def test_a_request_goes_to_a_free_context_that_last_ran_its_shape(repo):
 def test_a_freed_context_goes_to_the_longest_waiting_request_not_to_a_newcomer(repo):
     """First come, first served: a request that arrives as a context comes free queues behind
     the one already waiting (with ``Condition.wait_for`` alone it took the context, and the
-    waiter waited again at the back: the 0.3-1.1 s tail of bench/README.md)."""
+    waiter waited again at the back: the 0.3-1.1 s tail of docs/lab-notes.md, "Overload")."""
     entry = repo.get("tiny_cnn")
     entry = dataclasses.replace(entry, config=entry.config.model_copy(update={"instances": 1}))
     host = ModelHost(entry, backend="onnxruntime").load()

@@ -120,7 +120,7 @@ def device_name(device: int = 0) -> str:
 # How a host thread waits for the GPU (``cudaSetDeviceFlags``'s scheduling flags). CUDA's
 # ``auto`` spins a core for the whole wait when the process has fewer contexts than the machine
 # has cores, i.e. always here; ``blocking`` sleeps until the GPU is done. Measured on the H200
-# (bench/README.md, "Waiting for the GPU"): with 8 processes sharing the GPU, resnet18 at batch 1
+# (docs/performance.md, "Waiting for the GPU"): with 8 processes sharing the GPU, resnet18 at batch 1
 # costs 5.3 ms of CPU per call spinning against 2.1 ms blocking, at the same calls/s.
 WAIT_MODES = {"auto": "cudaDeviceScheduleAuto", "spin": "cudaDeviceScheduleSpin",
               "yield": "cudaDeviceScheduleYield", "blocking": "cudaDeviceScheduleBlockingSync"}

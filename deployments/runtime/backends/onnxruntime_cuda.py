@@ -22,7 +22,7 @@ Each execution context owns:
 Precision: ``onnxruntime_cuda.use_tf32`` (default true, ONNX Runtime's own default) lets cuDNN
 and cuBLAS use TF32 tensor cores for FP32 convolutions and matrix products; false keeps full
 FP32. Tolerances against the CPU provider, measured on the H200: ``TOLERANCE`` below and
-``bench/README.md``.
+docs/performance.md, "Accuracy against the CPU provider".
 
 Footprint (``footprint()``): GPU bytes, ``device="gpu"``. ``context_bytes`` is the largest
 per-process GPU growth (``gpu_memory.process_gpu_bytes``: NVML's figure for this pid) across
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 PROVIDER = "CUDAExecutionProvider"
 
-# |GPU - CPU provider| <= TOLERANCE x max(1, |CPU output|). Measured on the H200 (bench/README.md,
+# |GPU - CPU provider| <= TOLERANCE x max(1, |CPU output|). Measured on the H200 (docs/performance.md,
 # "Accuracy against the CPU provider"): TF32 up to 4.2e-3 (ocr_rec), FP32 up to 1.9e-6 (resnet18).
 TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
 

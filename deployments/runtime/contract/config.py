@@ -163,7 +163,7 @@ class DynamicBatching(_Frozen):
     an execution context sees only those shapes. ``auto`` (default) pads where the backend makes
     a change of input shape costly: ``onnxruntime_cuda``, whose convolutions rebuild their cuDNN
     plans whenever a run's shape differs from the previous run's (resnet18 ~30 ms, the PaddleOCR
-    models ~0.5 s a change on the H200: bench/README.md) while a larger batch costs little
+    models ~0.5 s a change on the H200: docs/performance.md, "Dynamic batching on the GPU") while a larger batch costs little
     (resnet18 batch 8: 1.3x batch 1). Not on CPU, where every padded row costs its full
     compute. ``true`` / ``false`` force it; padding needs ``preferred_batch_size``.
     """
@@ -191,7 +191,7 @@ class DeploymentOptions(_Frozen):
     replica, not the handle: requests waiting in a Ray 2.60 handle cost the caller's process
     routing retries (25 ms back-off doubling to 0.5 s, capped at 50 ms by the app) and, on the
     H200 machine, ocr_cls at 512 clients served 310 QPS with its queue in the handle against 688
-    with it in the replica (bench/README.md, "Overload"); so the handle's share is small.
+    with it in the replica (docs/lab-notes.md, "Overload"); so the handle's share is small.
     """
 
     mode: Literal["dedicated", "pool"] = "pool"
@@ -213,7 +213,7 @@ class CacheOptions(_Frozen):
     """What one replica keeps resident (``residency.cache.ModelCache``); the pool's options in
     ``serve_config.yaml`` (``deployments.app.PoolOptions``) carry these fields.
 
-    ``load_policy``: ``eager``, ``lazy`` or ``lru`` (README, "Memory"). ``memory_budget_mib``:
+    ``load_policy``: ``eager``, ``lazy`` or ``lru`` (docs/placement.md, "Memory"). ``memory_budget_mib``:
     the most MiB of model footprints (engine + contexts) resident at once; None for no byte
     limit. ``max_num_models_per_replica``: the most models resident at once (Ray's multiplexed
     count cap as well); None for no count limit. ``wait_timeout_s``: how long a load waits for

@@ -1,6 +1,6 @@
 """ModelCache: the models one replica holds, under a byte budget and an optional count cap.
 
-Three load policies (``CacheOptions.load_policy``; README, "Memory"):
+Three load policies (``CacheOptions.load_policy``; docs/placement.md, "Memory"):
 
 * ``eager``: ``start()`` loads every model; nothing is ever evicted.
 * ``lazy``: a model loads on its first request; nothing is ever evicted.
@@ -43,7 +43,7 @@ On a GPU the budget also counts this process's GPU growth that no model's footpr
 footprints still resident. Unloading every session does not give back the kernel modules that
 CUDA loads on first use (lazy loading) or the libraries' workspaces: seen on the H200, 20 MiB
 stayed after the pool's three CNNs were all evicted, and the next two loads took the reading
-8.4 MB over a 1,600.1 MB budget while the footprints summed within it (bench/README.md,
+8.4 MB over a 1,600.1 MB budget while the footprints summed within it (docs/lab-notes.md,
 "Fractional GPUs"). Device-wide readings (``source: device``) include other processes and are
 not used, so there (and before ``onnxruntime_cuda.prime`` sets the baseline) the growth stays 0.
 The growth is everything on the GPU in this process that no resident footprint covers: one

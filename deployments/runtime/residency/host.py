@@ -30,8 +30,8 @@ class ModelHost:
     arrives meanwhile (Python's ``Condition`` lets a newcomer take it while the woken waiter
     is still being scheduled, and the waiter then waits again at the back: ocr_cls, one
     context, 16 clients, groups of requests came back 0.3-1.1 s late at a median of 26 ms on
-    the H200 machine and 0.3-0.5 s late at 50 ms on 2 cores; bench/README.md, "where the p99
-    tail at 8-32 clients came from"). A request takes
+    the H200 machine and 0.3-0.5 s late at 50 ms on 2 cores; docs/lab-notes.md,
+    "Overload"). A request takes
     a free context whose previous run had the same input shapes when there is one, else the
     context free the longest: ONNX Runtime's CUDA provider rebuilds every convolution's cuDNN
     plan when a context's input shape changes from its previous run (``DynamicBatching``), so
