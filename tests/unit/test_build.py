@@ -340,7 +340,7 @@ def test_find_sources_reports_a_model_without_versions_and_an_unknown_name_per_m
     sources, failures = build.find_sources(repo, ["small", "empty", "nope"])
     assert [s.config.name for s in sources] == ["small"]
     assert {f.model: f.error.reason for f in failures} == {
-        "nope": f"no {repo}/nope/config.yaml",
+        "nope": f"no model folder {repo}/nope",
         "empty": f"no <version>/model.onnx under {repo / 'empty'}; run `make models`"}
 
 def test_set_shape_raising_for_one_model_fails_that_model_and_the_others_still_build(repo, monkeypatch):
