@@ -149,8 +149,9 @@ def complete_config(given: ModelConfigFile, config_path: Path, model_files: list
     if max_batch_size is None:
         max_batch_size = DEFAULT_MAX_BATCH_SIZE if first.batch_symbol() is not None else 0
     readable = [s for s in signatures if s is not None]
-    for signature in readable if max_batch_size else ():
-        _check_batch_axis(max_batch_size, signature, config_path)
+    if max_batch_size:
+        for signature in readable:
+            _check_batch_axis(max_batch_size, signature, config_path)
     inputs = given.inputs if given.inputs is not None else _tensors(first, "inputs", config_path)
     outputs = given.outputs if given.outputs is not None else _tensors(first, "outputs", config_path)
     config = completed_config(given, {
