@@ -1,8 +1,8 @@
 """README.md and docs/ show the real product: a model's config.yaml shown is the file it names (or,
 for a model the repository does not ship, a valid config), the config reference table lists every
-field of config.yaml (ModelConfigFile) with its type and default, the application args table every field of
-AppArgs, every curl request names a route the server has, every `make` target exists, and every
-benchmark command's flags are the script's."""
+field of config.yaml (ModelConfigFile) with its type and default, the application args table
+every field of AppArgs, every curl request names a route the server has, every `make` target
+exists, and every benchmark command's flags are the script's."""
 
 from __future__ import annotations
 
