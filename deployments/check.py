@@ -12,8 +12,9 @@ schema for the file (``ray.serve.schema.ServeDeploySchema``, what ``serve run`` 
 ``serve deploy`` read). Relative paths resolve against the current directory, as under
 ``serve run``.
 
-Exit status 0 with one line naming the models and the URL; 2 with one line
-``config error: <file>: <field>: <what is wrong and what is allowed>`` on stderr.
+Exit status 0 with one line naming the models and the URL, then one line per model whose config
+was completed from its model file (what ``config.yaml`` leaves out, as YAML it could hold); 2 with
+one line ``config error: <file>: <field>: <what is wrong and what is allowed>`` on stderr.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ APP_IMPORT_PATH = "deployments.app:build_app"
 
 
 def check(path: Path) -> str:
-    """Validate the Serve config at ``path``; returns the summary line.
+    """Validate the Serve config at ``path``; returns the summary line, then a line per model
+    whose config was completed from its model file (``completion_lines``).
 
     Raises:
         ConfigError: unreadable YAML, a field Ray's schema refuses, a bad application ``args``
@@ -47,6 +49,7 @@ def check(path: Path) -> str:
 
     schema = _schema(path)
     models: list[str] = []
+    completed: list[str] = []
     routers, model_apps = _our_applications(schema)
 
     def build(apps: list[Any]) -> None:
@@ -62,10 +65,28 @@ def check(path: Path) -> str:
     build(model_apps)
     for app in routers:
         args = AppArgs.model_validate(app.args or {})
-        models += ModelRepository(args.repository, args.models).names()
+        repo = ModelRepository(args.repository, args.models)
+        models += repo.names()
+        completed += completion_lines(repo)
     http = schema.http_options
-    return (f"{path}: OK, {len(models)} models {models}; serving at http://{http.host}:{http.port}/v2 "
-            "once ready")
+    return "\n".join([f"{path}: OK, {len(models)} models {models}; serving at http://{http.host}:{http.port}/v2 "
+                      "once ready", *completed])
+
+
+def completion_lines(repo: Any) -> list[str]:
+    """``  <model>: completed from <model file>: {field: value, ...}`` (flow YAML) for each model
+    of ``repo`` (a ``ModelRepository``) whose config was completed from its model file."""
+    from .runtime.contract.completion import completed_fields
+    from .runtime.contract.config import read_config_file
+    from .runtime.contract.repository import CONFIG_FILENAME
+
+    lines = []
+    for entry in repo.entries():
+        fields = completed_fields(read_config_file(entry.path / CONFIG_FILENAME), entry.config)
+        if fields and not entry.config.pipeline:
+            text = yaml.safe_dump(fields, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
+            lines.append(f"  {entry.name}: completed from {entry.onnx_path()}: {text}")
+    return lines
 
 
 def _schema(path: Path) -> Any:
@@ -228,7 +249,9 @@ def reference(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
                    else json.dumps(field.default))
         rows.append((path, _type_name(field.annotation), default))
         if inner is not None:
-            item = get_args(field.annotation)[0] if get_origin(field.annotation) in (tuple, list) else None
+            given = [a for a in get_args(field.annotation) if a is not type(None)] \
+                if get_origin(field.annotation) in (Union, UnionType) else [field.annotation]  # Optional[X]: X
+            item = get_args(given[0])[0] if len(given) == 1 and get_origin(given[0]) in (tuple, list) else None
             keyed = get_origin(item) is dict  # e.g. tensorrt.profiles: a list of {input name: Profile}
             rows += reference(inner, f"{path}{'[]' if item is not None else ''}{'.<input>' if keyed else ''}.")
     return rows
@@ -240,9 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the builder's INFO lines are for replicas
     args = list(sys.argv[1:] if argv is None else argv)
     if args == ["--reference"]:
-        from .runtime.contract.config import ModelConfig
+        from .runtime.contract.config import ModelConfigFile
 
-        for row in reference(ModelConfig):
+        for row in reference(ModelConfigFile):
             print("| " + " | ".join(f"`{c}`" for c in row) + " |")
         return 0
     writing = "--write" in args

@@ -90,6 +90,31 @@ def test_a_misspelled_model_field_exits_2_with_one_line_naming_file_field_and_al
     assert "unknown field" in line and "max_batch_size" in line.split("allowed:")[1], line
 
 
+def test_a_datatype_the_model_file_contradicts_exits_2_naming_config_field_and_model_file(repository, tmp_path):
+    # Seen by a tester: a datatype other than the ONNX file's passed the check; every request got 500.
+    config_path = repository / "tiny_cnn" / "config.yaml"
+    config_path.write_text(config_path.read_text().replace("datatype: FP32", "datatype: FP16", 1))
+    result = run_check(serve_config(tmp_path, repository))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"config error: {config_path}: inputs.0.datatype: FP16, but {repository / 'tiny_cnn' / '1' / 'model.onnx'} "
+        "has input 'input' as FP32: the datatype must be the file's"]
+
+
+def test_a_folder_with_only_a_model_file_passes_and_the_check_shows_its_completed_config(repository, tmp_path):
+    from deployments.check import write
+
+    (repository / "tiny_cnn" / "config.yaml").unlink()
+    path = serve_config(tmp_path, repository)
+    write(path)
+    result = run_check(path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        f"  tiny_cnn: completed from {repository / 'tiny_cnn' / '1' / 'model.onnx'}: {{max_batch_size: 4, inputs: "
+        "[{name: input, datatype: FP32, dims: [-1, 3, 224, 224], profile: {min: [1, 3, 224, 224], opt: [4, 3, 224, "
+        "224], max: [4, 3, 224, 224]}}], outputs: [{name: logits, datatype: FP32, dims: [-1, 1000]}]}"]
+
+
 def test_a_bad_application_arg_exits_2_naming_the_field_and_the_choices(repository, tmp_path):
     path = serve_config(tmp_path, repository, pool={"load_policy": "fifo"})
     result = run_check(path)

@@ -1,8 +1,8 @@
 """README.md and docs/ show the real product: a model's config.yaml shown is the file it names (or,
 for a model the repository does not ship, a valid config), the config reference table lists every
-field of ModelConfig with its type and default, the application args table every field of
-AppArgs, every curl request names a route the server has, every `make` target exists, and every
-benchmark command's flags are the script's."""
+field of config.yaml (ModelConfigFile) with its type and default, the application args table
+every field of AppArgs, every curl request names a route the server has, every `make` target
+exists, and every benchmark command's flags are the script's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from starlette.routing import Match
 
 from deployments.app import AppArgs
 from deployments.check import reference
-from deployments.runtime.contract.config import ModelConfig
+from deployments.runtime.contract.config import ModelConfig, ModelConfigFile
 from deployments.runtime.contract.repository import ModelRepository
 from tests.unit.test_links import PAGES, ROOT
 from tests.unit.test_router_routes import make_router
@@ -51,8 +51,8 @@ def test_every_yaml_block_headed_by_a_config_path_is_that_file_or_a_valid_config
 def test_the_config_reference_table_lists_every_field_with_its_type_and_default():
     rows = re.findall(r"^\| `([^`]+)` \| `((?:[^`])+)` \| `([^`]+)` \|", CONFIGURATION, re.M)
     table = [(path, kind.replace("\\|", "|"), default) for path, kind, default in rows
-             if path.split(".")[0].split("[")[0] in ModelConfig.model_fields]
-    assert table == [(p, k.replace("\\|", "|"), d) for p, k, d in reference(ModelConfig)]
+             if path.split(".")[0].split("[")[0] in ModelConfigFile.model_fields]
+    assert table == [(p, k.replace("\\|", "|"), d) for p, k, d in reference(ModelConfigFile)]
 
 
 def test_the_application_args_table_names_every_field_of_app_args():

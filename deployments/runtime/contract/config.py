@@ -5,6 +5,9 @@ Layout of one model folder (Triton-like)::
     engines/<model>/config.yaml
     engines/<model>/<version>/model.onnx      # integer version folders
 
+``config.yaml`` may leave out ``inputs``, ``outputs`` and ``max_batch_size`` (or be absent):
+``ModelConfigFile`` is what the file says, ``ModelConfig`` the completed contract
+(``completion.complete_config`` fills the rest from the model file and checks the file agrees).
 A bad config fails at start with ``ConfigError`` naming the file and the field.
 """
 
@@ -259,6 +262,25 @@ class Warmup(_Frozen):
         return self
 
 
+class DefaultProfile(_Frozen):
+    """The profile an input gets when one of its axes is dynamic and the config gives it no
+    ``profile`` (the optional ``default_profile:`` section): the batch axis (axis 0 when
+    ``max_batch_size > 0``) gets ``[1, max_batch_size, max_batch_size]``, every other dynamic
+    axis ``[1, min(opt, max), max]``. It bounds what a request may send on every backend (a
+    larger size is refused with 400 naming the axis and range), sizes the memory a context
+    holds, and is profile 0 of a TensorRT plan. An input's own ``profile`` replaces it.
+    """
+
+    opt: int = Field(128, ge=1)
+    max: int = Field(1024, ge=1)
+
+    def axis(self, batch_axis: bool, max_batch_size: int) -> tuple[int, int, int]:
+        """(min, opt, max) of one dynamic axis; ``batch_axis``: axis 0 of a batched model."""
+        if batch_axis:
+            return 1, max_batch_size, max_batch_size
+        return 1, min(self.opt, self.max), self.max
+
+
 class LatestVersions(_Frozen):
     """``latest: {num_versions: N}``: the N highest version numbers."""
 
@@ -311,21 +333,18 @@ class VersionPolicy(_Frozen):
         return versions[-count:]
 
 
-class ModelConfig(_Frozen):
-    """A model's contract, parsed from its ``config.yaml``.
-
-    ``max_batch_size`` is the largest first-axis size accepted (0 = the model has no batch
-    axis); it may not exceed any input profile's max on axis 0. ``instances`` is the number
-    of execution contexts per replica. A ``pipeline`` model (e.g. ``ocr``) has no ONNX file:
-    it names a pipeline in ``deployments.pipelines`` that composes other models.
+class ModelConfigFile(_Frozen):
+    """What a model's ``config.yaml`` says (every field of ``ModelConfig``): ``inputs``,
+    ``outputs`` and ``max_batch_size`` may be left out (None), for ``completion.complete_config``
+    to fill from the model file. A folder without ``config.yaml`` reads as ``name`` alone.
     """
 
     name: str
     backend: Backend = "auto"
-    max_batch_size: int = Field(0, ge=0)
+    max_batch_size: Optional[int] = Field(None, ge=0)
     instances: int = Field(1, ge=1)
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
+    inputs: Optional[tuple[TensorSpec, ...]] = None
+    outputs: Optional[tuple[TensorSpec, ...]] = None
     deployment: DeploymentOptions = DeploymentOptions()
     pipeline: Optional[str] = None
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -334,6 +353,22 @@ class ModelConfig(_Frozen):
     dynamic_batching: Optional[DynamicBatching] = None
     warmup: Optional[Warmup] = None
     version_policy: VersionPolicy = VersionPolicy()
+    default_profile: DefaultProfile = DefaultProfile()
+
+
+class ModelConfig(ModelConfigFile):
+    """A model's contract: its ``config.yaml`` completed from the model file (a pipeline's,
+    which has none, as written).
+
+    ``max_batch_size`` is the largest first-axis size accepted (0 = the model has no batch
+    axis); it may not exceed any input profile's max on axis 0. ``instances`` is the number
+    of execution contexts per replica. A ``pipeline`` model (e.g. ``ocr``) has no ONNX file:
+    it names a pipeline in ``deployments.pipelines`` that composes other models.
+    """
+
+    max_batch_size: int = Field(0, ge=0)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
 
     @model_validator(mode="after")
     def _contract(self) -> "ModelConfig":
@@ -438,12 +473,40 @@ def describe_validation_error(err: ValidationError, model: type[BaseModel] | Non
     return "; ".join(parts)
 
 
-def load_model_config(path: Path) -> ModelConfig:
-    """Parse and validate one ``config.yaml``.
+def read_config_file(path: Path) -> ModelConfigFile:
+    """Parse and validate one ``config.yaml`` as written (``ModelConfigFile``); a missing file
+    reads as ``name`` (the folder's name) alone.
 
     Raises:
         ConfigError: unreadable YAML or an invalid field; the message names ``path`` and the field.
     """
+    if not path.exists():
+        return ModelConfigFile(name=path.parent.name)
+    return _validated(ModelConfigFile, _raw(path), path)
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    """Parse and validate one ``config.yaml`` that needs no completion (it gives ``inputs``
+    and ``outputs``, e.g. a pipeline's).
+
+    Raises:
+        ConfigError: unreadable YAML or an invalid field; the message names ``path`` and the field.
+    """
+    return _validated(ModelConfig, _raw(path), path)
+
+
+def completed_config(given: ModelConfigFile, fields: dict[str, Any], path: Path) -> ModelConfig:
+    """``given`` (read from ``path``) with ``fields`` (``ModelConfig`` field -> value) put in,
+    validated as a ``ModelConfig``.
+
+    Raises:
+        ConfigError: the result is invalid; names ``path`` and the field.
+    """
+    return _validated(ModelConfig, {**given.model_dump(exclude_unset=True), "name": given.name, **fields}, path)
+
+
+def _raw(path: Path) -> dict[str, Any]:
+    """The mapping in the YAML file at ``path``, ``name`` defaulting to its folder's name."""
     try:
         raw = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
@@ -451,10 +514,19 @@ def load_model_config(path: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     raw.setdefault("name", path.parent.name)
+    return raw
+
+
+def _validated(model: type[ModelConfigFile], raw: dict[str, Any], path: Path) -> Any:
+    """``raw`` validated as ``model``, its name that of ``path``'s folder.
+
+    Raises:
+        ConfigError: an invalid field, or another name; names ``path`` and the field.
+    """
     try:
-        config = ModelConfig.model_validate(raw)
+        config = model.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{path}: {describe_validation_error(e, ModelConfig)}") from None
+        raise ConfigError(f"{path}: {describe_validation_error(e, ModelConfigFile)}") from None
     if config.name != path.parent.name:
         raise ConfigError(f"{path}: name: '{config.name}' must equal its folder name '{path.parent.name}'")
     return config

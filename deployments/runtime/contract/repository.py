@@ -10,10 +10,12 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .config import ModelConfig, load_model_config
+from .completion import complete_config
+from .config import ModelConfig, load_model_config, read_config_file
 from .errors import ConfigError, ModelNotFound, unknown_model
 
 MODEL_FILENAME = "model.onnx"
+CONFIG_FILENAME = "config.yaml"
 _VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
 
 
@@ -57,7 +59,13 @@ class ModelEntry:
 
 
 class ModelRepository:
-    """Index of ``root/<model>/config.yaml`` and its integer version folders.
+    """Index of the model folders under ``root``: ``<model>/config.yaml`` and/or integer version
+    folders ``<model>/<version>/model.onnx``.
+
+    Each config is completed from the model file once, when its folder is read (at
+    construction, or by ``read`` for a model added later): what ``config.yaml`` leaves out (the
+    whole file may be absent) is filled from the newest served version's ``model.onnx``, and
+    what it says is checked against every served version's (``completion``).
 
     A pipeline model has no version folders; it is served as version 1. The config's
     ``version_policy`` picks the served versions (default: the latest one, as Triton's).
@@ -67,9 +75,9 @@ class ModelRepository:
     empty ``versions`` (the build command reports it per model).
 
     Raises:
-        ConfigError: at construction, for a missing root, a bad config, a model with no
-            ``<version>/model.onnx`` (the message says to run ``make models``), or a name in
-            ``names`` that has no folder.
+        ConfigError: at construction, for a missing root, a bad config (or one the model file
+            contradicts), a model with no ``<version>/model.onnx`` (the message says to run
+            ``make models``), or a name in ``names`` that has no folder.
     """
 
     def __init__(self, root: str | Path, names: list[str] | None = None, *, require_versions: bool = True) -> None:
@@ -77,43 +85,47 @@ class ModelRepository:
         if not self.root.is_dir():
             raise ConfigError(f"model repository {self.root} does not exist")
         entries: dict[str, ModelEntry] = {}
-        paths = sorted(self.root.glob("*/config.yaml"))
+        folders = self.folders()
         if names is not None:
-            missing = sorted(set(names) - {p.parent.name for p in paths})
+            missing = sorted(set(names) - set(folders))
             if missing:
-                raise ConfigError(f"models {missing} have no config.yaml in {self.root}")
-            paths = [p for p in paths if p.parent.name in names]
+                raise ConfigError(f"models {missing} have no folder with a {CONFIG_FILENAME} or a "
+                                  f"<version>/{MODEL_FILENAME} in {self.root}")
+            folders = [f for f in folders if f in names]
         self.require_versions = require_versions
-        for config_path in paths:
-            entry = self._read(config_path)
+        for folder in folders:
+            entry = self._read(self.root / folder)
             entries[entry.name] = entry
         if not entries:
-            raise ConfigError(f"model repository {self.root} holds no */config.yaml")
+            raise ConfigError(f"model repository {self.root} holds no model folder (<model>/{CONFIG_FILENAME} "
+                              f"or <model>/<version>/{MODEL_FILENAME})")
         self._entries = entries
 
-    def _read(self, config_path: Path) -> ModelEntry:
-        """One model folder's entry: its validated config and its version folders."""
-        config = load_model_config(config_path)
-        folder = config_path.parent
-        if config.pipeline:
-            versions: tuple[int, ...] = (1,)
-        else:
-            versions = tuple(sorted(
-                int(p.name) for p in folder.iterdir()
-                if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
-            if not versions and self.require_versions:
-                raise ConfigError(
-                    f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
-                    "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
+    def _read(self, folder: Path) -> ModelEntry:
+        """One model folder's entry: its config, completed from the model file and checked
+        against it, and its version folders."""
+        config_path = folder / CONFIG_FILENAME
+        given = read_config_file(config_path)
+        versions = (1,) if given.pipeline else _versions(folder)
+        if not versions and self.require_versions:
+            raise ConfigError(
+                f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
+                "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
         try:
-            served = config.version_policy.select(versions) if versions else ()
+            served = given.version_policy.select(versions) if versions else ()
         except ValueError as e:
             raise ConfigError(f"{config_path}: {e}") from None
+        if given.pipeline or not served:
+            config = load_model_config(config_path)
+        else:
+            config = complete_config(given, config_path, [folder / str(v) / MODEL_FILENAME for v in reversed(served)])
         return ModelEntry(config=config, path=folder, versions=versions, served=served)
 
     def folders(self) -> list[str]:
-        """Names of the model folders (``<root>/<name>/config.yaml``) on disk now, read or not."""
-        return sorted(p.parent.name for p in self.root.glob("*/config.yaml"))
+        """Names of the model folders on disk now, read or not: those holding a ``config.yaml``
+        or a ``<version>/model.onnx``."""
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and ((p / CONFIG_FILENAME).is_file() or _versions(p)))
 
     def read(self, name: str) -> ModelEntry:
         """Read model ``name``'s folder again (a model added or changed after start), with the
@@ -121,14 +133,15 @@ class ModelRepository:
         is left as it was.
 
         Raises:
-            ModelNotFound: no folder ``<root>/<name>/config.yaml`` (``name`` is matched against
-                the folder names on disk, never joined to a path unchecked).
-            ConfigError: a bad config or no version folder; names the file and field.
+            ModelNotFound: no model folder ``<root>/<name>`` (``folders``; ``name`` is matched
+                against the folder names on disk, never joined to a path unchecked).
+            ConfigError: a bad config (or one the model file contradicts) or no version folder;
+                names the file and field.
         """
         if name not in self.folders():
-            raise ModelNotFound(f"no model folder '{name}' with a config.yaml in {self.root}; "
-                                f"folders: {self.folders()}")
-        entry = self._read(self.root / name / "config.yaml")
+            raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
+                                f"in {self.root}; folders: {self.folders()}")
+        entry = self._read(self.root / name)
         self._entries[name] = entry
         return entry
 
@@ -155,3 +168,9 @@ class ModelRepository:
                 raise unknown_model(name, f"version {version} of model '{name}' is not served; served "
                                     f"versions: {list(entry.served)} (version_policy in its config.yaml)", version)
         return entry
+
+
+def _versions(folder: Path) -> tuple[int, ...]:
+    """The version numbers (ascending) of ``folder``'s ``<version>/model.onnx`` files."""
+    return tuple(sorted(int(p.name) for p in folder.iterdir()
+                        if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))

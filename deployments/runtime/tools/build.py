@@ -520,7 +520,7 @@ def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[M
         ConfigError: ``root`` is missing or a ``config.yaml`` is invalid.
     """
     repo = ModelRepository(root, require_versions=False)
-    failures = [BuildResult(n, "failed", error=BuildError(n, f"no {root}/{n}/config.yaml"))
+    failures = [BuildResult(n, "failed", error=BuildError(n, f"no model folder {root}/{n}"))
                 for n in (names or []) if n not in repo.names()]
     sources = []
     for entry in repo.entries():

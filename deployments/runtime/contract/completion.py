@@ -1,0 +1,271 @@
+"""Config completion from the model file: what ``config.yaml`` leaves out is read from the ONNX
+graph, and what it says is checked against the graph (Triton's "auto-complete", with its rules).
+
+Filled in when the config leaves it out:
+
+- ``inputs`` / ``outputs``: every graph input (initializers excluded) / output, in the graph's
+  order, with its name, KServe v2 datatype and dims, a dynamic axis (a symbol such as ``N``, or
+  no size at all) as -1;
+- ``max_batch_size``: ``DEFAULT_MAX_BATCH_SIZE`` when axis 0 is the batch axis, else 0. Axis 0
+  is the batch axis when every input and output has one symbol there (``N`` in all of them; an
+  axis without a symbol is no shared symbol); otherwise the model has no batch axis unless its
+  config sets ``max_batch_size``;
+- ``profile`` of each input with a dynamic axis and no ``profile``: ``DefaultProfile``'s rule
+  (``default_profile`` in the config overrides it, an input's own ``profile`` replaces it).
+
+What a config may narrow: fix a dynamic axis to a size, set ``max_batch_size``, set a profile.
+What must match the file: input names (all of them), output names (a subset may be listed),
+datatypes, rank, and every axis the file fixes. A batched model (``max_batch_size > 0``) needs
+axis 0 dynamic in every input and output. A mismatch is a ``ConfigError`` naming the config
+file, the field and the model file.
+
+A TensorRT plan's bindings are not read: a version is indexed by its ``model.onnx``, which every
+plan is built from (``tools.build``), and reading a plan needs the GPU it was built for.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .config import ModelConfig, ModelConfigFile, TensorSpec, completed_config
+from .datatypes import ONNX_TYPE_BY_DATATYPE
+from .errors import ConfigError
+
+# As Triton's ``--backend-config=default-max-batch-size`` (4): the max_batch_size a batched model
+# gets when its config gives none.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+_DATATYPE_BY_ONNX_TYPE = {onnx_type: datatype for datatype, onnx_type in ONNX_TYPE_BY_DATATYPE.items()}
+
+Dim = int | str | None  # a fixed size, a symbol, or a dynamic axis without a symbol
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One input or output of a model file: ``datatype`` (KServe v2, or the ONNX type's name
+    when it has none) and ``dims`` (None: the file gives no shape)."""
+
+    name: str
+    datatype: str
+    dims: Optional[tuple[Dim, ...]]
+
+    def shown(self) -> str:
+        """``dims`` as text: symbols by name, an axis without one as ``?``."""
+        return "[" + ", ".join("?" if d is None else str(d) for d in self.dims or ()) + "]"
+
+    def config_dims(self) -> tuple[int, ...]:
+        """``dims`` in a config's terms: a dynamic axis as -1."""
+        return tuple(d if isinstance(d, int) else -1 for d in self.dims or ())
+
+
+@dataclass(frozen=True)
+class FileSignature:
+    """A model file's inputs and outputs, in the graph's order."""
+
+    path: Path
+    inputs: tuple[FileTensor, ...]
+    outputs: tuple[FileTensor, ...]
+
+    def batch_symbol(self) -> str | None:
+        """The symbol every input and output has on axis 0, or None (no batch axis)."""
+        firsts = {t.dims[0] if t.dims else None for t in self.inputs + self.outputs}
+        first = firsts.pop() if len(firsts) == 1 else None
+        return first if isinstance(first, str) else None
+
+
+_cache_lock = threading.Lock()
+_cache: dict[tuple[str, int, int], FileSignature] = {}
+
+
+def read_onnx_signature(path: Path) -> FileSignature | None:
+    """The inputs and outputs of the ONNX file at ``path``, cached per (path, size, mtime) for
+    this process (every replica reads the repository; the file is parsed once per process).
+    None when the file is missing or is not ONNX: loading it reports that, naming the model
+    (``backends.base.unreadable_model_file``), and heals once the file is repaired.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    path = Path(path)
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+        with _cache_lock:
+            cached = _cache.get(key)
+        if cached is not None:
+            return cached
+        model = onnx.load(str(path), load_external_data=False)
+    except (OSError, DecodeError):
+        return None
+    if model.ir_version <= 0 or not model.HasField("graph"):  # e.g. an emptied file parses as an empty model
+        return None
+    initializers = {i.name for i in model.graph.initializer}
+    signature = FileSignature(
+        path=path,
+        inputs=tuple(_tensor(v) for v in model.graph.input if v.name not in initializers),
+        outputs=tuple(_tensor(v) for v in model.graph.output))
+    with _cache_lock:
+        _cache[key] = signature
+    return signature
+
+
+def _tensor(value: Any) -> FileTensor:
+    """An ONNX ``ValueInfoProto`` as a ``FileTensor``."""
+    import onnx
+
+    tensor_type = value.type.tensor_type
+    onnx_type = f"tensor({onnx.TensorProto.DataType.Name(tensor_type.elem_type).lower()})"
+    dims = None
+    if tensor_type.HasField("shape"):
+        dims = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0
+                     else d.dim_param if d.HasField("dim_param") and d.dim_param else None
+                     for d in tensor_type.shape.dim)
+    return FileTensor(name=value.name, datatype=_DATATYPE_BY_ONNX_TYPE.get(onnx_type, onnx_type), dims=dims)
+
+
+COMPLETED_FIELDS = ("max_batch_size", "inputs", "outputs")
+
+
+def complete_config(given: ModelConfigFile, config_path: Path, model_files: list[Path]) -> ModelConfig:
+    """``given`` (read from ``config_path``, which may not exist) completed from
+    ``model_files[0]`` (the newest served version's ``model.onnx``) and checked against each of
+    ``model_files`` that can be read (one that cannot is reported when it loads).
+
+    Raises:
+        ConfigError: the config disagrees with a model file, or leaves out a field that the
+            file cannot tell (no shape, no KServe datatype, or the file is unreadable); names
+            the config file, the field and the model file.
+    """
+    signatures = [read_onnx_signature(path) for path in model_files]
+    first = signatures[0]
+    left_out = [f for f in COMPLETED_FIELDS if getattr(given, f) is None]
+    if left_out and first is None:
+        raise ConfigError(f"{config_path}: {', '.join(left_out)}: left out, and {model_files[0]} cannot be read as "
+                          "an ONNX model to complete them from (missing, damaged or not ONNX)")
+    max_batch_size = given.max_batch_size
+    if max_batch_size is None:
+        max_batch_size = DEFAULT_MAX_BATCH_SIZE if first.batch_symbol() is not None else 0
+    readable = [s for s in signatures if s is not None]
+    if max_batch_size:
+        for signature in readable:
+            _check_batch_axis(max_batch_size, signature, config_path)
+    inputs = given.inputs if given.inputs is not None else _tensors(first, "inputs", config_path)
+    outputs = given.outputs if given.outputs is not None else _tensors(first, "outputs", config_path)
+    config = completed_config(given, {
+        "max_batch_size": max_batch_size,
+        "inputs": [_with_profile(t, max_batch_size, given).model_dump(exclude_none=True) for t in inputs],
+        "outputs": [t.model_dump(exclude_none=True) for t in outputs]}, config_path)
+    for signature in readable:
+        check_against_file(config, config_path, signature)
+    return config
+
+
+def _check_batch_axis(max_batch_size: int, signature: FileSignature, config_path: Path) -> None:
+    """A batched model's axis 0 is dynamic in every input and output of the file.
+
+    Raises:
+        ConfigError: a tensor fixes it; names it and says to set ``max_batch_size: 0``.
+    """
+    for kind, tensors in (("input", signature.inputs), ("output", signature.outputs)):
+        for tensor in tensors:
+            if tensor.dims and isinstance(tensor.dims[0], int):
+                raise ConfigError(
+                    f"{config_path}: max_batch_size: {max_batch_size} makes axis 0 the batch axis, but {signature.path} "
+                    f"has {kind} '{tensor.name}' with axis 0 fixed to {tensor.dims[0]} (dims {tensor.shown()}): a "
+                    "batched model's axis 0 is dynamic in every input and output; set max_batch_size: 0")
+
+
+def _tensors(signature: FileSignature, kind: str, config_path: Path) -> tuple[TensorSpec, ...]:
+    """The file's inputs or outputs (``kind``) as a config's.
+
+    Raises:
+        ConfigError: a tensor with no shape, or a datatype without a KServe v2 equivalent.
+    """
+    out = []
+    for tensor in getattr(signature, kind):
+        what = f"{config_path}: {kind}: left out, and {signature.path} has {kind[:-1]} '{tensor.name}'"
+        if tensor.datatype not in ONNX_TYPE_BY_DATATYPE:
+            raise ConfigError(f"{what} of type {tensor.datatype}, which has no KServe v2 datatype (allowed: "
+                              f"{', '.join(ONNX_TYPE_BY_DATATYPE)})")
+        if tensor.dims is None:
+            raise ConfigError(f"{what} without a shape: list the {kind} in config.yaml with their dims")
+        out.append(TensorSpec(name=tensor.name, datatype=tensor.datatype, dims=tensor.config_dims()))
+    return tuple(out)
+
+
+def _with_profile(spec: TensorSpec, max_batch_size: int, given: ModelConfigFile) -> TensorSpec:
+    """``spec`` with the default profile (``DefaultProfile``) when it has a dynamic axis and
+    no ``profile``."""
+    if spec.profile is not None or -1 not in spec.dims:
+        return spec
+    axes = [(d, d, d) if d != -1 else given.default_profile.axis(axis == 0 and max_batch_size > 0, max_batch_size)
+            for axis, d in enumerate(spec.dims)]
+    profile = {"min": [a[0] for a in axes], "opt": [a[1] for a in axes], "max": [a[2] for a in axes]}
+    return TensorSpec.model_validate({**spec.model_dump(exclude_none=True), "profile": profile})
+
+
+def check_against_file(config: ModelConfig, config_path: Path, signature: FileSignature) -> None:
+    """Check a completed config against one model file: input names (all), output names (a
+    subset), datatypes, rank, the axes the file fixes.
+
+    Raises:
+        ConfigError: the first disagreement; names ``config_path``, the field and the file.
+    """
+    file_inputs = {t.name: t for t in signature.inputs}
+    names = [t.name for t in config.inputs]
+    missing = [n for n in file_inputs if n not in names]
+    unknown = [n for n in names if n not in file_inputs]
+    if missing or unknown:
+        raise ConfigError(f"{config_path}: inputs: {names} are not the inputs of {signature.path}, "
+                          f"{list(file_inputs)} (missing {missing}, not in the file {unknown}): list every input "
+                          "of the file, or leave inputs out to take them from it")
+    file_outputs = {t.name: t for t in signature.outputs}
+    unknown = [t.name for t in config.outputs if t.name not in file_outputs]
+    if unknown:
+        raise ConfigError(f"{config_path}: outputs: {unknown} are not outputs of {signature.path}, whose outputs "
+                          f"are {list(file_outputs)}: list some of them, or leave outputs out to take them all")
+    for kind, specs, found in (("inputs", config.inputs, file_inputs), ("outputs", config.outputs, file_outputs)):
+        for index, spec in enumerate(specs):
+            _check_tensor(spec, found[spec.name], config_path, f"{kind}.{index}",
+                          f"{signature.path} has {kind[:-1]} '{spec.name}'")
+
+
+def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field: str, file: str) -> None:
+    """One config tensor (``field``: its path in ``config_path``) against the file's tensor of
+    that name (``file``: says which).
+
+    Raises:
+        ConfigError: another datatype, rank or fixed axis.
+    """
+    if spec.datatype != tensor.datatype:
+        raise ConfigError(f"{config_path}: {field}.datatype: {spec.datatype}, but {file} as {tensor.datatype}: the datatype must "
+                          "be the file's")
+    if tensor.dims is None:
+        return  # the file gives no shape: the config's dims stand
+    shown = tensor.shown()
+    if len(spec.dims) != len(tensor.dims):
+        raise ConfigError(f"{config_path}: {field}.dims: {list(spec.dims)} has rank {len(spec.dims)}, but {file} with rank "
+                          f"{len(tensor.dims)} (dims {shown}): the rank must be the file's")
+    for axis, (want, have) in enumerate(zip(spec.dims, tensor.dims)):
+        if isinstance(have, int) and want != have:
+            raise ConfigError(f"{config_path}: {field}.dims: {list(spec.dims)}, but {file} with axis {axis} fixed to {have} "
+                              f"(dims {shown}): a config may fix a dynamic axis to a size, not change a fixed one")
+
+
+def completed_fields(given: ModelConfigFile, config: ModelConfig) -> dict[str, Any]:
+    """What completion put into ``config`` that ``given`` (its ``config.yaml``) left out: field
+    path (``max_batch_size``, ``inputs``, ``outputs``, ``inputs.<i>.profile``) -> value, as
+    YAML would hold it; empty when the config said it all."""
+    out: dict[str, Any] = {}
+    if given.max_batch_size is None:
+        out["max_batch_size"] = config.max_batch_size
+    for kind in ("inputs", "outputs"):
+        if getattr(given, kind) is None:
+            out[kind] = [t.model_dump(mode="json", exclude_none=True) for t in getattr(config, kind)]
+    for index, (said, spec) in enumerate(zip(given.inputs or (), config.inputs)):
+        if said.profile is None and spec.profile is not None:
+            out[f"inputs.{index}.profile"] = spec.profile.model_dump(mode="json")
+    return out
