@@ -37,15 +37,24 @@ def tracked(path: str) -> bool:
                                capture_output=True).returncode == 0)
 
 
-def test_every_yaml_block_headed_by_a_config_path_is_that_file_or_a_valid_config():
+def test_every_yaml_block_headed_by_a_config_path_is_that_file_or_a_valid_config(tmp_path):
+    """A model the reader makes gets its model file as the page's own ``cp`` command says, then
+    its config.yaml as shown, and must pass the start's validation (completed from that file)."""
     shown = [(page, re.match(r"# (engines/([a-z0-9_]+)/config\.yaml)\n", body), body) for page, body in blocks("yaml")]
     shown = [(page, m.group(1), m.group(2), body[m.end():]) for page, m, body in shown if m]
     assert {page.name for page, *_ in shown} >= {"README.md", "configuration.md"}
     for page, path, name, body in shown:
         if tracked(path):
             assert body == (ROOT / path).read_text(), f"{page.name}'s {path} differs from the file"
-        else:  # a model the reader makes: it must pass the same validation as at start
-            ModelConfig.model_validate({"name": name, **yaml.safe_load(body)})
+            continue
+        copied = re.search(rf"cp (engines/\w+/1/model\.onnx) engines/{name}/1/model\.onnx", page.read_text())
+        assert copied, f"{page.name} shows {path} but no `cp` command giving {name} its model file"
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.onnx").symlink_to(ROOT / copied.group(1))
+        (tmp_path / name / "config.yaml").write_text(body)
+        config = ModelRepository(tmp_path, [name]).get(name).config
+        assert {k: getattr(config, k) for k in yaml.safe_load(body) if k != "deployment"} == {
+            k: v for k, v in yaml.safe_load(body).items() if k != "deployment"}
 
 
 def test_the_config_reference_table_lists_every_field_with_its_type_and_default():
