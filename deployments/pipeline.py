@@ -76,7 +76,7 @@ class PipelineDeployment:
         if state is not None and state["loaded"]:
             self.routes.model_loaded("pipeline")
         elif state is not None:
-            self.routes.model_unloaded()
+            self.routes.model_unloaded(state.get("reason"))
         for step in set(self.pipeline.steps) & set(changed):
             self.routes.step_changed(step, changed[step]["loaded"])
         return {}
