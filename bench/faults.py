@@ -106,7 +106,7 @@ def _post(url: str, body: dict[str, Any], timeout_s: float = 90.0,
     except requests.RequestException as e:
         return None, f"{type(e).__name__}: {e}", None
     if r.status_code == 200:
-        return 200, None, r.json()
+        return 200, None, r.json() if r.content else None  # a load / unload answers an empty body
     try:
         return r.status_code, str(r.json()["error"]), None
     except (ValueError, KeyError, TypeError):

@@ -106,7 +106,7 @@ class ReplicaCounts:
     stopped: frozenset[str] = frozenset()
     deleting: bool = False
     missing: frozenset[str] = frozenset()  # models whose application Serve does not list, none deleting
-    running_ids: dict[str, frozenset[str]] = field(default_factory=dict)  # model -> its RUNNING replicas' ids
+    running_ids: dict[str, frozenset[str]] = field(default_factory=dict, compare=False)  # model -> their ids
 
 
 class ModelClient:
@@ -325,8 +325,8 @@ def replica_counts(details: dict[str, Any], deployments: dict[str, tuple[str, st
         app = applications.get(app_name)
         deployment = (app.get("deployments") or {}).get(deployment_name) if app is not None else None
         replicas = (deployment.get("replicas") or []) if deployment is not None else []
-        ids[name] = frozenset(r.get("replica_id") for r in replicas if _state(r.get("state")) == "RUNNING")
-        running[name] = len(ids[name])
+        up = [r for r in replicas if _state(r.get("state")) == "RUNNING"]
+        running[name], ids[name] = len(up), frozenset(r.get("replica_id") for r in up)
         if app is None:
             gone.add(name)
         elif _state(app.get("status")) == "DELETING":

@@ -536,7 +536,9 @@ class RouterApp:
         model READY once a replica loaded it (LOADING before); a pool model as one pool replica's
         cache holds it (READY resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING;
         ``reason`` says which). With explicit model control, also every model folder on disk
-        not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
+        not loaded yet, models unloaded through the API (UNAVAILABLE, reason "unloaded") and
+        models whose last load failed (UNAVAILABLE, reason "failed to load: ..."); a load still
+        going on after its request answered 504 is LOADING (``follow_desired``).
         Body (optional): ``{"ready": true}`` lists only READY models."""
         only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
