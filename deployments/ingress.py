@@ -668,6 +668,7 @@ class RouterApp:
         placement = self._placement(entry, "load")
         async with self._control_lock(name):
             self.changing[name] = "LOADING"
+            going_on = False
             try:
                 state = await self.client.control_set(name, True, placement)
                 reports = await self._wait_applied(name, placement, state, "load")
@@ -681,8 +682,12 @@ class RouterApp:
                     if errors:
                         raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
                     raise ModelNotReady(f"failed to load '{name}': {reason or 'it was unloaded while it loaded'}")
+            except InferenceTimeout:  # it goes on: LOADING until follow_desired sees it done or failed
+                going_on = True
+                raise
             finally:
-                self.changing.pop(name, None)
+                if not going_on:
+                    self.changing.pop(name, None)
             backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
             self._mark_loaded(entry, placement, backend)
         return Response(status_code=200)

@@ -404,6 +404,8 @@ def test_a_load_that_times_out_and_fails_later_is_rolled_back_with_its_reason_an
     assert r.status_code == 504, r.text
     assert r.json()["error"].startswith("failed to load 'simple' within 0.3 s on every replica "
                                         "(0 of 1 running replicas done); it goes on")
+    (item,) = http.post("/v2/repository/index").json()  # at once, and after the routers' next pass
+    assert item["state"] == "LOADING"
     asyncio.run(app.follow_desired(fake.control.desired()))
     (item,) = http.post("/v2/repository/index").json()
     assert item["state"] == "LOADING"
