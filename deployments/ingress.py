@@ -558,7 +558,9 @@ class RouterApp:
         """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
         item = {"name": entry.name, "version": str(version),
                 "state": "READY" if entry.name in self.ready_models else "LOADING"}
-        if cached is not None:
+        if cached is not None and entry.name not in self.ready_models:  # as its requests: 503 until one runs
+            item["state"], item["reason"] = "UNAVAILABLE", "the pool has no running replica; retry shortly"
+        elif cached is not None:
             item["state"], item["reason"] = _POOL_STATES[cached["state"]]
             if cached["state"] == "absent" and cached["evictions"]:
                 item["reason"] = "evicted from the pool replica's cache; loads on next request"

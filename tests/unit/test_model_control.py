@@ -550,3 +550,23 @@ def test_a_request_labelled_with_a_version_the_cache_no_longer_runs_is_refused(t
         asyncio.run(cache.infer_async("cnn", x, version=1))
     assert asyncio.run(cache.infer_async("cnn", x, version=2))["logits"].shape == (1, 1000)
     cache.close()
+
+
+def test_the_index_does_not_show_ready_a_pool_model_whose_requests_answer_503_for_want_of_a_replica(root):
+    """The index took a pool model's state from one pool replica's cache alone: READY (a
+    replacement replica had it resident) while the router, not yet counting that replica
+    RUNNING, answered its requests 503 "no running replica"."""
+    app, fake, http = explicit_router(root)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+
+    async def resident() -> dict[str, dict[str, Any]]:
+        return {"simple": {"state": "ready", "evictions": 0, "backend": "onnxruntime"}}
+
+    fake.pool_states = resident
+    assert http.post("/v2/repository/index").json()[0]["state"] == "READY"
+    app.refresh_ready({"simple": 1})
+    app.refresh_ready({"simple": 0})  # the pool replica died; its replacement is not counted yet
+    assert http.post("/v2/models/simple/infer", json={"inputs": []}).status_code == 503
+    assert http.post("/v2/repository/index").json() == [
+        {"name": "simple", "version": "1", "state": "UNAVAILABLE",
+         "reason": "the pool has no running replica; retry shortly"}]
