@@ -28,7 +28,18 @@ Each scenario returns a ``FaultResult``; ``run_all`` runs every scenario ``round
     python -m bench.faults --rounds 3        # starts its own server over a scratch repository
     python -m bench.faults --rounds 3 --router-pad-bytes 32768   # router-kill requests of 32 KiB
 
+- The model control campaign (``--campaign control``, ``run_control``; an application with
+  explicit model control whose loads are slow: warmups of batches of 32): the control replica
+  killed between two changes and during a load (``control_kill``), the pool replica killed
+  while a new model loads and while a loaded one takes a new version with requests to it in
+  flight (``pool_kill_during_loads``), a load that outlives ``request_timeout_s``
+  (``load_times_out``). For each: every 200 answer carries the outputs of the version its
+  ``model_version`` names, the repository index and infer agree at the end with the changes
+  asked for, and no change is lost (``lost`` counts each breach).
+
 The short form (one round) runs in ``make test`` (``tests/integration/test_campaigns.py``).
+
+    python -m bench.faults --campaign control --rounds 1
 """
 
 from __future__ import annotations
@@ -95,7 +106,7 @@ def _post(url: str, body: dict[str, Any], timeout_s: float = 90.0,
     except requests.RequestException as e:
         return None, f"{type(e).__name__}: {e}", None
     if r.status_code == 200:
-        return 200, None, r.json()
+        return 200, None, r.json() if r.content else None  # a load / unload answers an empty body
     try:
         return r.status_code, str(r.json()["error"]), None
     except (ValueError, KeyError, TypeError):
@@ -292,6 +303,257 @@ def damaged_model_file(base_url: str, repository: Path, model: str = "simple_ide
     return result
 
 
+# --- model control (model_control_mode: explicit) -----------------------------------------------
+
+CONTROL_X_SEED = 3
+
+
+def control_input() -> list[float]:
+    """The (1, 3, 224, 224) FP32 input of every model control check, as JSON data."""
+    import numpy as np
+
+    return np.random.default_rng(CONTROL_X_SEED).random((1, 3, 224, 224), dtype=np.float32).ravel().tolist()
+
+
+def add_control_model(repository: Path, name: str, seeds: dict[int, int], warmup_batches: int = 0) -> dict[int, Any]:
+    """Model folder ``repository/name``: tiny_cnn's config (with a warmup of ``warmup_batches``
+    random batches of 32: a slow load), version ``v`` built with seed ``seeds[v]`` (other
+    weights, other outputs). Returns each version's expected outputs (ONNX Runtime run here)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import yaml
+
+    from deployments.runtime.tools.prepare import build_tiny_cnn
+
+    folder = repository / name
+    raw = yaml.safe_load((ROOT / "engines" / "tiny_cnn" / "config.yaml").read_text())
+    raw.pop("warmup", None)
+    if warmup_batches:
+        raw["warmup"] = {"batch_sizes": [32] * warmup_batches, "data": "random"}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(raw))
+    x = np.array(control_input(), np.float32).reshape(1, 3, 224, 224)
+    expected = {}
+    for version, seed in seeds.items():
+        (folder / str(version)).mkdir(exist_ok=True)
+        onnx.save(build_tiny_cnn(seed), folder / str(version) / "model.onnx")
+        expected[version] = ort.InferenceSession(str(folder / str(version) / "model.onnx")).run(None, {"input": x})[0]
+    return expected
+
+
+class Labels:
+    """Checks that every 200 answer of a model names a version whose outputs it carries."""
+
+    def __init__(self, expected: dict[int, Any]) -> None:
+        self.expected = expected
+        self.wrong: list[str] = []
+
+    def check(self, out: dict | None) -> str | None:
+        """The answer's version (None for a wrong label, recorded in ``wrong``)."""
+        import numpy as np
+
+        version = str((out or {}).get("model_version"))
+        want = self.expected.get(int(version)) if version.isdigit() else None
+        got = np.array(out["outputs"][0]["data"], np.float32) if out and out.get("outputs") else None
+        if want is None or got is None or not np.allclose(got, want.ravel(), rtol=1e-4, atol=1e-5):
+            self.wrong.append(f"model_version {version}: outputs not that version's")
+            return None
+        return version
+
+
+def _infer(base_url: str, name: str, labels: Labels, result: FaultResult) -> tuple[int | None, str | None, str | None]:
+    """One request to ``name``: (status, error, version of a 200 whose label is right)."""
+    body = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": control_input()}]}
+    status, error, out = _post(f"{base_url}/v2/models/{name}/infer", body, 60.0)
+    result.record(status, error)
+    return status, error, labels.check(out) if status == 200 else None
+
+
+def _control(base_url: str, verb: str, name: str, result: FaultResult, timeout_s: float = 180.0) -> int | None:
+    status, error, _ = _post(f"{base_url}/v2/repository/models/{name}/{verb}", {}, timeout_s)
+    result.record(status, error)
+    return status
+
+
+def _load_again(base_url: str, name: str, result: FaultResult, timeout_s: float = 180.0) -> bool:
+    """Load ``name`` again after a load that a kill cut short, as its 503 asks ("retry shortly":
+    the deployment has no running replica until the replacement has applied the state)."""
+    deadline = time.monotonic() + timeout_s
+    while (status := _control(base_url, "load", name, result)) == 503 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return status == 200
+
+
+def _index_item(base_url: str, name: str) -> dict[str, Any]:
+    try:
+        return next((m for m in requests.post(f"{base_url}/v2/repository/index", timeout=30).json()
+                     if m.get("name") == name), {})
+    except (requests.RequestException, ValueError):
+        return {}
+
+
+def _settled(base_url: str, name: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """The index line of ``name`` once it is not LOADING / UNLOADING (or the last seen)."""
+    deadline = time.monotonic() + timeout_s
+    item = _index_item(base_url, name)
+    while item.get("state") in (None, "LOADING", "UNLOADING") and time.monotonic() < deadline:
+        time.sleep(0.25)
+        item = _index_item(base_url, name)
+    return item
+
+
+def _truthful_end(base_url: str, name: str, labels: Labels, result: FaultResult, version: str,
+                  loaded: bool = True) -> None:
+    """The index and infer at the end agree with the state the changes asked for: ``loaded``,
+    serving ``version`` under its own label (READY, or UNAVAILABLE evicted from the pool cache),
+    else 503 naming the unload; a disagreement counts as lost (a change lost or a lie)."""
+    item = _settled(base_url, name)
+    status, error, seen = _infer(base_url, name, labels, result)
+    if loaded:
+        untrue = (item.get("state") not in ("READY", "UNAVAILABLE") or "unloaded" in item.get("reason", "")
+                  or "failed" in item.get("reason", "") or status != 200 or seen != version
+                  or item.get("version") != version)
+    else:
+        untrue = item.get("state") != "UNAVAILABLE" or status != 503 or "unloaded" not in (error or "")
+    if untrue:
+        result.lost += 1
+        result.detail += f"; at the end: index {item}, infer {status} {seen or error}"
+
+
+def _wait_new_replica(session: int, app: str, deployment: str, old_pid: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if [p for p in replica_pids(session, app, deployment) if p != old_pid]:
+            return
+        time.sleep(0.2)
+
+
+def _kill_when_loading(base_url: str, session: int, app: str, deployment: str, name: str, verb: str,
+                       result: FaultResult) -> list[int | None]:
+    """``verb`` (load) ``name`` in a thread; kill a replica of ``deployment`` once the index
+    shows it LOADING, and wait for its replacement. Returns the change's status (in a list)."""
+    answer: list[int | None] = []
+    worker = threading.Thread(target=lambda: answer.append(_control(base_url, verb, name, result)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while _index_item(base_url, name).get("state") != "LOADING":
+        if time.monotonic() > deadline or not worker.is_alive():
+            result.detail += f"; never saw '{name}' LOADING"
+            worker.join(180)
+            return answer
+        time.sleep(0.02)
+    pid = kill_replica(session, app, deployment)
+    result.detail += f"; killed {deployment} pid {pid} while '{name}' was LOADING"
+    _wait_new_replica(session, app, deployment, pid)
+    worker.join(180)
+    return answer
+
+
+def control_kill(base_url: str, session: int, app: str, repository: Path) -> FaultResult:
+    """Kill the control replica between two changes, then during a load: both changes and the
+    next ones reach every replica, and the index says what serves."""
+    result = FaultResult("kill the model control replica between changes and during a load")
+    labels = Labels(add_control_model(repository, "mc_kept", {1: 0}))
+    if _control(base_url, "load", "mc_kept", result) != 200:
+        result.lost += 1
+    pid = kill_replica(session, app, "control")
+    result.detail = f"killed control pid {pid} after a load"
+    _wait_new_replica(session, app, "control", pid)
+    unloaded = _control(base_url, "unload", "mc_kept", result)
+    _truthful_end(base_url, "mc_kept", labels, result, "1", loaded=False)
+    result.lost += unloaded != 200
+    mid = Labels(add_control_model(repository, "mc_mid", {1: 0}, warmup_batches=8))
+    (status,) = _kill_when_loading(base_url, session, app, "control", "mc_mid", "load", result) or [None]
+    if status not in (200, 504):  # 504: the load outlived request_timeout_s, and goes on
+        result.lost += 1
+    _truthful_end(base_url, "mc_mid", mid, result, "1")
+    result.lost += len(labels.wrong) + len(mid.wrong)
+    result.recovered = not result.lost
+    return result
+
+
+def pool_kill_during_loads(base_url: str, session: int, app: str, repository: Path) -> FaultResult:
+    """Kill the pool replica while a new model loads, then while a loaded model takes a new
+    version (requests to it sent all along): every 200 carries its version's own outputs, the
+    index ends truthful, and a later load (if the killed one failed) serves the new version."""
+    result = FaultResult("kill a pool replica during a load and during a version change")
+    fresh = Labels(add_control_model(repository, "mc_fresh", {1: 0}, warmup_batches=8))
+    (status,) = _kill_when_loading(base_url, session, app, "pool", "mc_fresh", "load", result) or [None]
+    if status != 200 and not _load_again(base_url, "mc_fresh", result):  # a later load retries
+        result.lost += 1
+    _truthful_end(base_url, "mc_fresh", fresh, result, "1")
+
+    expected = add_control_model(repository, "mc_ver", {1: 0}, warmup_batches=8)
+    if _control(base_url, "load", "mc_ver", result) != 200:
+        result.lost += 1
+    stop = threading.Event()
+    labels = Labels({**expected, **add_control_model(repository, "mc_ver", {2: 5}, warmup_batches=8)})
+    versions: list[str | None] = []
+
+    def send() -> None:
+        while not stop.is_set():
+            versions.append(_infer(base_url, "mc_ver", labels, result)[2])
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    (status,) = _kill_when_loading(base_url, session, app, "pool", "mc_ver", "load", result) or [None]
+    if status != 200 and not _load_again(base_url, "mc_ver", result):
+        result.lost += 1
+    stop.set()
+    sender.join(90)
+    _truthful_end(base_url, "mc_ver", labels, result, "2")
+    result.detail += f"; answers by version during the change: {{'1': {versions.count('1')}, '2': {versions.count('2')}}}"
+    result.lost += len(fresh.wrong) + len(labels.wrong)
+    if fresh.wrong or labels.wrong:
+        result.detail += f"; wrong labels: {(fresh.wrong + labels.wrong)[:3]}"
+    result.recovered = not result.lost
+    return result
+
+
+def load_times_out(base_url: str, repository: Path, warmup_batches: int = 24) -> FaultResult:
+    """A load slower than ``request_timeout_s`` answers 504 and goes on: the index says LOADING,
+    then READY once every replica has it (or UNAVAILABLE with the reason, had it failed), and
+    the model serves under its own label; an unload after it is not lost."""
+    result = FaultResult("a load that outlives its request")
+    labels = Labels(add_control_model(repository, "mc_slow", {1: 0}, warmup_batches=warmup_batches))
+    status = _control(base_url, "load", "mc_slow", result)
+    states = {_index_item(base_url, "mc_slow").get("state")}
+    result.detail = f"load answered {status}; index while it went on: {sorted(map(str, states))}"
+    if status not in (200, 504) or (status == 504 and states != {"LOADING"}):
+        result.lost += 1
+    _truthful_end(base_url, "mc_slow", labels, result, "1")
+    if _control(base_url, "unload", "mc_slow", result) != 200:
+        result.lost += 1
+    _truthful_end(base_url, "mc_slow", labels, result, "1", loaded=False)
+    result.lost += len(labels.wrong)
+    result.recovered = not result.lost
+    return result
+
+
+def run_control(base_url: str, session: int, app: str, repository: Path, rounds: int = 1,
+                log: Callable[[str], None] = lambda s: None) -> list[FaultResult]:
+    """The model control campaign, ``rounds`` times (each round's models are new folders)."""
+    results = []
+    for r in range(rounds):
+        for scenario in (lambda: load_times_out(base_url, repository),
+                         lambda: control_kill(base_url, session, app, repository),
+                         lambda: pool_kill_during_loads(base_url, session, app, repository)):
+            results.append(scenario())
+            log(f"round {r + 1}: {json.dumps(asdict(results[-1]))}")
+            wait_replicas(session, app, ("router", "pool", "control"))
+        for model in ("mc_kept", "mc_mid", "mc_fresh", "mc_ver", "mc_slow"):  # the next round adds them anew
+            requests.post(f"{base_url}/v2/repository/models/{model}/unload", timeout=120)
+            shutil.rmtree(repository / model, ignore_errors=True)
+    return results
+
+
+# The model control campaign's application: explicit model control, a request timeout that a
+# load with a long warmup outlives.
+CONTROL_APP_ARGS = {"model_control_mode": "explicit", "startup_models": ["simple", "tiny_cnn"],
+                    "request_timeout_s": 8.0, "pool": {"max_num_models_per_replica": 4}}
+
+
 def scratch_repository(dest: Path, source: Path = ROOT / "engines") -> Path:
     """``dest`` with every model of ``source``: configs copied, version folders linked, except
     the files a fault damages (``damaged_model_file`` copies before it truncates)."""
@@ -339,18 +601,25 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--router-pad-bytes", type=int, default=0,
                    help="spaces after each JSON body of the router kill's requests (default 0: ~400 bytes)")
+    p.add_argument("--campaign", choices=("faults", "control"), default="faults",
+                   help="faults: the scenarios above; control: the model control campaign (run_control) on "
+                        "an application with explicit model control (CONTROL_APP_ARGS)")
     a = p.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="faults-"))
     repository = scratch_repository(scratch / "engines")
     app_args = {**default_app_args(ROOT / "serve_config.yaml"), "repository": str(repository)}
     results: list[FaultResult] = []
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        # One fault at a time needs a cold model per round: the pool's count cap (2) evicts it.
-        app_args["pool"] = {**app_args.get("pool", {}), "max_num_models_per_replica": 2}
-        with Server("ray", repository, app_args=app_args) as server:
-            results = run_all(server.url, server.process.pid, "models", repository, a.rounds,
-                              log=lambda s: print(s, file=sys.stderr, flush=True),
-                              router_pad_bytes=a.router_pad_bytes)
+        if a.campaign == "control":
+            with Server("ray", repository, app_args={**app_args, **CONTROL_APP_ARGS}) as server:
+                results = run_control(server.url, server.process.pid, "models", repository, a.rounds, log=log)
+        else:
+            # One fault at a time needs a cold model per round: the pool's count cap (2) evicts it.
+            app_args["pool"] = {**app_args.get("pool", {}), "max_num_models_per_replica": 2}
+            with Server("ray", repository, app_args=app_args) as server:
+                results = run_all(server.url, server.process.pid, "models", repository, a.rounds, log=log,
+                                  router_pad_bytes=a.router_pad_bytes)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out = Path(a.out)

@@ -42,6 +42,7 @@ import logging
 import os
 import re
 import time
+import uuid
 from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -490,10 +491,12 @@ def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: l
 def control_options(initial: Desired | None) -> dict[str, Any]:
     """The ``control`` handle and ``initial`` state the router takes: {} with model control off
     (``initial`` None). The other applications' replicas find the control deployment by name
-    (``client.router_application``)."""
+    (``client.router_application``). Each build gets its own id, which names the control
+    deployment's stored state: a control replica started again finds its build's state (run-time
+    loads and unloads included); a new deploy starts from ``initial``."""
     if initial is None:
         return {}
     control = ControlDeployment.options(
         name="control", num_replicas=1, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(initial)
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(initial, uuid.uuid4().hex)
     return {"control": control, "initial": initial}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -23,6 +23,7 @@ from .runtime.contract.errors import ConfigError, ModelNotReady, unknown_model
 logger = logging.getLogger("ray.serve")
 
 _REPLICA_LOST_RETRIES = 1  # sends again of a request whose model replica died holding it
+_CONTROL_LOST_RETRIES = 3  # sends again of a call whose control replica died holding it
 
 # Requests whose inputs hold at least this many bytes go to the replica by reference (Ray's
 # object store: shared memory on one node) even where handles default to gRPC, which copies
@@ -93,8 +94,8 @@ def model_handles(router_app: str, deployments: dict[str, str]) -> dict[str, Any
 class ReplicaCounts:
     """What ``ModelClient.replica_counts`` reads from Serve's instance details (``replica_counts``).
 
-    ``running``: model name -> RUNNING replicas. ``stopped``: models whose application is being
-    deleted (Ctrl-C of ``make serve``, ``serve delete``, ``serve shutdown``): Serve then lists
+    ``running``: model name -> RUNNING replicas (``running_ids``: their replica ids).
+    ``stopped``: models whose application is being deleted (Ctrl-C of ``make serve``, ``serve delete``, ``serve shutdown``): Serve then lists
     none of its deployments and every replica is draining or gone, so a call that no replica
     has taken yet never runs. ``deleting``: the application is being deleted. ``missing``: dedicated
     models whose own application (``model_application``) Serve does not list while none of the
@@ -105,6 +106,7 @@ class ReplicaCounts:
     stopped: frozenset[str] = frozenset()
     deleting: bool = False
     missing: frozenset[str] = frozenset()  # models whose application Serve does not list, none deleting
+    running_ids: dict[str, frozenset[str]] = field(default_factory=dict, compare=False)  # model -> their ids
 
 
 class ModelClient:
@@ -139,10 +141,11 @@ class ModelClient:
             return self.pool.options(multiplexed_model_id=key or name)
         raise unknown_model(name, "no deployment serves it")
 
-    async def infer(self, name: str, inputs: dict[str, np.ndarray],
-                    outputs: list[str] | None = None, key: str | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                    key: str | None = None, version: int | None = None) -> dict[str, np.ndarray]:
         """Run ``inputs`` on model ``name`` (pool: its version keyed ``key``, as ``handle``);
-        returns its outputs by name.
+        returns its outputs by name. ``version``: the version the caller labels the answer with;
+        the replica refuses (``ModelNotReady``) to run it on another (a load took a new one).
 
         A replica that dies holding the request surfaces as ``ray.exceptions.RayActorError``
         (``ActorDiedError``); Serve has dropped it from routing by then, so the request is sent
@@ -155,7 +158,8 @@ class ModelClient:
                 or ``cut_unassigned``).
             ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
         """
-        return await self._call(name, key, payload_bytes(inputs), "infer", inputs, outputs)
+        extra = () if version is None else (version,)
+        return await self._call(name, key, payload_bytes(inputs), "infer", inputs, outputs, *extra)
 
     async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
                          header_length: str | None, default_timeout_s: float) -> Answer:
@@ -249,20 +253,36 @@ class ModelClient:
         return await asyncio.to_thread(_replica_counts, handles)
 
     async def control_desired(self) -> dict[str, Any]:
-        """``ControlDeployment.desired``: ``{"revision", "models"}``."""
-        return await self.control.desired.remote()
+        """``ControlDeployment.desired``: ``{"incarnation", "revision", "models"}``."""
+        return await self._control("desired")
 
-    async def control_set(self, name: str, loaded: bool, placement: str) -> int:
-        """``ControlDeployment.set``: model ``name`` should (not) serve; returns the revision."""
-        return await self.control.set.remote(name, loaded, placement)
+    async def control_set(self, name: str, loaded: bool, placement: str) -> dict[str, Any]:
+        """``ControlDeployment.set``: model ``name`` should (not) serve; returns the state's
+        ``{"incarnation", "revision"}``."""
+        return await self._control("set", name, loaded, placement)
 
-    async def control_applied(self, name: str, placement: str, revision: int) -> tuple[list[dict[str, Any]], int]:
+    async def control_applied(self, name: str, placement: str,
+                              state: dict[str, Any]) -> tuple[list[dict[str, Any]], frozenset[str]]:
         """The reports of the replicas serving ``name`` (the pool's for ``placement`` ``pool``)
-        that applied ``revision``, and how many of them Serve counts RUNNING."""
+        that applied ``state`` (``ControlDeployment.applied``), and the ids of the replicas
+        Serve counts RUNNING in that deployment (``control.applied_everywhere`` compares them)."""
         handle = self.pool if placement == "pool" else self.dedicated[name]
-        reports = await self.control.applied.remote(handle.deployment_name, revision)
-        running = await asyncio.to_thread(_running, {name: handle})
-        return reports, running[name]
+        reports = await self._control("applied", handle.deployment_name, state)
+        running = await asyncio.to_thread(_replica_counts, {name: handle})
+        return reports, running.running_ids[name]
+
+    async def _control(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` on the control deployment, sent again while its replica dies under
+        the call (Serve starts another, which takes the stored state: ``deployments.control``).
+        ``set`` sent again is harmless: the same entry under a later revision."""
+        for attempt in range(_CONTROL_LOST_RETRIES + 1):
+            try:
+                return await getattr(self.control, method).remote(*args)
+            except RayActorError:
+                if attempt == _CONTROL_LOST_RETRIES:
+                    raise ModelNotReady("the model control replica stopped during the call and its "
+                                        "replacement did not answer; retry shortly") from None
+                logger.warning("model control: the control replica died during '%s'; sending it again", method)
 
     async def pool_memory(self) -> dict[str, Any]:
         """``PoolDeployment.memory`` of one pool replica (the pool must exist)."""
@@ -296,16 +316,17 @@ def replica_counts(details: dict[str, Any], deployments: dict[str, tuple[str, st
                    own_app: str | None = None) -> ReplicaCounts:
     """``ReplicaCounts`` of ``deployments`` (name -> (application, deployment)) in Serve's
     instance ``details`` (``{"applications": {app: {"status", "deployments": {name:
-    {"replicas": [{"state"}, ...]}}}}}``, states as Serve's str enums or their values);
+    {"replicas": [{"state", "replica_id"}, ...]}}}}}``, states as Serve's str enums or their values);
     ``own_app``: the calling replica's application (None outside a replica)."""
     applications = details.get("applications") or {}
-    running, gone = {}, set()
+    running, ids, gone = {}, {}, set()
     deleting = False
     for name, (app_name, deployment_name) in deployments.items():
         app = applications.get(app_name)
         deployment = (app.get("deployments") or {}).get(deployment_name) if app is not None else None
         replicas = (deployment.get("replicas") or []) if deployment is not None else []
-        running[name] = sum(1 for r in replicas if _state(r.get("state")) == "RUNNING")
+        up = [r for r in replicas if _state(r.get("state")) == "RUNNING"]
+        running[name], ids[name] = len(up), frozenset(r.get("replica_id") for r in up)
         if app is None:
             gone.add(name)
         elif _state(app.get("status")) == "DELETING":
@@ -315,16 +336,10 @@ def replica_counts(details: dict[str, Any], deployments: dict[str, tuple[str, st
         own = applications.get(own_app)
         deleting = deleting or own is None or _state(own.get("status")) == "DELETING"
     if deleting:
-        return ReplicaCounts(running, frozenset(gone), True)
-    return ReplicaCounts(running, missing=frozenset(gone))
+        return ReplicaCounts(running, frozenset(gone), True, running_ids=ids)
+    return ReplicaCounts(running, missing=frozenset(gone), running_ids=ids)
 
 
 def _state(value: Any) -> Any:
     """A Serve status (a str enum in the controller's details) as its plain value."""
     return getattr(value, "value", value)
-
-
-def _running(handles: dict[str, Any]) -> dict[str, int]:
-    """Name -> RUNNING replicas of the deployment behind each handle (``_replica_counts``: a
-    blocking call to Serve's controller)."""
-    return _replica_counts(handles).running

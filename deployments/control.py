@@ -3,26 +3,39 @@ replica did about it.
 
 How a load or unload reaches every replica (Ray Serve handles route a call to one replica, so
 there is no broadcast): one small deployment, ``control`` (one replica, no CPU reserved), holds
-the desired state, a ``revision`` number and per model ``{"loaded", "placement", "generation"}``
-(``placement``: ``pool``, ``dedicated`` or ``pipeline``; ``generation``: the revision of its last
-load). The router changes it (``POST /v2/repository/models/{m}/load|unload``); every pool and
-dedicated replica follows it (``Follower``): every ``POLL_S`` it reads the state, applies what
-changed since the state it last applied (a load, an unload: waiting for its requests in
-flight, as an eviction does) and reports the revision it applied with its models' outcome. The
-router answers once every RUNNING replica of the model's deployment has reported that revision
-(``ControlDeployment.applied``). A replica that starts later (autoscaling, a replacement)
-starts from the state the application was built with and catches up at its first poll.
+the desired state: an ``incarnation`` (a random id), a ``revision`` number and per model
+``{"loaded", "placement", "generation"}`` (``placement``: ``pool``, ``dedicated`` or
+``pipeline``; ``generation``: the revision of its last load; ``reason``, after a load that
+failed: why). The router changes it (``POST /v2/repository/models/{m}/load|unload``); every
+pool and dedicated replica follows it (``Follower``): every ``POLL_S`` it reads the state,
+applies what changed since the state it last applied (a load, an unload: waiting for its
+requests in flight, as an eviction does) and reports the state it applied with its models'
+outcome. The router answers once every replica Serve counts RUNNING in the model's deployment
+has reported that state, by replica id (``applied_everywhere``). A replica that starts later
+(autoscaling, a replacement) reads the current state in its constructor (``first_sync``).
 
-Limits: the state lives in the control replica's memory; if that replica dies, Serve starts a
-new one from the build-time state (``startup_models``), and the replicas follow it there.
+A load that fails on a replica (at once or after the router's request timed out) is rolled
+back by the control deployment itself when that replica reports it (``ControlDeployment.report``):
+the model becomes not loaded, with the failure as its ``reason``, which the routers' index and
+the model's requests then give; a later load is a new generation, which every replica tries again.
+
+Restarts: the state is kept in Ray's GCS key-value store (``GcsStore``), written before a change
+is answered, under the router application's name and the id of the build that deployed it. A
+control replica that Serve starts again (after a crash, on any node) takes the state from there,
+incarnation and revision included: run-time loads and unloads survive it, and the replicas,
+which already applied that state, have nothing to do. A new deploy (``serve run``, ``serve
+deploy``: a new build id) starts from the build-time state (``startup_models``) under a new
+incarnation; replicas that applied another incarnation's state apply the differences from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from typing import Any, Callable
+import uuid
+from typing import Any, Callable, Iterable, Protocol
 
 from ray import serve
 
@@ -38,8 +51,41 @@ POLL_S = 0.25  # how often a replica reads the desired state
 # until it has synced.
 FIRST_SYNC_S = 15.0
 REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
+KV_NAMESPACE = "trt_serve_control"  # the GCS key-value namespace of the desired states
 
-Desired = dict[str, dict[str, Any]]  # model -> {"loaded": bool, "placement": str, "generation": int}
+# model -> {"loaded": bool, "placement": str, "generation": int[, "reason": str]}
+Desired = dict[str, dict[str, Any]]
+
+
+class StateStore(Protocol):
+    """Where the control deployment keeps its state across restarts (a JSON-ready dict)."""
+
+    def load(self) -> dict[str, Any] | None: ...
+
+    def save(self, state: dict[str, Any]) -> None: ...
+
+
+class GcsStore:
+    """The state in Ray's GCS key-value store (``ray.experimental.internal_kv``, reachable from
+    any node of the cluster; it lives as long as the cluster's GCS), under
+    ``<router application>/<build id>``. Opening it deletes the states of the application's
+    earlier builds."""
+
+    def __init__(self, app: str, build_id: str) -> None:
+        from ray.experimental import internal_kv
+
+        self._kv = internal_kv
+        self.key = f"{app}/{build_id}".encode()
+        for key in internal_kv._internal_kv_list(f"{app}/".encode(), namespace=KV_NAMESPACE):
+            if key != self.key:
+                internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+    def load(self) -> dict[str, Any] | None:
+        raw = self._kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        return None if raw is None else json.loads(raw)
+
+    def save(self, state: dict[str, Any]) -> None:
+        self._kv._internal_kv_put(self.key, json.dumps(state).encode(), overwrite=True, namespace=KV_NAMESPACE)
 
 
 @serve.deployment
@@ -48,36 +94,78 @@ class ControlDeployment:
 
     Args:
         models: the build-time state: per model ``{"loaded", "placement", "generation": 0}``.
+        build_id: the build that deployed it (``deployments.app.control_options``: random per
+            build), which names its stored state.
+        store: where the state is kept (default: ``GcsStore`` of this application and build).
     """
 
-    def __init__(self, models: Desired) -> None:
-        replica_grpc_on_loopback()
-        self.revision = 0
-        self.models: Desired = dict(models)
+    def __init__(self, models: Desired, build_id: str = "", store: StateStore | None = None) -> None:
+        if store is None:
+            replica_grpc_on_loopback()
+            store = GcsStore(serve.get_replica_context().app_name, build_id)
+        self.store = store
+        stored = store.load()
+        if stored is None:
+            self.incarnation, self.revision, self.models = uuid.uuid4().hex, 0, dict(models)
+            store.save(self._state())
+        else:
+            self.incarnation, self.revision, self.models = stored["incarnation"], stored["revision"], stored["models"]
+            logger.info("model control: state of revision %d taken from the GCS store", self.revision)
         self.reports: dict[str, dict[str, Any]] = {}  # replica id -> its last report
 
+    def _state(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "revision": self.revision, "models": self.models}
+
     def desired(self) -> dict[str, Any]:
-        """``{"revision": int, "models": Desired}``."""
-        return {"revision": self.revision, "models": self.models}
+        """``{"incarnation": str, "revision": int, "models": Desired}``."""
+        return self._state()
 
-    def set(self, name: str, loaded: bool, placement: str) -> int:
-        """Model ``name`` should (not) serve from ``placement``; returns the new revision."""
-        self.revision += 1
-        generation = self.revision if loaded else self.models.get(name, {}).get("generation", 0)
-        self.models = {**self.models, name: {"loaded": loaded, "placement": placement, "generation": generation}}
-        return self.revision
+    def _change(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """Set model ``name``'s entry under the next revision: stored first, so that a change
+        answered is never lost to a restart. Returns ``{"incarnation", "revision"}``."""
+        models = {**self.models, name: entry}
+        self.store.save({"incarnation": self.incarnation, "revision": self.revision + 1, "models": models})
+        self.revision, self.models = self.revision + 1, models
+        return {"incarnation": self.incarnation, "revision": self.revision}
 
-    def report(self, replica: str, deployment: str, revision: int, models: dict[str, dict[str, Any]]) -> None:
-        """A replica applied ``revision``; ``models``: per model of its own, ``{"loaded": bool,
-        "backend": str, "error": ServingError | None}``."""
-        self.reports[replica] = {"replica": replica, "deployment": deployment, "revision": revision,
+    def set(self, name: str, loaded: bool, placement: str) -> dict[str, Any]:
+        """Model ``name`` should (not) serve from ``placement``; returns the new state's
+        ``{"incarnation", "revision"}`` (what ``applied`` takes)."""
+        generation = self.revision + 1 if loaded else self.models.get(name, {}).get("generation", 0)
+        return self._change(name, {"loaded": loaded, "placement": placement, "generation": generation})
+
+    def report(self, replica: str, deployment: str, state: dict[str, Any], models: dict[str, dict[str, Any]]) -> None:
+        """A replica applied ``state`` (``{"incarnation", "revision"}``); ``models``: per model of
+        its own, ``{"loaded": bool, "backend": str, "error": ServingError | None}``. A load this
+        report says failed (the model's current generation) is rolled back: the model is not
+        loaded, with the error as its ``reason``."""
+        self.reports[replica] = {"replica": replica, "deployment": deployment, **state,
                                  "models": models, "time": time.monotonic()}
+        if state["incarnation"] != self.incarnation:
+            return
+        for name, line in models.items():
+            entry = self.models.get(name)
+            if (line["error"] is not None and entry is not None and entry["loaded"]
+                    and state["revision"] >= entry["generation"]):
+                logger.warning("model control: the load of '%s' failed on replica %s; it is not loaded: %s",
+                               name, replica, line["error"].message)
+                self._change(name, {**entry, "loaded": False, "reason": f"failed to load: {line['error'].message}"})
 
-    def applied(self, deployment: str, revision: int) -> list[dict[str, Any]]:
-        """The fresh reports of ``deployment``'s replicas that applied ``revision`` or later."""
+    def applied(self, deployment: str, state: dict[str, Any]) -> list[dict[str, Any]]:
+        """The fresh reports of ``deployment``'s replicas that applied ``state``
+        (``{"incarnation", "revision"}``) or a later revision of its incarnation."""
         now = time.monotonic()
         return [r for r in self.reports.values() if r["deployment"] == deployment
-                and r["revision"] >= revision and now - r["time"] < REPORT_FRESH_S]
+                and r["incarnation"] == state["incarnation"] and r["revision"] >= state["revision"]
+                and now - r["time"] < REPORT_FRESH_S]
+
+
+def applied_everywhere(reports: Iterable[dict[str, Any]], running: Iterable[str]) -> bool:
+    """Whether every replica in ``running`` (the ids Serve counts RUNNING; at least one) is among
+    the replicas of ``reports`` (``ControlDeployment.applied``). A count would not do: reports of
+    replicas starting or draining would stand in for a running replica that has not applied."""
+    running = set(running)
+    return bool(running) and running <= {r["replica"] for r in reports}
 
 
 def initial_state(placements: dict[str, str], loaded: set[str]) -> Desired:
@@ -107,15 +195,18 @@ class Follower:
         apply: ``apply(changed)`` gets the models whose desired entry changed (name -> entry),
             loads and unloads them (blocking: it runs in a worker thread) and returns their
             ``outcome`` lines.
+        replica, deployment: this replica's id and deployment (default: the replica context's).
     """
 
-    def __init__(self, control: Any, initial: Desired,
-                 apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> None:
-        context = serve.get_replica_context()
-        self.replica, self.deployment = context.replica_id.unique_id, context.deployment
+    def __init__(self, control: Any, initial: Desired, apply: Callable[[Desired], dict[str, dict[str, Any]]],
+                 replica: str | None = None, deployment: str | None = None) -> None:
+        if replica is None or deployment is None:
+            context = serve.get_replica_context()
+            replica, deployment = context.replica_id.unique_id, context.deployment
+        self.replica, self.deployment = replica, deployment
         self.control = control
         self.applied: Desired = dict(initial)
-        self.revision = -1
+        self.state: dict[str, Any] | None = None  # {"incarnation", "revision"} applied; None before the first
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
         self.task: asyncio.Task | None = None  # ``run``, started by ``follow``
@@ -126,19 +217,26 @@ class Follower:
     def synced(self) -> bool:
         """Whether this replica has applied the desired state once (until then it serves the
         build-time state, which a load or unload made since may have changed)."""
-        return self.revision >= 0
+        return self.state is not None
 
     async def sync(self) -> None:
-        """One round: read the state, apply what changed, report."""
+        """One round: read the state, apply what changed, report. A state is known by its
+        incarnation and revision together: a control deployment deployed again starts a new
+        incarnation, whose revision 1 is not the revision 1 this replica may have applied."""
         desired = await self.control.desired.remote()
         self._read.set()
-        if desired["revision"] != self.revision:
+        state = {"incarnation": desired["incarnation"], "revision": desired["revision"]}
+        if state != self.state:
             changed = {name: entry for name, entry in desired["models"].items() if self.applied.get(name) != entry}
             if changed:
-                self.outcomes.update(await asyncio.to_thread(self.apply, changed))
-            self.applied, self.revision = dict(desired["models"]), desired["revision"]
+                for name, line in (await asyncio.to_thread(self.apply, changed)).items():
+                    previous = self.outcomes.get(name)
+                    if "reason" in changed[name] and previous is not None and previous["error"] is not None:
+                        continue  # the rollback of this replica's own failed load: its report keeps why
+                    self.outcomes[name] = line
+            self.applied, self.state = dict(desired["models"]), state
         self._first.set()
-        await self.control.report.remote(self.replica, self.deployment, self.revision, self.outcomes)
+        await self.control.report.remote(self.replica, self.deployment, self.state, self.outcomes)
 
     async def first_sync(self, timeout_s: float = FIRST_SYNC_S) -> None:
         """Wait until this replica has applied the desired state once: at most ``timeout_s``

@@ -57,7 +57,7 @@ from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import detached, error_status, overloaded, past_deadline, raise_if_error, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata
-from .control import Desired, Follower, follow
+from .control import Desired, Follower, applied_everywhere, follow
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound,
                                       ModelNotReady, PayloadTooLarge, RequestTimeout, ServingError, unknown_model,
                                       unloaded_model)
@@ -172,7 +172,8 @@ class RouterApp:
         self.steps: dict[str, Sequence[str]] = {}
         self.loaded: set[str] = set(repo.names()) if initial is None else {
             name for name, state in initial.items() if state["loaded"]}
-        self.unloaded: set[str] = set()  # unloaded through the API (index reason "unloaded")
+        # Unloaded through the API: model -> None (index reason "unloaded"), or why its load failed.
+        self.unloaded: dict[str, str | None] = {}
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while this router acts
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the backend call in flight
         self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
@@ -275,7 +276,7 @@ class RouterApp:
                 self.client.cut_unassigned(counts.stopped, _STOPPED_IDLE_S)
                 deleting = counts.deleting
                 if self.initial is not None:
-                    self.follow_desired((await self.client.control_desired())["models"])
+                    await self.follow_desired(await self.client.control_desired())
             except Exception as e:  # the controller did not answer: keep what we know
                 if isinstance(e, RuntimeError) and "after shutdown" in str(e):
                     return  # the loop's executor is shut down: this replica is stopping
@@ -299,20 +300,33 @@ class RouterApp:
         return (f"its application '{app}' is not deployed: the Serve config must list it "
                 "(python -m deployments.check --write serve_config.yaml writes it)")
 
-    def follow_desired(self, models: Desired) -> None:
-        """Take the loads and unloads other router replicas made (``ControlDeployment.desired``);
-        a model this router is loading or unloading itself is left to that request."""
-        for name, state in models.items():
-            if name in self.changing or (name in self.loaded) == state["loaded"]:
+    async def follow_desired(self, desired: dict[str, Any]) -> None:
+        """Take the loads and unloads that other router replicas made, and the outcome of loads
+        that outlived their request (``ControlDeployment.desired``): a model to be loaded is
+        LOADING until every running replica of its deployment applied it, then READY; one whose
+        load failed is UNAVAILABLE with the failure as its reason. A model this router is
+        loading or unloading itself is left to that request."""
+        for name, state in desired["models"].items():
+            lock = self._control_locks.get(name)
+            if lock is not None and lock.locked():
                 continue
             if not state["loaded"]:
-                self._mark_unloaded(name)
+                if name in self.loaded or name in self.changing or self.unloaded.get(name) != state.get("reason"):
+                    self.changing.pop(name, None)
+                    self._mark_unloaded(name, state.get("reason"))
+                continue
+            if name in self.loaded:
                 continue
             try:
                 entry = self.repo.get(name) if name in self.repo.names() else self.repo.read(name)
             except Exception:  # unreadable here: it stays unavailable on this router
                 logger.warning("model '%s' was loaded but this router cannot read it", name, exc_info=True)
                 continue
+            generation = {"incarnation": desired["incarnation"], "revision": state["generation"]}
+            if not applied_everywhere(*await self.client.control_applied(name, state["placement"], generation)):
+                self.changing[name] = "LOADING"
+                continue
+            self.changing.pop(name, None)
             self._mark_loaded(entry, state["placement"], None)
 
     def refresh_ready(self, running: dict[str, int], answered: Iterable[str] = (),
@@ -392,7 +406,7 @@ class RouterApp:
                                  "control state (a load or unload made since it started); retry shortly")
         if entry.name not in self.loaded:
             if entry.name in self.unloaded:
-                return unloaded_model(entry.name)
+                return unloaded_model(entry.name, self.unloaded[entry.name])
             return unknown_model(entry.name, f"it is in the repository but not loaded: "
                                  f"POST /v2/repository/models/{entry.name}/load loads it")
         if entry.name in self.missing:
@@ -522,7 +536,9 @@ class RouterApp:
         model READY once a replica loaded it (LOADING before); a pool model as one pool replica's
         cache holds it (READY resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING;
         ``reason`` says which). With explicit model control, also every model folder on disk
-        not loaded yet, and models unloaded through the API (UNAVAILABLE, reason "unloaded").
+        not loaded yet, models unloaded through the API (UNAVAILABLE, reason "unloaded") and
+        models whose last load failed (UNAVAILABLE, reason "failed to load: ..."); a load still
+        going on after its request answered 504 is LOADING (``follow_desired``).
         Body (optional): ``{"ready": true}`` lists only READY models."""
         only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
@@ -542,7 +558,9 @@ class RouterApp:
         """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
         item = {"name": entry.name, "version": str(version),
                 "state": "READY" if entry.name in self.ready_models else "LOADING"}
-        if cached is not None:
+        if cached is not None and entry.name not in self.ready_models:  # as its requests: 503 until one runs
+            item["state"], item["reason"] = "UNAVAILABLE", "the pool has no running replica; retry shortly"
+        elif cached is not None:
             item["state"], item["reason"] = _POOL_STATES[cached["state"]]
             if cached["state"] == "absent" and cached["evictions"]:
                 item["reason"] = "evicted from the pool replica's cache; loads on next request"
@@ -554,7 +572,7 @@ class RouterApp:
 
     def _unavailable_reason(self, name: str) -> str:
         if name in self.unloaded:
-            return "unloaded"
+            return self.unloaded[name] or "unloaded"
         return f"not loaded: POST /v2/repository/models/{name}/load loads it"
 
     # --- model control (Triton's model repository extension; deployments.control) ----------
@@ -600,16 +618,18 @@ class RouterApp:
             self.observer.versions[entry.name] = str(entry.latest)
         self.ready_models.add(entry.name)
         self.loaded.add(entry.name)
-        self.unloaded.discard(entry.name)
+        self.unloaded.pop(entry.name, None)
 
-    def _mark_unloaded(self, name: str) -> None:
-        self.unloaded.add(name)  # first: a request read in between (another thread) answers "unloaded"
+    def _mark_unloaded(self, name: str, reason: str | None = None) -> None:
+        """``reason``: why its load failed (None: unloaded through the API)."""
+        self.unloaded[name] = reason  # first: a request read in between (another thread) answers "unloaded"
         self.loaded.discard(name)
         if name in self.client.dedicated:
             self.ready_models.discard(name)
 
-    async def _wait_applied(self, name: str, placement: str, revision: int, verb: str) -> list[dict[str, Any]]:
-        """The reports once every RUNNING replica serving ``name`` applied ``revision``.
+    async def _wait_applied(self, name: str, placement: str, state: dict[str, Any], verb: str) -> list[dict[str, Any]]:
+        """The reports once every replica Serve counts RUNNING in the deployment serving
+        ``name`` applied ``state`` (``{"incarnation", "revision"}``; ``control.applied_everywhere``).
 
         Raises:
             InferenceTimeout: not all within ``request_timeout_s`` (the change goes on).
@@ -617,14 +637,16 @@ class RouterApp:
         """
         deadline = asyncio.get_running_loop().time() + self.request_timeout_s
         while True:
-            reports, running = await self.client.control_applied(name, placement, revision)
-            if running and len(reports) >= running:
-                return reports
+            reports, running = await self.client.control_applied(name, placement, state)
+            if applied_everywhere(reports, running):
+                return [r for r in reports if r["replica"] in running]
             if asyncio.get_running_loop().time() > deadline:
                 if not running:
                     raise ModelNotReady(f"failed to {verb} '{name}': its deployment has no running replica")
+                done = len(running & {r["replica"] for r in reports})
                 raise InferenceTimeout(f"failed to {verb} '{name}' within {self.request_timeout_s:g} s on every "
-                                       f"replica ({len(reports)} of {running} done); it goes on")
+                                       f"replica ({done} of {len(running)} running replicas done); it goes on, "
+                                       "and the repository index tells when it is done or why it failed")
             await asyncio.sleep(_CONTROL_POLL_S)
 
     @_answers_errors
@@ -648,17 +670,26 @@ class RouterApp:
         placement = self._placement(entry, "load")
         async with self._control_lock(name):
             self.changing[name] = "LOADING"
+            going_on = False
             try:
-                revision = await self.client.control_set(name, True, placement)
-                reports = await self._wait_applied(name, placement, revision, "load")
+                state = await self.client.control_set(name, True, placement)
+                reports = await self._wait_applied(name, placement, state, "load")
                 outcomes = [r["models"][name] for r in reports if name in r["models"]]
                 errors = [o["error"] for o in outcomes if o["error"] is not None]
-                if errors:  # as Triton: a failed load leaves the model unavailable
-                    await self.client.control_set(name, False, placement)
-                    self._mark_unloaded(name)
-                    raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
+                if errors or not all(o["loaded"] for o in outcomes):
+                    # as Triton, a failed load leaves the model unavailable: the control
+                    # deployment has rolled it back (``ControlDeployment.report``), with its reason
+                    reason = (await self.client.control_desired())["models"].get(name, {}).get("reason")
+                    self._mark_unloaded(name, reason or "unloaded while it loaded")
+                    if errors:
+                        raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
+                    raise ModelNotReady(f"failed to load '{name}': {reason or 'it was unloaded while it loaded'}")
+            except InferenceTimeout:  # it goes on: LOADING until follow_desired sees it done or failed
+                going_on = True
+                raise
             finally:
-                self.changing.pop(name, None)
+                if not going_on:
+                    self.changing.pop(name, None)
             backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
             self._mark_loaded(entry, placement, backend)
         return Response(status_code=200)
@@ -679,8 +710,8 @@ class RouterApp:
             self._mark_unloaded(name)
             self.changing[name] = "UNLOADING"
             try:
-                revision = await self.client.control_set(name, False, placement)
-                await self._wait_applied(name, placement, revision, "unload")
+                state = await self.client.control_set(name, False, placement)
+                await self._wait_applied(name, placement, state, "unload")
             finally:
                 self.changing.pop(name, None)
         return Response(status_code=200)
@@ -759,10 +790,11 @@ class RouterApp:
                                f"{json.dumps(value['parameters'])[:40]}")
         return value
 
-    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None,
-                          timeout_s: float | None = None, key: str | None = None) -> dict:
-        """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``)."""
-        return await self._within_timeout(name, self.client.infer(name, inputs, outputs, key), timeout_s)
+    async def _call_model(self, name: str, inputs: dict, outputs: list[str] | None, timeout_s: float | None = None,
+                          key: str | None = None, version: int | None = None) -> dict:
+        """Run a request on model ``name`` (``key``: the version's, ``ModelEntry.key``; ``version``:
+        the one its answer is labelled with, which the replica checks its engine against)."""
+        return await self._within_timeout(name, self.client.infer(name, inputs, outputs, key, version), timeout_s)
 
     async def _within_timeout(self, name: str, call: Awaitable[Any], timeout_s: float | None = None,
                               grace_s: float = 0.0) -> Any:
@@ -805,7 +837,7 @@ class RouterApp:
             async def run(infer_request: InferRequest) -> dict:
                 await self._await_ready(entry)
                 return await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
-                                              infer_request.timeout_s, entry.key(version))
+                                              infer_request.timeout_s, entry.key(version), version)
 
             done = await answer(entry.name, str(version), batched, chunks, header_length, run)
         add_phases(request, done.compute_input_s, done.compute_output_s)
@@ -847,8 +879,9 @@ class ReplicaClient:
         self.pool_models: set[str] = set()
         self._infer = infer
 
-    async def infer(self, name: str, inputs: dict, outputs: list[str] | None = None, key: str | None = None) -> dict:
-        return raise_if_error(await self._infer(inputs, outputs))
+    async def infer(self, name: str, inputs: dict, outputs: list[str] | None = None, key: str | None = None,
+                    version: int | None = None) -> dict:
+        return raise_if_error(await self._infer(inputs, outputs, version))
 
 
 class ModelRoutes(RouterApp):
@@ -871,9 +904,10 @@ class ModelRoutes(RouterApp):
         """The replica has the model loaded and serves it (at start, or after a load)."""
         self._mark_loaded(self.repo.get(self.name), "dedicated", backend)
 
-    def model_unloaded(self) -> None:
-        """The model was unloaded through the repository API: new requests answer 503."""
-        self._mark_unloaded(self.name)
+    def model_unloaded(self, reason: str | None = None) -> None:
+        """The model was unloaded through the repository API (or its load failed: ``reason``
+        says why): new requests answer 503."""
+        self._mark_unloaded(self.name, reason)
 
     def step_changed(self, name: str, loaded: bool) -> None:
         """A step model of this pipeline was loaded or unloaded through the repository API: the
@@ -930,23 +964,22 @@ class PoolRoutes(RouterApp):
                 "(python -m deployments.check --write serve_config.yaml writes it); retry shortly if it is starting")
         return super()._not_ready(entry)
 
-    def pool_model_loaded(self, name: str, backend: str) -> None:
-        """Pool model ``name`` was loaded through the repository API: its folder is read again
-        (it may be new, or have a new version), and its requests are served.
+    def pool_model_loaded(self, entry: ModelEntry, backend: str) -> None:
+        """Pool model ``entry`` was loaded through the repository API, as the replica's cache
+        read its folder (it may be new, or have a new version or config): the routes describe,
+        label and validate that reading from now on, and serve its requests."""
+        self.repo.take(entry)
+        self._mark_loaded(entry, "pool", backend)
 
-        Raises:
-            ConfigError, ModelNotFound: as ``ModelRepository.read``.
-        """
-        self._mark_loaded(self.repo.read(name), "pool", backend)
-
-    def model_unloaded(self, name: str) -> None:
-        """Pool model ``name`` was unloaded through the repository API (or its load failed):
-        new requests answer 503 "unloaded", as the router's; a model new to this replica is read
-        first, so that its name is known (a folder that cannot be read stays unknown: 404)."""
+    def model_unloaded(self, name: str, reason: str | None = None) -> None:
+        """Pool model ``name`` was unloaded through the repository API (or its load failed:
+        ``reason`` says why): new requests answer 503 "unloaded", as the router's; a model new
+        to this replica is read first, so that its name is known (a folder that cannot be read
+        stays unknown: 404)."""
         if name not in self.repo.names():
             with contextlib.suppress(ConfigError, ModelNotFound):
                 self.repo.read(name)
-        self._mark_unloaded(name)
+        self._mark_unloaded(name, reason)
 
     def build_app(self) -> Starlette:
         app = super().build_app()

@@ -27,6 +27,7 @@ from .observe.deployment import observe_replica_infer, replica_recorder
 from .protocol.errors import errors_as_values
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
+from .runtime.contract.errors import ModelNotReady
 from .runtime.contract.repository import ModelRepository
 from .runtime.residency.gate import Gate
 from .runtime.residency.host import ModelHost
@@ -97,8 +98,12 @@ class ModelDeployment:
 
     @errors_as_values
     @observe_replica_infer(lambda self, *_: (self.host.name, self.host.version))
-    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                    version: int | None = None) -> dict[str, np.ndarray]:
         """Validate and run one request; see ``ModelHost.infer`` for shapes and raised errors.
+        ``version``: the version the caller labels the answer with; a request labelled with
+        another version than the one loaded (a load took a new one while it waited) answers
+        ``ModelNotReady``.
 
         A ``ServingError`` is returned, not raised (``errors_as_values``): its callers, this
         replica's routes and other deployments' handles, raise it again.
@@ -107,6 +112,10 @@ class ModelDeployment:
         request joins the batch queue (the joined batch is not checked again).
         """
         with self.admission.request(), self.gate.request():  # an unload waits for the requests inside
+            if version is not None and version != self.host.version:
+                raise ModelNotReady(f"model '{self.host.name}' version {version} is no longer served by this "
+                                    f"replica: a load replaced it with version {self.host.version}; "
+                                    "send the request again")
             return await self._infer(inputs, outputs)
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
@@ -131,19 +140,20 @@ class ModelDeployment:
             return {}
         try:
             if state["loaded"]:
-                if not self.host.ready:
-                    self._take_new_version()
+                self._take_new_version()
                 self.host.load()
                 self._policy = self._loaded_policy()
                 self.gate.open()
                 self.routes.model_loaded(self.host.backend)
                 return {self.host.name: outcome(None, True, self.host.backend)}
-            self.routes.model_unloaded()
+            self.routes.model_unloaded(state.get("reason"))
             self.gate.close()
             self.host.unload()
             return {self.host.name: outcome(None, False)}
         except Exception as error:
-            return {self.host.name: outcome(error, False)}
+            line = outcome(error, False)
+            self.routes.model_unloaded(f"failed to load: {line['error'].message}")
+            return {self.host.name: line}
 
     def _loaded_policy(self) -> BatchPolicy | None:
         """The batch policy for the loaded model's backend, its padded sizes warmed
@@ -154,20 +164,26 @@ class ModelDeployment:
         return policy
 
     def _take_new_version(self) -> None:
-        """Before a load of the unloaded model: read its folder again (the validation the router
-        did) and serve its newest served version from now on, as the router reports it (a version
-        folder added since; docs/models.md, "Versions"). The config stays the one this replica started
-        with (its batch queue was built from it).
+        """Before a load: read the model's folder again (the validation the router did) and
+        serve its newest served version from now on, as the router reports it (a version folder
+        added since; docs/models.md, "Versions"). A loaded model changing version is unloaded first: new
+        requests answer 503 while it loads, those in flight finish on the old version, and a
+        request labelled with the old version that arrives later is refused (``infer``). The
+        config stays the one this replica started with (its batch queue was built from it).
 
         Raises:
             ConfigError, ModelNotFound: as ``ModelRepository.read``.
         """
-        entry = self.repo.read(self.host.name)
+        entry = ModelRepository(self.repo.root, [self.host.name]).get(self.host.name)  # not served before it loads
         if entry.latest != self.host.version:
+            if self.host.ready:
+                self.gate.close()
+                self.host.unload()
             host = ModelHost(replace(entry, config=self.host.config), self.host.backend_request,
                              self.host.checkout_timeout_s)
             host.on_execution = self.host.on_execution
             self.host = host
+        self.repo.take(replace(entry, config=self.host.config))
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

@@ -21,6 +21,7 @@ from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
 from .pipelines import create_pipeline
 from .protocol.errors import errors_as_values
+from .runtime.contract.errors import ModelNotReady
 from .runtime.contract.repository import ModelRepository
 from .runtime.contract.validation import validate_request
 
@@ -76,20 +77,25 @@ class PipelineDeployment:
         if state is not None and state["loaded"]:
             self.routes.model_loaded("pipeline")
         elif state is not None:
-            self.routes.model_unloaded()
+            self.routes.model_unloaded(state.get("reason"))
         for step in set(self.pipeline.steps) & set(changed):
             self.routes.step_changed(step, changed[step]["loaded"])
         return {}
 
     @errors_as_values
-    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                    version: int | None = None) -> dict[str, np.ndarray]:
         """Run one request through the pipeline; returns the requested outputs by name.
+        ``version``: the one the caller labels the answer with (a pipeline has one version, 1).
 
         Returns, not raises (``errors_as_values``):
             InvalidInput: the inputs or requested outputs do not fit the pipeline model's config.
             Overloaded: the pipeline's queue is full (``ingress.Admission``).
         """
         with self.admission.request():
+            if version is not None and version != self.version:
+                raise ModelNotReady(f"model '{self.config.name}' version {version} is not served by this replica "
+                                    f"(it serves version {self.version})")
             wanted = validate_request(self.config, inputs, outputs)
             start = time.perf_counter()
             result = await self.pipeline.infer(inputs)

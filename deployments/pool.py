@@ -28,7 +28,7 @@ from .runtime.backends.select import requested_backend, resolve_backend
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.config import CacheOptions
 from .runtime.contract.errors import ConfigError, ModelNotFound
-from .runtime.contract.repository import ModelRepository
+from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.cache import ModelCache
 
 
@@ -81,7 +81,8 @@ class PoolDeployment:
         self.backend_request = backend
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
         self.recorder = replica_recorder(metrics)
-        self.versions = {n: repo.get(n).latest for n in names}
+        self.entries = {n: repo.get(n) for n in names}  # what the cache serves of each model
+        self.versions = {n: e.latest for n, e in self.entries.items()}
         self.keys = {key: (n, v) for n in names for key, v in repo.get(n).keys().items()}  # cache key -> model, version
         self.cache = ModelCache(
             repo, names, options, backend=backend,
@@ -109,25 +110,28 @@ class PoolDeployment:
         await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     @errors_as_values
-    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                    version: int | None = None) -> dict[str, np.ndarray]:
         """Run one request on the model version named by the multiplexed model id (its cache
-        key, ``ModelEntry.key``: the model name for its newest served version).
+        key, ``ModelEntry.key``: the model name for its newest served version); ``version``: the
+        version the caller labels the answer with (``ModelCache.infer_async`` checks it).
 
         The cache validates the request once, before any load (``ModelCache.infer_async``).
 
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``ModelCache.infer_async``
         (``InvalidInput``, ``OverBudget``...).
         """
-        return await self._run(serve.get_multiplexed_model_id(), inputs, outputs)
+        return await self._run(serve.get_multiplexed_model_id(), inputs, outputs, version)
 
     @observe_replica_infer(lambda self, key, *_: self._model_version(key))
-    async def _run(self, key: str, inputs: dict[str, np.ndarray],
-                   outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    async def _run(self, key: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
+                   version: int | None = None) -> dict[str, np.ndarray]:
         """``infer``'s work for cache key ``key``, raising its errors (``infer_body`` runs it
-        inside its own)."""
+        inside its own, with ``version``: the version its answer is labelled with, which the
+        cache checks the engine against)."""
         with self.admission.request():
             name = await self._get_model(key)
-            return await self.cache.infer_async(name, inputs, outputs)
+            return await self.cache.infer_async(name, inputs, outputs, version)
 
     @errors_as_values
     async def infer_body(self, model: str, version: str, batched: bool, chunks: list[bytes],
@@ -141,7 +145,8 @@ class PoolDeployment:
         Returns, not raises, a ``ServingError`` (``errors_as_values``): as ``answer`` and ``infer``
         (``InvalidInput`` for a malformed body; ``Overloaded`` past the pool's bounds).
         """
-        run = functools.partial(self._run, serve.get_multiplexed_model_id() if key is None else key)
+        run = functools.partial(self._run, serve.get_multiplexed_model_id() if key is None else key,
+                                version=int(version))
         return await answer_body(model, version, batched, chunks, header_length, run, default_timeout_s)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -149,34 +154,47 @@ class PoolDeployment:
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``
-        in this replica's cache; a model not served yet (added to the repository after start) is
-        read from the repository first, with the same validation as at start. Blocking."""
+        in this replica's cache. A load reads the model's folder again, with the same validation
+        as at start (the router and the routes read it too): a model not served yet (added to
+        the repository after start) is added; one whose folder changed (a new version, another
+        config) is unloaded (its requests in flight finish on the engine they were labelled
+        for), takes the new entry and loads again, so that the engine, the labels, the metadata
+        and the validation all follow the same folder. Blocking."""
         done = {}
         for name, state in changed.items():
             if state["placement"] != "pool":
                 continue
             try:
                 if not state["loaded"]:
-                    self.routes.model_unloaded(name)
+                    self.routes.model_unloaded(name, state.get("reason"))
                     if name in self.versions:
                         self._unload(name)
                     done[name] = outcome(None, False)
                     continue
-                if not self.cache.serves(name):
-                    entry = self.repo.read(name)
-                    self.cache.add(entry, enabled=False)
-                    self.versions[name] = entry.latest
-                    self.keys = {k: kv for k, kv in self.keys.items() if kv[0] != name}  # versions it no longer serves
-                    self.keys.update((key, (name, v)) for key, v in entry.keys().items())
-                    self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
+                entry = self.repo.read(name)
+                if entry != self.entries.get(name):
+                    self._take(entry)
                 for key in self._keys_of(name):
                     self.cache.load(key)
-                self.routes.pool_model_loaded(name, self.backends[name])
+                self.routes.pool_model_loaded(entry, self.backends[name])
                 done[name] = outcome(None, True, self.backends[name])
             except Exception as error:
-                self.routes.model_unloaded(name)  # as the router marks a failed load
                 done[name] = outcome(error, False)
+                self.routes.model_unloaded(name, f"failed to load: {done[name]['error'].message}")
         return done
+
+    def _take(self, entry: ModelEntry) -> None:
+        """Serve ``entry`` (a model new to this replica, or its folder read again with a new
+        version or config) in place of what the cache holds for it: the old versions are
+        unloaded first (``ModelCache.add`` replaces only unloaded entries). Blocking."""
+        name = entry.name
+        if name in self.entries:
+            self._unload(name)
+        self.cache.add(entry, enabled=False)
+        self.entries[name], self.versions[name] = entry, entry.latest
+        self.keys = {k: kv for k, kv in self.keys.items() if kv[0] != name}  # versions it no longer serves
+        self.keys.update((key, (name, v)) for key, v in entry.keys().items())
+        self.backends[name] = _backend_here(requested_backend(entry.config, self.backend_request))
 
     def _model_version(self, key: str) -> tuple[str, int | None]:
         """(model, version) of a cache key; (key, None) for a key this replica does not serve."""

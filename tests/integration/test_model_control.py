@@ -61,18 +61,29 @@ def control(serve_instance, tmp_path_factory):
     delete_server("control")
 
 
+class Statuses(list):
+    """The statuses of one model's background requests; ``timed``: (sent, answered, status) each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timed: list[tuple[float, float, int]] = []
+
+
 @pytest.fixture
 def background(control):
     """Requests to tiny_cnn and simple_dedicated sent one after another in a thread while the
-    test runs; yields ``{model: [status, ...]}``."""
+    test runs; yields ``{model: [status, ...]}`` (``Statuses``: with their times)."""
     url, _ = control
-    statuses: dict[str, list[int]] = {"tiny_cnn": [], "simple_dedicated": []}
+    statuses: dict[str, Statuses] = {"tiny_cnn": Statuses(), "simple_dedicated": Statuses()}
     stop = threading.Event()
 
     def send() -> None:
         while not stop.is_set():
             for model, body in (("tiny_cnn", cnn_body(X[:1])), ("simple_dedicated", simple_body())):
-                statuses[model].append(requests.post(f"{url}/v2/models/{model}/infer", json=body).status_code)
+                sent = time.monotonic()
+                status = requests.post(f"{url}/v2/models/{model}/infer", json=body).status_code
+                statuses[model].append(status)
+                statuses[model].timed.append((sent, time.monotonic(), status))
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
@@ -135,6 +146,7 @@ def test_tritonclient_unloads_and_loads_a_dedicated_model_and_reads_the_index(co
     client.unload_model("spare_cnn")
     assert client.is_model_ready("spare_cnn") is False
 
+    unloading = time.monotonic()
     client.unload_model("simple_dedicated")
     assert client.is_model_ready("simple_dedicated") is False
     inputs = [httpclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in range(2)]
@@ -146,11 +158,22 @@ def test_tritonclient_unloads_and_loads_a_dedicated_model_and_reads_the_index(co
     states = {m["name"]: m for m in client.get_model_repository_index()}
     assert states["simple_dedicated"]["state"] == "UNAVAILABLE" and states["tiny_cnn"]["state"] == "READY"
     client.load_model("simple_dedicated")
+    loaded = time.monotonic()
     assert client.is_model_ready("simple_dedicated")
     result = client.infer("simple_dedicated", inputs)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), PAIR[0] + PAIR[1])
+    deadline = time.monotonic() + 60
+    while not any(sent > loaded for sent, _, _ in background["simple_dedicated"].timed):
+        assert time.monotonic() < deadline, "no background request sent after the load"
+        time.sleep(0.1)
     assert len(background["tiny_cnn"]) > 2 and set(background["tiny_cnn"]) == {200}
-    assert set(background["simple_dedicated"]) <= {200, 503}  # 503 while it was unloaded
+    # 200 before the unload and after the load; 503 only for a request that overlapped the time
+    # it was unloaded
+    timed = background["simple_dedicated"].timed
+    assert all(status == 200 or (status == 503 and answered > unloading and sent < loaded)
+               for sent, answered, status in timed), timed
+    assert [status for sent, _, status in timed if sent > loaded] and all(
+        status == 200 for sent, _, status in timed if sent > loaded), timed
 
 
 def test_a_dedicated_model_left_out_of_startup_models_starts_unloaded_and_serves_once_loaded(control):
@@ -227,3 +250,104 @@ def test_a_pool_replica_started_after_a_load_is_routed_only_once_it_serves_the_l
     assert all(a[0] == 200 for a in answers[first:]), answers[first:]
     np.testing.assert_allclose(np.array(json.loads(answers[-1][1])["outputs"][0]["data"], np.float32).reshape(
         expected.shape), expected, rtol=1e-4, atol=1e-5)
+
+
+def cnn_outputs(r: requests.Response) -> np.ndarray:
+    return np.array(r.json()["outputs"][0]["data"], np.float32).reshape(2, -1)
+
+
+def test_a_new_version_of_a_loaded_pool_model_serves_under_its_own_label_after_a_load(control):
+    """``engines/m/2/`` added to a loaded pool model, then a load: infer answered
+    ``model_version: "2"`` computed by version 1's engine (the pool's cache kept it), and
+    requests were validated against the config read at start. Now the answer's label, its
+    values, the metadata and the index all say version 2."""
+    import onnx
+
+    from deployments.runtime.tools.prepare import build_tiny_cnn
+
+    url, root = control
+    copy_model(root, "tiny_cnn", "grow_cnn")
+    assert requests.post(f"{url}/v2/repository/models/grow_cnn/load").status_code == 200
+    r = requests.post(f"{url}/v2/models/grow_cnn/infer", json=cnn_body(X))
+    assert (r.status_code, r.json().get("model_version")) == (200, "1"), r.text
+
+    (root / "grow_cnn" / "2").mkdir()
+    onnx.save(build_tiny_cnn(5), root / "grow_cnn" / "2" / "model.onnx")  # other weights
+    expected = {v: ort.InferenceSession(str(root / "grow_cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
+                for v in (1, 2)}
+    assert not np.allclose(expected[1], expected[2])
+    r = requests.post(f"{url}/v2/repository/models/grow_cnn/load")
+    assert r.status_code == 200, r.text
+    for route in ("grow_cnn", "grow_cnn/versions/2"):
+        r = requests.post(f"{url}/v2/models/{route}/infer", json=cnn_body(X))
+        assert (r.status_code, r.json().get("model_version")) == (200, "2"), r.text
+        np.testing.assert_allclose(cnn_outputs(r), expected[2].reshape(2, -1), rtol=1e-4, atol=1e-5)
+    r = requests.post(f"{url}/v2/models/grow_cnn/versions/1/infer", json=cnn_body(X))
+    assert r.status_code == 404 and "served versions: [2]" in r.json()["error"], r.text
+    assert requests.get(f"{url}/v2/models/grow_cnn").json()["versions"] == ["2"]
+    assert [(i["version"], i["state"]) for i in requests.post(f"{url}/v2/repository/index").json()
+            if i["name"] == "grow_cnn"] in ([("2", "READY")], [("2", "UNAVAILABLE")])
+
+
+def control_replica() -> dict | None:
+    """The RUNNING replica of the control application's model control deployment."""
+    from ray.serve.context import _get_global_client
+
+    app = _get_global_client().get_serve_details()["applications"]["control"]
+    return next((r for r in app["deployments"]["control"]["replicas"] if r["state"] == "RUNNING"), None)
+
+
+def desired() -> dict:
+    """The control deployment's state (``ControlDeployment.desired``)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("control", app_name="control").desired.remote().result(timeout_s=60)
+
+
+def kill_control_replica() -> None:
+    """Kill the control replica (SIGKILL, as a crash) and wait for Serve to run another."""
+    import ray
+
+    old = control_replica()
+    ray.kill(ray.get_actor(old["actor_name"], namespace="serve"))
+    deadline = time.monotonic() + 120
+    while (new := control_replica()) is None or new["replica_id"] == old["replica_id"]:
+        assert time.monotonic() < deadline, "no new control replica running"
+        time.sleep(0.1)
+
+
+def test_a_killed_control_replica_keeps_run_time_loads_and_the_next_change_reaches_every_replica(control):
+    """Between changes: its state came back as the build-time state with revision 0, so the
+    pool replica, which had applied revision 1, skipped the next change (an unload answered 200
+    while the model went on serving)."""
+    url, root = control
+    copy_model(root, "tiny_cnn", "kept_cnn")
+    assert requests.post(f"{url}/v2/repository/models/kept_cnn/load").status_code == 200
+    kill_control_replica()
+    assert desired()["models"]["kept_cnn"]["loaded"] is True  # the replacement took the stored state
+    r = requests.post(f"{url}/v2/models/kept_cnn/infer", json=cnn_body(X[:1]))
+    assert r.status_code == 200, r.text
+    assert requests.post(f"{url}/v2/repository/models/kept_cnn/unload").status_code == 200
+    r = requests.post(f"{url}/v2/models/kept_cnn/infer", json=cnn_body(X[:1]))
+    assert r.status_code == 503 and "it is unloaded" in r.json()["error"], r.text
+
+
+def test_a_control_replica_killed_during_a_load_loses_nothing(control):
+    """Mid-change: the load's calls to the control deployment are sent again to its
+    replacement, which has the stored state; the load answers 200 and the model serves."""
+    url, root = control
+    copy_model(root, "tiny_cnn", "midway_cnn", warmup={"batch_sizes": [32] * 4, "data": "random"})
+    answer: list[requests.Response] = []
+    loader = threading.Thread(target=lambda: answer.append(
+        requests.post(f"{url}/v2/repository/models/midway_cnn/load", timeout=120)))
+    loader.start()
+    deadline = time.monotonic() + 30
+    while index(url).get("midway_cnn", {}).get("state") != "LOADING":
+        assert time.monotonic() < deadline and loader.is_alive(), "the load was never seen LOADING"
+        time.sleep(0.02)
+    kill_control_replica()
+    loader.join(120)
+    assert answer and answer[0].status_code == 200, answer and answer[0].text
+    r = requests.post(f"{url}/v2/models/midway_cnn/infer", json=cnn_body(X[:1]))
+    assert r.status_code == 200, r.text
+    assert desired()["models"]["midway_cnn"]["loaded"] is True

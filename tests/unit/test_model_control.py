@@ -20,9 +20,9 @@ import yaml
 from starlette.testclient import TestClient
 
 from deployments.ingress import RouterApp, RouterOptions
-from deployments.control import initial_state, outcome
+from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome
 from deployments.runtime.contract.config import CacheOptions
-from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady
+from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 from deployments.runtime.residency.gate import Gate
@@ -121,28 +121,84 @@ def test_a_config_error_reported_by_a_replica_becomes_400():
 
 # --- the router's routes ----------------------------------------------------------------------
 
-class FakeControlClient:
-    """``ModelClient``'s interface, with a control deployment whose every replica applies a
-    change at once (reports as the pool replica would)."""
+class MemoryStore:
+    """``control.StateStore`` in memory, JSON round-tripped as the GCS store's; it outlives the
+    control deployments made over it, as the GCS outlives a control replica."""
 
-    def __init__(self, repo: ModelRepository) -> None:
+    def __init__(self) -> None:
+        self.raw: str | None = None
+
+    def load(self) -> dict[str, Any] | None:
+        return None if self.raw is None else json.loads(self.raw)
+
+    def save(self, state: dict[str, Any]) -> None:
+        self.raw = json.dumps(state)
+
+
+class Remote:
+    """A handle's ``method.remote(*args)`` over a plain object (awaitable, as a handle's)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def __getattr__(self, method: str) -> Any:
+        async def call(*args: Any) -> Any:
+            return getattr(self.target, method)(*args)
+
+        return type("Method", (), {"remote": staticmethod(call)})
+
+
+Control = ControlDeployment.func_or_class  # the class under Serve's decorator
+
+
+class FakeReplica:
+    """A pool replica's model control: a real ``Follower`` whose ``apply`` loads or unloads
+    at once, or fails a load with ``fail``; ``held``: it does not poll (a slow load)."""
+
+    def __init__(self, replica: str, control: Any, initial: Desired) -> None:
+        self.follower = Follower(control, initial, self.apply, replica=replica, deployment="pool")
+        self.fail: ServingError | None = None
+        self.held = False
+
+    def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
+        return {name: outcome(self.fail if state["loaded"] else None, state["loaded"], "onnxruntime")
+                for name, state in changed.items()}
+
+
+class FakeControlClient:
+    """``ModelClient``'s interface over a real ``ControlDeployment`` (its state in a
+    ``MemoryStore``) and pool replicas ``replicas`` (``FakeReplica``, real followers), of which
+    Serve counts ``running`` RUNNING. Every ``control_applied`` is one poll of every replica
+    not held (time passing)."""
+
+    def __init__(self, repo: ModelRepository, initial: Desired | None = None) -> None:
         self.pool_models = set(repo.names())
         self.dedicated: dict[str, Any] = {}
         self.pool = object()
-        self.revision = 0
-        self.desired = initial_state({n: "pool" for n in repo.names()}, set())
-        self.load_s = 0.0  # how long the replicas take to apply a load
+        self.initial = initial or initial_state({n: "pool" for n in repo.names()}, set())
+        self.store = MemoryStore()
+        self.control = Control(self.initial, store=self.store)
+        self.replicas = {"r1": FakeReplica("r1", Remote(self.control), self.initial)}
+        self.running = {"r1"}
 
-    async def control_set(self, name: str, loaded: bool, placement: str) -> int:
-        self.revision += 1
-        self.desired[name] = {"loaded": loaded, "placement": placement, "generation": self.revision}
-        return self.revision
+    @property
+    def desired(self) -> Desired:
+        return self.control.models
 
-    async def control_applied(self, name: str, placement: str, revision: int):
-        if self.desired[name]["loaded"]:
-            await asyncio.sleep(self.load_s)
-        line = outcome(None, self.desired[name]["loaded"], "onnxruntime")
-        return [{"replica": "r1", "revision": revision, "models": {name: line}}], 1
+    async def poll(self) -> None:
+        for replica in self.replicas.values():
+            if not replica.held:
+                await replica.follower.sync()
+
+    async def control_desired(self) -> dict[str, Any]:
+        return self.control.desired()
+
+    async def control_set(self, name: str, loaded: bool, placement: str) -> dict[str, Any]:
+        return self.control.set(name, loaded, placement)
+
+    async def control_applied(self, name: str, placement: str, state: dict[str, Any]):
+        await self.poll()
+        return self.control.applied("pool", state), frozenset(self.running)
 
     async def pool_states(self) -> dict[str, dict[str, Any]]:
         return {n: {"state": "absent", "evictions": 0, "backend": "onnxruntime"} for n in self.pool_models}
@@ -150,7 +206,7 @@ class FakeControlClient:
 
 def router(repo: ModelRepository, explicit: bool) -> TestClient:
     client = FakeControlClient(repo)
-    initial = client.desired if explicit else None
+    initial = client.initial if explicit else None
     app = RouterApp(repo, client, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=initial)
     return TestClient(app.build_app(), raise_server_exceptions=False)
 
@@ -190,12 +246,13 @@ def test_a_load_and_an_unload_at_once_end_in_the_state_the_replicas_keep(root):
     200 while requests got 503 "unloaded", until its next poll)."""
     repo = ModelRepository(root)
     client = FakeControlClient(repo)
-    client.load_s = 0.3  # the load is still being applied when the unload arrives
-    app = RouterApp(repo, client, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=client.desired)
+    client.replicas["r1"].held = True  # the load is still being applied when the unload arrives
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=client.initial)
     with TestClient(app.build_app(), raise_server_exceptions=False) as http:  # one event loop
         with ThreadPoolExecutor(2) as threads:
             load = threads.submit(http.post, "/v2/repository/models/simple/load")
             time.sleep(0.1)
+            client.replicas["r1"].held = False
             unload = threads.submit(http.post, "/v2/repository/models/simple/unload")
             assert (load.result().status_code, unload.result().status_code) == (200, 200)
         assert client.desired["simple"]["loaded"] is False  # the unload came last
@@ -212,10 +269,9 @@ def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_
     (root / "pipe").mkdir()
     (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
     repo = ModelRepository(root)
-    control = FakeControlClient(repo)
+    control = FakeControlClient(repo, initial_state({"simple": "pool", "pipe": "pipeline"}, {"simple", "pipe"}))
     control.pool_models.discard("pipe")
-    control.desired = initial_state({"simple": "pool", "pipe": "pipeline"}, {"simple", "pipe"})
-    app = RouterApp(repo, control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=control.desired)
+    app = RouterApp(repo, control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=control.initial)
     app.ready_models.add("pipe")  # its replica answered
     client = TestClient(app.build_app(), raise_server_exceptions=False)
     assert client.get("/v2/models/pipe/ready").json() == {"name": "pipe", "ready": True}
@@ -234,7 +290,7 @@ def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_
     del raw["parameters"]["steps"]
     (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
     app = RouterApp(ModelRepository(root), control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5),
-                    initial=control.desired)
+                    initial=control.initial)
     app.ready_models.add("pipe")
     app.steps["pipe"] = ("simple",)
     app.loaded.discard("simple")
@@ -302,3 +358,215 @@ def test_the_cache_timeline_shows_warmup_apart_from_the_load(root):
     np.testing.assert_array_equal(cache.infer("warm", PAIR)["OUTPUT0"], PAIR["INPUT0"] + 1)
     cache.close()
 
+
+
+# --- applied on every RUNNING replica, rolled back on failure, kept across restarts --------------
+
+def explicit_router(root: Path, timeout_s: float = 5.0) -> tuple[RouterApp, FakeControlClient, TestClient]:
+    repo = ModelRepository(root)
+    fake = FakeControlClient(repo)
+    app = RouterApp(repo, fake, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=timeout_s),
+                    initial=fake.initial)
+    return app, fake, TestClient(app.build_app(), raise_server_exceptions=False)
+
+
+def test_a_load_answers_once_every_running_replica_applied_it_not_a_count_of_reports(root):
+    """A draining replica's report stood in for the running one that had not applied the load
+    (``len(reports) >= running``): the load answered 200 while the running replica still
+    answered 404 "not loaded". The running replica's own report is needed."""
+    app, fake, http = explicit_router(root)
+    fake.replicas["old"] = FakeReplica("old", Remote(fake.control), fake.initial)  # draining: not RUNNING
+    fake.running = {"r1"}
+    fake.replicas["r1"].held = True
+    polls = []
+
+    async def applied(name, placement, state):
+        polls.append(len(polls))
+        fake.replicas["r1"].held = len(polls) < 4  # the running replica applies at the 4th poll
+        return await FakeControlClient.control_applied(fake, name, placement, state)
+
+    fake.control_applied = applied
+    r = http.post("/v2/repository/models/simple/load")
+    assert r.status_code == 200, r.text
+    assert fake.replicas["r1"].follower.state == {"incarnation": fake.control.incarnation, "revision": 1}
+    assert len(polls) == 4
+
+
+def test_a_load_that_times_out_and_fails_later_is_rolled_back_with_its_reason_and_a_later_load_retries(root):
+    """The load outlived its request (504), then failed on the replica: the index showed READY
+    and infer went on to the replica, which answered 503 "unloaded". Now: LOADING while it
+    loads, then UNAVAILABLE with the failure as the reason (index and infer); the next load tries
+    again on every replica."""
+    app, fake, http = explicit_router(root, timeout_s=0.3)
+    replica = fake.replicas["r1"]
+    replica.held = True
+    r = http.post("/v2/repository/models/simple/load")
+    assert r.status_code == 504, r.text
+    assert r.json()["error"].startswith("failed to load 'simple' within 0.3 s on every replica "
+                                        "(0 of 1 running replicas done); it goes on")
+    (item,) = http.post("/v2/repository/index").json()  # at once, and after the routers' next pass
+    assert item["state"] == "LOADING"
+    asyncio.run(app.follow_desired(fake.control.desired()))
+    (item,) = http.post("/v2/repository/index").json()
+    assert item["state"] == "LOADING"
+
+    replica.held, replica.fail = False, OverBudget("model 'simple' needs 9.0 MiB, more than the budget of 8.0 MiB")
+    asyncio.run(app.follow_desired(fake.control.desired()))  # a poll: the replica's load fails
+    asyncio.run(app.follow_desired(fake.control.desired()))
+    reason = "failed to load: model 'simple' needs 9.0 MiB, more than the budget of 8.0 MiB"
+    assert fake.desired["simple"] == {"loaded": False, "placement": "pool", "generation": 1, "reason": reason}
+    assert http.post("/v2/repository/index").json() == [
+        {"name": "simple", "version": "1", "state": "UNAVAILABLE", "reason": reason}]
+    r = http.post("/v2/models/simple/infer", json={"inputs": []})
+    assert r.status_code == 503
+    assert r.json()["error"] == (f"Request for unknown model: 'simple' has no available versions; it is not loaded: "
+                                 f"{reason}; POST /v2/repository/models/simple/load tries again")
+
+    replica.fail = None
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    assert fake.desired["simple"]["loaded"] and replica.follower.outcomes["simple"]["loaded"]
+    assert http.get("/v2/models/simple/ready").status_code == 200
+
+
+def test_a_load_that_fails_at_once_answers_the_replica_error_and_leaves_the_reason(root):
+    app, fake, http = explicit_router(root)
+    fake.replicas["r1"].fail = OverBudget("model 'simple' needs 9.0 MiB")
+    r = http.post("/v2/repository/models/simple/load")
+    assert (r.status_code, r.json()["error"]) == (503, "failed to load 'simple': model 'simple' needs 9.0 MiB")
+    assert http.post("/v2/repository/index").json()[0]["reason"] == "failed to load: model 'simple' needs 9.0 MiB"
+
+
+def test_a_restarted_control_replica_keeps_run_time_changes_and_no_replica_skips_the_next(root):
+    """Its revision restarted at 0 from the build-time state: a replica that had applied
+    revision 1 skipped the next change. The state now comes back from the store, incarnation
+    and revision included, and the next change reaches every replica."""
+    fake = FakeControlClient(ModelRepository(root))
+    replica = fake.replicas["r1"]
+    fake.control.set("simple", True, "pool")
+    asyncio.run(fake.poll())
+    assert replica.follower.applied["simple"]["loaded"]
+    before = fake.control.desired()
+
+    restarted = Control(fake.initial, store=fake.store)  # Serve starts a new control replica
+    assert restarted.desired() == before
+    replica.follower.control = Remote(restarted)
+    restarted.set("simple", False, "pool")
+    asyncio.run(replica.follower.sync())
+    assert replica.follower.applied["simple"]["loaded"] is False
+    assert replica.follower.outcomes["simple"]["loaded"] is False
+    assert restarted.applied("pool", {"incarnation": before["incarnation"], "revision": 2})
+
+
+def test_a_new_deploy_starts_from_the_build_time_state_under_a_new_incarnation(root):
+    """A replica that applied revision 1 of another incarnation applies the differences from it."""
+    fake = FakeControlClient(ModelRepository(root))
+    replica = fake.replicas["r1"]
+    fake.control.set("simple", True, "pool")
+    asyncio.run(fake.poll())
+    redeployed = Control(fake.initial, store=MemoryStore())  # a new build's store: nothing in it
+    redeployed.set("other", True, "pool")  # revision 1 again, of another incarnation
+    assert redeployed.incarnation != fake.control.incarnation and redeployed.revision == 1
+    replica.follower.control = Remote(redeployed)
+    asyncio.run(replica.follower.sync())
+    assert replica.follower.applied["simple"]["loaded"] is False and replica.follower.applied["other"]["loaded"]
+
+
+def test_a_change_the_store_refused_is_not_made():
+    """A change is stored before it is answered or applied: a control replica that dies (or a
+    store that fails) in between loses nothing it answered."""
+    class Failing(MemoryStore):
+        def save(self, state: dict[str, Any]) -> None:
+            if state["revision"]:
+                raise ConnectionError("GCS unavailable")
+            super().save(state)
+
+    control = Control(initial_state({"m": "pool"}, set()), store=Failing())
+    with pytest.raises(ConnectionError):
+        control.set("m", True, "pool")
+    assert control.desired()["revision"] == 0 and control.desired()["models"]["m"]["loaded"] is False
+
+
+# --- Follower.first_sync ------------------------------------------------------------------------
+
+def test_first_sync_gives_up_on_an_unreachable_control_replica_after_its_bound():
+    class Unreachable:
+        class desired:
+            @staticmethod
+            async def remote() -> None:
+                await asyncio.Event().wait()  # never answers
+
+    async def scenario() -> tuple[float, bool]:
+        follower = Follower(Unreachable(), {}, lambda changed: {}, replica="r", deployment="pool")
+        follower.task = asyncio.create_task(follower.run())
+        start = time.monotonic()
+        await follower.first_sync(timeout_s=0.5)
+        follower.task.cancel()
+        return time.monotonic() - start, follower.synced
+
+    waited_s, synced = asyncio.run(scenario())
+    assert 0.5 <= waited_s < 5 and not synced
+
+
+def test_first_sync_waits_for_a_load_longer_than_its_bound_once_the_state_was_read(root):
+    """The bound is for reading the state: a load slower than it is waited for (a replacement
+    replica served 503 "reading the model control state" until its load ended)."""
+    fake = FakeControlClient(ModelRepository(root))
+    fake.control.set("simple", True, "pool")
+    loads = []
+
+    def slow_apply(changed: Desired) -> dict[str, dict[str, Any]]:
+        time.sleep(1.0)
+        loads.append(sorted(changed))
+        return {name: outcome(None, True, "onnxruntime") for name in changed}
+
+    async def scenario() -> bool:
+        follower = Follower(Remote(fake.control), fake.initial, slow_apply, replica="new", deployment="pool")
+        follower.task = asyncio.create_task(follower.run())
+        await follower.first_sync(timeout_s=0.2)
+        follower.task.cancel()
+        return follower.synced
+
+    assert asyncio.run(scenario()) and loads == [["simple"]]
+
+
+# --- a new version of a loaded pool model -------------------------------------------------------
+
+def test_a_request_labelled_with_a_version_the_cache_no_longer_runs_is_refused(tmp_path):
+    """The cache ran version 1's engine for requests labelled version 2 after a load read a new
+    version folder; a request is now run only on the version its answer is labelled with."""
+    from .test_versions import versioned_repository
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    repo = ModelRepository(root)
+    cache = ModelCache(repo, ["cnn"], CacheOptions(load_policy="lazy"))
+    x = {"input": np.zeros((1, 3, 224, 224), np.float32)}
+    asyncio.run(cache.infer_async("cnn", x, version=1))
+    versioned_repository(tmp_path, {2: 5}, None)
+    cache.unload("cnn")
+    cache.add(repo.read("cnn"), enabled=False)
+    cache.load("cnn")
+    with pytest.raises(ModelNotReady, match="^model 'cnn' version 1 is no longer served by this replica: a load "
+                                            "replaced it with version 2; send the request again$"):
+        asyncio.run(cache.infer_async("cnn", x, version=1))
+    assert asyncio.run(cache.infer_async("cnn", x, version=2))["logits"].shape == (1, 1000)
+    cache.close()
+
+
+def test_the_index_does_not_show_ready_a_pool_model_whose_requests_answer_503_for_want_of_a_replica(root):
+    """The index took a pool model's state from one pool replica's cache alone: READY (a
+    replacement replica had it resident) while the router, not yet counting that replica
+    RUNNING, answered its requests 503 "no running replica"."""
+    app, fake, http = explicit_router(root)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+
+    async def resident() -> dict[str, dict[str, Any]]:
+        return {"simple": {"state": "ready", "evictions": 0, "backend": "onnxruntime"}}
+
+    fake.pool_states = resident
+    assert http.post("/v2/repository/index").json()[0]["state"] == "READY"
+    app.refresh_ready({"simple": 1})
+    app.refresh_ready({"simple": 0})  # the pool replica died; its replacement is not counted yet
+    assert http.post("/v2/models/simple/infer", json={"inputs": []}).status_code == 503
+    assert http.post("/v2/repository/index").json() == [
+        {"name": "simple", "version": "1", "state": "UNAVAILABLE",
+         "reason": "the pool has no running replica; retry shortly"}]

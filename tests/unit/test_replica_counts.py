@@ -54,3 +54,13 @@ def test_outside_a_replica_only_the_handles_count():
     assert counts == ReplicaCounts({"ocr_cls": 1})
     assert replica_counts({}, {"ocr_cls": DEPLOYMENTS["ocr_cls"]}) == ReplicaCounts({"ocr_cls": 0},
                                                                                    missing=frozenset({"ocr_cls"}))
+
+
+def test_the_running_replicas_are_named_by_id_for_model_control():
+    """A load waits for the RUNNING replicas by id (``control.applied_everywhere``): a starting or
+    stopping replica is not one of them."""
+    pool = {"replicas": [{"state": "RUNNING", "replica_id": "a"}, {"state": "STARTING", "replica_id": "b"},
+                         {"state": "STOPPING", "replica_id": "c"}]}
+    counts = replica_counts(details(**{"models.pool": {"status": "RUNNING", "deployments": {"pool": pool}}}),
+                            {"tiny_cnn": ("models.pool", "pool")})
+    assert (counts.running, counts.running_ids) == ({"tiny_cnn": 1}, {"tiny_cnn": frozenset({"a"})})

@@ -56,7 +56,7 @@ class FakeModelClient:
         self.backend_delay_s = 0.0
 
     async def infer(self, name: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
-                    key: str | None = None):
+                    key: str | None = None, version: int | None = None):
         self.calls.append((name, inputs, outputs))
         self.keys.append(key)
         await asyncio.sleep(self.delay_s)

@@ -92,9 +92,13 @@ def unknown_model(name: str, detail: str, version: str | None = None) -> ModelNo
     return ModelNotFound(f"Request for unknown model: {what} is not found; {detail}")
 
 
-def unloaded_model(name: str) -> ModelNotReady:
-    """``ModelNotReady`` for a model unloaded through the repository API, in Triton's words
-    (``ModelLifeCycle::GetModel``: a known model with no version loaded), our detail after."""
+def unloaded_model(name: str, reason: str | None = None) -> ModelNotReady:
+    """``ModelNotReady`` for a model unloaded through the repository API (or whose load failed:
+    ``reason`` says why), in Triton's words (``ModelLifeCycle::GetModel``: a known model with no
+    version loaded), our detail after."""
+    if reason is not None:
+        return ModelNotReady(f"Request for unknown model: '{name}' has no available versions; it is not loaded: "
+                             f"{reason}; POST /v2/repository/models/{name}/load tries again")
     return ModelNotReady(f"Request for unknown model: '{name}' has no available versions; it is unloaded: "
                          f"POST /v2/repository/models/{name}/load loads it")
 

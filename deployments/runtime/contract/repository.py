@@ -145,6 +145,11 @@ class ModelRepository:
         self._entries[name] = entry
         return entry
 
+    def take(self, entry: ModelEntry) -> None:
+        """Serve ``entry`` from now on: one that ``read`` gave another index of the same root,
+        so that both describe the same reading of the folder."""
+        self._entries[entry.name] = entry
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 

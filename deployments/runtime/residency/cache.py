@@ -310,14 +310,26 @@ class ModelCache:
             return host.run(inputs, wanted)
 
     async def infer_async(self, name: str, inputs: Mapping[str, np.ndarray],
-                          outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+                          outputs: Iterable[str] | None = None, version: int | None = None) -> dict[str, np.ndarray]:
         """Async ``infer``: the load wait and the run happen in threads. If the calling task is
         cancelled, the run still finishes in its thread and releases the model then.
 
-        Raises: as ``infer``.
+        ``version``: the version the answer will be labelled with; the request runs only on that
+        version's engine, and on the very entry it was validated against (``add`` may replace
+        an unloaded entry while the request waits: a new version or config read at a load).
+
+        Raises: as ``infer``; ``ModelNotReady`` when the entry was replaced, or serves another
+        version than ``version``.
         """
-        wanted = validate_request(self._slot(name).host.config, inputs, outputs)
+        expected = self._slot(name).host
+        wanted = validate_request(expected.config, inputs, outputs)
         host = await self._checkout_async(name)
+        if host is not expected or (version is not None and host.version != version):
+            self._release(name)
+            served = f"version {host.version}" if host is expected else "a new reading of its folder"
+            raise ModelNotReady(f"model '{name}' version {version if version is not None else expected.version} is "
+                                f"no longer served by this replica: a load replaced it with {served}; "
+                                "send the request again")
         loop = asyncio.get_running_loop()
 
         def run() -> dict[str, np.ndarray]:
