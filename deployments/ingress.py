@@ -62,6 +62,7 @@ from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInpu
                                       ModelNotReady, PayloadTooLarge, RequestTimeout, ServingError, unknown_model,
                                       unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
+from .states import LOADED, ModelStates, Status
 
 logger = logging.getLogger("ray.serve")
 
@@ -159,8 +160,6 @@ class RouterApp:
         # Backend per model (onnxruntime, onnxruntime_cuda, tensorrt, pipeline): dedicated replicas
         # report theirs when ready, the pool the one its replicas use (asked on first need).
         self.backends: dict[str, str] = {}
-        # Dedicated deployments are "loading" until a replica answers; pool models load on demand.
-        self.ready_models: set[str] = set(self.client.pool_models)
         self._seen_running: set[str] = set()  # models Serve has counted with a RUNNING replica
         self.missing: set[str] = set()  # dedicated models whose application is not deployed (note_missing)
         self._running: dict[str, int] = {}  # model -> RUNNING replicas in the latest count
@@ -170,10 +169,9 @@ class RouterApp:
         # Pipeline -> its step models, where the pipeline itself says (its replica: the built
         # pipeline's ``steps``, defaults included); else its config's ``parameters.steps``.
         self.steps: dict[str, Sequence[str]] = {}
-        self.loaded: set[str] = set(repo.names()) if initial is None else {
-            name for name, state in initial.items() if state["loaded"]}
-        # Unloaded through the API: model -> None (index reason "unloaded"), or why its load failed.
-        self.unloaded: dict[str, str | None] = {}
+        # Dedicated deployments are LOADING until a replica answers; pool models load on demand.
+        self.states = ModelStates(repo.names() if initial is None else [
+            name for name, state in initial.items() if state["loaded"]], self.client.pool_models)
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while this router acts
         self._probes: dict[str, asyncio.Future[bool]] = {}  # model -> the backend call in flight
         self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
@@ -207,9 +205,9 @@ class RouterApp:
     # --- readiness -------------------------------------------------------------------------
     async def poll_ready(self) -> None:
         """Mark each dedicated model ready once a replica answers; returns when all have."""
-        pending = set(self.client.dedicated) & self.loaded  # explicit control: loaded at start
+        pending = {name for name in self.client.dedicated if self.states.is_loaded(name)}  # explicit control
         while pending:
-            pending &= self.loaded
+            pending = {name for name in pending if self.states.is_loaded(name)}
             for name in sorted(pending):
                 if await self._probe(name):
                     pending.discard(name)
@@ -233,7 +231,7 @@ class RouterApp:
             self.backends[name] = await asyncio.wait_for(self.client.backend(name), _READY_POLL_S)
         except Exception:  # no replica yet, or still loading
             return False
-        self.ready_models.add(name)
+        self.states.answered(name)
         return True
 
     async def _backend(self, entry: ModelEntry) -> str:
@@ -311,11 +309,13 @@ class RouterApp:
             if lock is not None and lock.locked():
                 continue
             if not state["loaded"]:
-                if name in self.loaded or name in self.changing or self.unloaded.get(name) != state.get("reason"):
+                now = self.states.get(name)
+                unloaded_reason = now.reason if now.status is Status.UNLOADED else None
+                if now.status in LOADED or name in self.changing or unloaded_reason != state.get("reason"):
                     self.changing.pop(name, None)
                     self._mark_unloaded(name, state.get("reason"))
                 continue
-            if name in self.loaded:
+            if self.states.is_loaded(name):
                 continue
             try:
                 entry = self.repo.get(name) if name in self.repo.names() else self.repo.read(name)
@@ -353,11 +353,10 @@ class RouterApp:
                 self._seen_running.add(name)
                 if name in self.client.dedicated and name not in self.backends:
                     continue  # never answered yet: poll_ready decides
-                self.ready_models.add(name)
-            elif (name in self._seen_running or name in answered) and name in self.ready_models:
+                self.states.answered(name)
+            elif (name in self._seen_running or name in answered) and self.states.lost(name):
                 logger.log(logging.INFO if name in stopped else logging.WARNING,
                            "model '%s' has no running replica: not ready (503) until one runs", name)
-                self.ready_models.discard(name)
 
     def _entry(self, request: Request) -> ModelEntry:
         """The model a request names (its version checked: ``_entry_version``).
@@ -404,9 +403,10 @@ class RouterApp:
         if self.follower is not None and not self.follower.synced:
             return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
                                  "control state (a load or unload made since it started); retry shortly")
-        if entry.name not in self.loaded:
-            if entry.name in self.unloaded:
-                return unloaded_model(entry.name, self.unloaded[entry.name])
+        state = self.states.get(entry.name)
+        if state.status not in LOADED:
+            if state.status is Status.UNLOADED:
+                return unloaded_model(entry.name, state.reason)
             return unknown_model(entry.name, f"it is in the repository but not loaded: "
                                  f"POST /v2/repository/models/{entry.name}/load loads it")
         if entry.name in self.missing:
@@ -414,7 +414,7 @@ class RouterApp:
         if down := self._unloaded_steps(entry):
             return ModelNotReady(f"model '{entry.name}' is not ready: its step model(s) {down} are not loaded; "
                                  f"POST /v2/repository/models/{down[0]}/load loads it")
-        if entry.name in self.ready_models:
+        if state.status is Status.READY:
             return None
         return ModelNotReady(
             f"model '{entry.name}' is not ready: its deployment is starting, stopping or has no "
@@ -428,7 +428,7 @@ class RouterApp:
         if self.initial is None or not entry.config.pipeline:
             return []
         steps = self.steps.get(entry.name) or (entry.config.parameters or {}).get("steps") or []
-        return [step for step in steps if isinstance(step, str) and step not in self.loaded]
+        return [step for step in steps if isinstance(step, str) and not self.states.is_loaded(step)]
 
     def _require_ready(self, entry: ModelEntry) -> None:
         error = self._not_ready(entry)
@@ -439,8 +439,8 @@ class RouterApp:
         """Whether ``name`` is a loaded dedicated model (or pipeline) this router has never seen
         answer: Serve can report the application RUNNING, and send requests here, before
         ``poll_ready``'s next pass has seen its replica, so callers ask it first (``_probe``)."""
-        return (name in self.client.dedicated and name in self.loaded
-                and name not in self.backends and name not in self.ready_models)
+        return (name in self.client.dedicated and self.states.status(name) is Status.LOADING
+                and name not in self.backends)
 
     async def _ready_error(self, entry: ModelEntry) -> ServingError | None:
         """``_not_ready``, after asking the replicas of a model this router has never seen
@@ -502,7 +502,7 @@ class RouterApp:
                                                 "their applications are not deployed; the Serve config must list "
                                                 "them (python -m deployments.check --write serve_config.yaml writes "
                                                 "them)"), log=False)
-        loading = sorted((set(self.repo.names()) & self.loaded) - self.ready_models)
+        loading = sorted(set(self.repo.names()) & self.states.names(Status.LOADING))
         if loading:  # a probe's answer, not a failure: kept off the terminal (deployments.logs)
             return error_response(ModelNotReady(f"server not ready: models still loading: {loading}"), log=False)
         return JSONResponse({"ready": True})
@@ -549,16 +549,17 @@ class RouterApp:
             for version in self._served(entry):
                 index.append(self._index_item(entry, version, pool.get(entry.key(version))))
         if self.initial is not None:  # folders added since start, not read yet
-            index += [{"name": name, "state": "UNAVAILABLE", "reason": self._unavailable_reason(name)}
+            index += [{"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
                       for name in self.repo.folders() if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
 
     def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
         """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
+        state = self.states.get(entry.name)
         item = {"name": entry.name, "version": str(version),
-                "state": "READY" if entry.name in self.ready_models else "LOADING"}
-        if cached is not None and entry.name not in self.ready_models:  # as its requests: 503 until one runs
+                "state": "READY" if state.status is Status.READY else "LOADING"}
+        if cached is not None and state.status is not Status.READY:  # as its requests: 503 until one runs
             item["state"], item["reason"] = "UNAVAILABLE", "the pool has no running replica; retry shortly"
         elif cached is not None:
             item["state"], item["reason"] = _POOL_STATES[cached["state"]]
@@ -566,14 +567,9 @@ class RouterApp:
                 item["reason"] = "evicted from the pool replica's cache; loads on next request"
         if entry.name in self.changing:
             item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
-        elif entry.name not in self.loaded:
-            item["state"], item["reason"] = "UNAVAILABLE", self._unavailable_reason(entry.name)
+        elif state.status not in LOADED:
+            item["state"], item["reason"] = state.status.index_state, state.index_reason
         return item
-
-    def _unavailable_reason(self, name: str) -> str:
-        if name in self.unloaded:
-            return self.unloaded[name] or "unloaded"
-        return f"not loaded: POST /v2/repository/models/{name}/load loads it"
 
     # --- model control (Triton's model repository extension; deployments.control) ----------
     def _control(self, request: Request, verb: str) -> str:
@@ -616,16 +612,11 @@ class RouterApp:
             self.backends[entry.name] = backend
         if self.observer is not None:
             self.observer.versions[entry.name] = str(entry.latest)
-        self.ready_models.add(entry.name)
-        self.loaded.add(entry.name)
-        self.unloaded.pop(entry.name, None)
+        self.states.loaded(entry.name)
 
     def _mark_unloaded(self, name: str, reason: str | None = None) -> None:
         """``reason``: why its load failed (None: unloaded through the API)."""
-        self.unloaded[name] = reason  # first: a request read in between (another thread) answers "unloaded"
-        self.loaded.discard(name)
-        if name in self.client.dedicated:
-            self.ready_models.discard(name)
+        self.states.unloaded(name, reason)
 
     async def _wait_applied(self, name: str, placement: str, state: dict[str, Any], verb: str) -> list[dict[str, Any]]:
         """The reports once every replica Serve counts RUNNING in the deployment serving
@@ -728,7 +719,7 @@ class RouterApp:
         """Resident memory: the cache of one pool replica (status + load/evict timeline; the
         ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
         engines = [n for n in sorted(self.client.dedicated)
-                   if n in self.ready_models and n in self.loaded and not self.repo.get(n).config.pipeline]
+                   if self.states.is_ready(n) and not self.repo.get(n).config.pipeline]
         calls = [self.client.memory(n) for n in engines]
         if self.client.pool is not None:
             calls.append(self.client.pool_memory())
@@ -811,7 +802,7 @@ class RouterApp:
         try:
             return await asyncio.wait_for(call, timeout_s + grace_s)
         except asyncio.TimeoutError:
-            if name not in self.ready_models:  # it lost its replicas while the request waited
+            if not self.states.is_ready(name):  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
             raise timeout_error(name, timeout_s, asked) from None
 
@@ -912,7 +903,10 @@ class ModelRoutes(RouterApp):
     def step_changed(self, name: str, loaded: bool) -> None:
         """A step model of this pipeline was loaded or unloaded through the repository API: the
         pipeline answers 503 naming it while it is not loaded (``_unloaded_steps``)."""
-        (self.loaded.add if loaded else self.loaded.discard)(name)
+        if loaded:
+            self.states.loaded(name)
+        else:
+            self.states.unloaded(name)
 
     def build_app(self) -> Starlette:
         app = super().build_app()
@@ -956,7 +950,7 @@ class PoolRoutes(RouterApp):
         """As the router's, and for a model that is not the pool's (a dedicated model or
         pipeline: its own application's route is longer), 503 naming that application: it is
         not routed, so not deployed, or starting or stopping."""
-        if entry.name in self.loaded and entry.name not in self.client.pool_models:
+        if self.states.is_loaded(entry.name) and entry.name not in self.client.pool_models:
             app = model_application(self.router_app, entry.name)
             return ModelNotReady(
                 f"model '{entry.name}' is not served: its application '{app}' "
