@@ -19,7 +19,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from deployments.ingress import RouterApp, RouterOptions
+from deployments.ingress import RouterApp
+from deployments.routes import RouterOptions
 from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome
 from deployments.runtime.contract.config import CacheOptions
 from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError

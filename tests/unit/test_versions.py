@@ -107,7 +107,9 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     """After an unload, or while the model is loaded: a load of a pool model whose folder has a
     new version kept running version 1's engine under the label of version 2 (the cache skipped
     a model it served while the routes read the folder again)."""
-    from deployments.ingress import ModelRoutes, PoolClient, PoolRoutes, RouterOptions
+    from deployments.adapters import PoolAdapter
+    from deployments.replica_routes import ModelRoutes, PoolRoutes
+    from deployments.routes import RouterOptions
     from deployments.states import ModelState, Status
     from deployments.model import ModelDeployment
     from deployments.pool import PoolDeployment
@@ -120,7 +122,7 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     pool.cache = ModelCache(pool.repo)
     pool.entries, pool.keys, pool.versions = {"cnn": pool.repo.get("cnn")}, {"cnn": ("cnn", 1)}, {"cnn": 1}
     pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
-    pool.routes = PoolRoutes(ModelRepository(root), PoolClient(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
+    pool.routes = PoolRoutes(ModelRepository(root), PoolAdapter(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
     pool.cache.load("cnn")
     dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     dedicated.repo = ModelRepository(root)
