@@ -21,10 +21,10 @@ class Admission:
     With ``timeout_s`` (the application's ``request_timeout_s``) a request is also shed when the
     requests already held would take longer than ``SHED_FRACTION`` of it to clear at the rate
     this replica answers: it would only wait to be answered 504. The bounds count requests,
-    and a slow model (the OCR pipeline on 2 cores: ~3.4 images/s) holds more than it serves in
-    60 s (300 concurrent images: 88 answered 504 after 60 s, none 503). The margin covers the
+    and a slow model (the OCR pipeline on a small CPU machine) can hold more than it serves
+    within the timeout: then every request is answered 504 and none 503. The margin covers the
     time a request spends before it is admitted (its body read by a busy replica: seconds under
-    overload) and the rate falling as load grows (2.8 images/s at 40 clients, 1.8-2.3 at 250).
+    overload) and the rate falling as load grows.
     The rate is the current busy period's once ``RATE_MIN_DONE`` requests finished over
     ``RATE_MIN_S`` seconds of it, until then the last busy period's (the opening burst of an
     overload is judged by it); none before the first, or after ``RATE_STALE_S`` without an

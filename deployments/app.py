@@ -112,9 +112,9 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     docstring): like a dedicated model's, each holds ``max_ongoing_requests`` +
     ``max_queued_requests`` requests of its models together and sheds the next with this app's
     error body (``admission.Admission``; Serve's own bounds are set far above). ``max_queued_requests``
-    defaults to 512, not a dedicated model's 128: one replica holds many models' clients (H200,
-    tiny_cnn at 256 clients through the router: 116-186 of ~1,600 requests shed with 128, none
-    with 1024 at the same QPS; docs/lab-notes.md, "Overload on the GPU")."""
+    defaults to 512, not a dedicated model's 128: one replica holds many models' clients, and
+    on a GPU 128 shed requests that a longer queue served at the same rate (docs/lab-notes.md,
+    "Overload on the GPU")."""
 
     max_queued_requests: int = Field(512, ge=-1)
 

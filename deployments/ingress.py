@@ -77,7 +77,7 @@ class Router(RouterApp):
         # under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): one made where the application was built has
         # that process's default, fixed when it imported Ray Serve (bench.throughput's server
         # imported it before setting the environment: every pool body went by reference,
-        # through the object store, 42% of the router's event loop).
+        # through the object store, a large share of the router's event loop).
         pool_models = list(pool_models)
         pool = pool_handle(app) if pool_models else None
         client = ModelClient(model_handles(app, dedicated), pool, pool_models, control)
