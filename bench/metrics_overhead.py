@@ -118,7 +118,7 @@ def _recording_cost_us(requests: int) -> dict[str, float]:
 
     response = Response(b"", 200)
 
-    class Router:  # the router's infer route as deployments.ingress has it, without the work
+    class Router:  # the infer route as deployments.routes has it (every replica's), without the work
         def __init__(self, observer: RouterObserver | None) -> None:
             self.observer = observer
 

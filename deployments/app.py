@@ -10,11 +10,11 @@ The router application (``args`` without ``model``): the ``Router`` ingress for 
 the control deployment of explicit model control. One application per dedicated model (pipelines
 included), ``args`` with ``model: <name>``, named ``<router application>.<name>`` at route prefix
 ``<router prefix>/v2/models/<name>``: its replicas are the ingress of that model's routes
-(``ingress.ModelRoutes``), so a request for a hot model reaches a replica that runs it in one hop.
+(``replica_routes.ModelRoutes``), so a request for a hot model reaches a replica that runs it in one hop.
 With pool models (``mode: pool``), the multiplexed pool's application, ``args`` with ``model:
 pool``, named ``<router application>.pool`` at ``<router prefix>/v2/models``: the ingress (longest
 route prefix first) sends every other model's requests to a pool replica, which decodes, runs and
-answers them (``ingress.PoolRoutes``), and HAProxy picks the replica by the model's name
+answers them (``replica_routes.PoolRoutes``), and HAProxy picks the replica by the model's name
 (``loopback.hash_pool_models``), so a model's requests find the replica that has it loaded.
 ``applications`` lists them all; ``python -m deployments.check`` checks that ``serve_config.yaml``
 lists the same (``--write`` writes them), and the router finds the others by those names.
@@ -51,7 +51,8 @@ from ray.serve.exceptions import RayServeException
 
 from .client import POOL, deployment_name, model_application
 from .control import ControlDeployment, Desired, initial_state
-from .ingress import Router, RouterOptions
+from .ingress import Router
+from .routes import RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
 from .observe.options import MetricsOptions
@@ -110,10 +111,10 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     The pool's replicas are the ingress of its application (``deployments.app`` module
     docstring): like a dedicated model's, each holds ``max_ongoing_requests`` +
     ``max_queued_requests`` requests of its models together and sheds the next with this app's
-    error body (``ingress.Admission``; Serve's own bounds are set far above). ``max_queued_requests``
-    defaults to 512, not a dedicated model's 128: one replica holds many models' clients (H200,
-    tiny_cnn at 256 clients through the router: 116-186 of ~1,600 requests shed with 128, none
-    with 1024 at the same QPS; docs/lab-notes.md, "Overload on the GPU")."""
+    error body (``admission.Admission``; Serve's own bounds are set far above). ``max_queued_requests``
+    defaults to 512, not a dedicated model's 128: one replica holds many models' clients, and
+    on a GPU 128 shed requests that a longer queue served at the same rate (docs/lab-notes.md,
+    "Overload on the GPU")."""
 
     max_queued_requests: int = Field(512, ge=-1)
 
@@ -267,7 +268,7 @@ def ingress_options(options: DeploymentOptions, use_gpus: bool,
     """For a deployment that is its application's ingress (a dedicated model, a pipeline, the
     pool): its ``.options(...)`` (``ray_options``; with a queue bound, Serve's own bounds set far
     above: ``INGRESS_MAX_ONGOING_REQUESTS``, no queue limit) and the bounds its replicas shed at
-    themselves (``ingress.Admission``), as ``max_ongoing_requests`` / ``max_queued_requests``
+    themselves (``admission.Admission``), as ``max_ongoing_requests`` / ``max_queued_requests``
     keyword arguments (``max_queued_requests`` None: no bound)."""
     serve_options = ray_options(options, use_gpus, env)
     if options.max_queued_requests != -1:

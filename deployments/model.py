@@ -4,7 +4,7 @@ Thin Ray layer: each replica owns a ``ModelHost`` and runs its blocking calls in
 so one replica serves ``instances`` requests at once. A request is validated here, once, by
 the replica that runs it. The deployment is the ingress of its own application
 (``deployments.app.applications``): its replicas answer the model's KServe v2 routes
-(``ingress.ModelRoutes``) straight from the HTTP ingress, and pipelines call ``infer`` through
+(``replica_routes.ModelRoutes``) straight from the HTTP ingress, and pipelines call ``infer`` through
 handles.
 """
 
@@ -20,7 +20,9 @@ import numpy as np
 from ray import serve
 
 from .control import Desired, first_sync, loaded_at_start, outcome
-from .ingress import Admission, RouterOptions, own_routes
+from .admission import Admission
+from .replica_routes import own_routes
+from .routes import RouterOptions
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -48,7 +50,7 @@ class ModelDeployment:
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
         max_ongoing_requests, max_queued_requests: the model's; requests beyond both are shed
-            with 503 (``ingress.Admission``; ``max_queued_requests`` None: no bound).
+            with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When

@@ -1,7 +1,7 @@
 """The deployment of a composed model (``pipeline:`` in its config): its steps are other models.
 
 Like a dedicated model's, it is the ingress of its own application: its replicas answer the
-pipeline's KServe v2 routes (``ingress.ModelRoutes``) and call the steps through handles (each
+pipeline's KServe v2 routes (``replica_routes.ModelRoutes``) and call the steps through handles (each
 step's application, or the router application's pool).
 """
 
@@ -15,7 +15,9 @@ from ray import serve
 
 from .client import ModelClient, model_handles, pool_handle, router_application
 from .control import Desired, first_sync, loaded_at_start
-from .ingress import Admission, RouterOptions, own_routes
+from .admission import Admission
+from .replica_routes import own_routes
+from .routes import RouterOptions
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
@@ -90,7 +92,7 @@ class PipelineDeployment:
 
         Returns, not raises (``errors_as_values``):
             InvalidInput: the inputs or requested outputs do not fit the pipeline model's config.
-            Overloaded: the pipeline's queue is full (``ingress.Admission``).
+            Overloaded: the pipeline's queue is full (``admission.Admission``).
         """
         with self.admission.request():
             if version is not None and version != self.version:

@@ -2,7 +2,7 @@
 
 The deployment is the ingress of its own application (``deployments.app.applications``): its
 replicas answer the pool models' KServe v2 routes straight from the HTTP ingress
-(``ingress.PoolRoutes``), HAProxy choosing the replica by the model's name
+(``replica_routes.PoolRoutes``), HAProxy choosing the replica by the model's name
 (``loopback.hash_pool_models``); the router and pipelines call it through handles, by
 multiplexed model id.
 """
@@ -18,7 +18,9 @@ from ray import serve
 
 from .client import POOL, handle, router_application
 from .control import Desired, first_sync, follow, outcome
-from .ingress import Admission, RouterOptions, pool_routes
+from .admission import Admission
+from .replica_routes import pool_routes
+from .routes import RouterOptions
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
@@ -67,7 +69,7 @@ class PoolDeployment:
             answer for every one of them as the router does (an unknown model's 404 names them),
             and for one loaded later once it is (``apply``).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
-            with 503 (``ingress.Admission``; ``max_queued_requests`` None: no bound).
+            with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
     """
 
     async def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,

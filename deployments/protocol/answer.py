@@ -1,6 +1,6 @@
 """One infer request from its body to its answer: decode, run, apply ``classification``, encode.
 
-The router runs it for a dedicated model (``ingress.RouterApp``, in the model's own replica on
+The router runs it for a dedicated model (``routes.V2Routes``, in the model's own replica on
 the one-hop path); for a pool model the router passes the body through as bytes and the pool
 replica runs it (``pool.PoolDeployment.infer_body``), so the tensors are decoded once, where the
 model runs, and the router only routes.

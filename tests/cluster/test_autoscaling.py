@@ -28,7 +28,7 @@ def test_replicas_grow_toward_max_under_load_and_shrink_to_min_after_it(ray_clus
                   route_prefix="/scale", one_hop=False)  # Serve's Python proxy here: the router answers
         config = deployment_details("scale", "model-busy")["deployment_config"]
         assert {k: config["autoscaling_config"][k] for k in AUTOSCALING} == AUTOSCALING
-        # the model's own max_ongoing_requests (4) bounds its replica's requests (ingress.Admission);
+        # the model's own max_ongoing_requests (4) bounds its replica's requests (admission.Admission);
         # Serve's, whose shedding answers plain text, sits far above it
         assert config["max_ongoing_requests"] == INGRESS_MAX_ONGOING_REQUESTS
         assert running("scale", "model-busy") == 1

@@ -52,7 +52,7 @@ def test_quarter_gpu_replicas_pack_four_per_gpu_and_a_whole_gpu_model_waits_with
         config = deployment_details("frac", "model-quarter")["deployment_config"]
         assert config["ray_actor_options"]["num_gpus"] == 0.25
         assert config["ray_actor_options"]["num_cpus"] == 0.1
-        # the model's max_ongoing_requests (8) is its replicas' own bound (ingress.Admission); Serve's sits above
+        # the model's max_ongoing_requests (8) is its replicas' own bound (admission.Admission); Serve's sits above
         assert config["max_ongoing_requests"] == INGRESS_MAX_ONGOING_REQUESTS and config["num_replicas"] == 5
         # The message is refreshed every SLOW_STARTUP_WARNING_S: it may first count all five.
         message = wait_for(lambda: _pending_message("frac", "model-quarter", replicas=1),

@@ -70,7 +70,7 @@ def make_serve(tmp_path_factory):
             try:  # Ray's proxy refuses connections until Serve has started
                 if requests.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5).status_code == 200:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # or a slow first answer
                 pass
             time.sleep(0.5)
         else:

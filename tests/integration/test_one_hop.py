@@ -81,7 +81,7 @@ def one_hop(tmp_path_factory):
                 if all(requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200
                        for m in ("lost_cnn", "tiny_cnn")):
                     break
-            except requests.ConnectionError:  # HAProxy starts with Serve
+            except (requests.ConnectionError, requests.Timeout):  # HAProxy starts with Serve; a busy replica answers late
                 pass
             time.sleep(0.5)
         yield proc, url, root

@@ -1,4 +1,4 @@
-"""``ingress.Admission``: the request bounds of a model replica, and the shedding of requests that
+"""``admission.Admission``: the request bounds of a model replica, and the shedding of requests that
 could only time out (the held requests would take longer than ``request_timeout_s`` to clear)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from deployments.ingress import Admission
+from deployments.admission import Admission
 from deployments.protocol.errors import error_status, retry_after_headers
 from deployments.runtime.contract.errors import Overloaded
 

@@ -116,3 +116,22 @@ def test_every_room_says_what_it_owns() -> None:
     for room in ENGINE_ROOMS:
         doc = ast.get_docstring(ast.parse((PACKAGE / "runtime" / room / "__init__.py").read_text()))
         assert doc, f"deployments/runtime/{room}/__init__.py has no docstring"
+
+
+# What only the router serves: the Serve deployment, readiness watching, the repository and
+# model-control routes. A model, pipeline or pool replica carries only the route table.
+ROUTER_ONLY = ["deployments.ingress", "deployments.readiness", "deployments.repository_routes"]
+REPLICAS = ["deployments.model", "deployments.pipeline", "deployments.pool"]
+
+
+def test_a_model_or_pool_replica_imports_nothing_only_the_router_serves() -> None:
+    graph = _graph()
+
+    def reach(module: str, seen: set[str]) -> set[str]:
+        for target in graph[module] - seen:
+            seen.add(target)
+            reach(target, seen)
+        return seen
+
+    offenders = sorted(f"{replica} -> {m}" for replica in REPLICAS for m in reach(replica, set()) if m in ROUTER_ONLY)
+    assert offenders == []

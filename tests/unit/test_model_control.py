@@ -19,7 +19,8 @@ import pytest
 import yaml
 from starlette.testclient import TestClient
 
-from deployments.ingress import RouterApp, RouterOptions
+from deployments.ingress import RouterApp
+from deployments.routes import RouterOptions
 from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome
 from deployments.runtime.contract.config import CacheOptions
 from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
@@ -272,7 +273,7 @@ def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_
     control = FakeControlClient(repo, initial_state({"simple": "pool", "pipe": "pipeline"}, {"simple", "pipe"}))
     control.pool_models.discard("pipe")
     app = RouterApp(repo, control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=control.initial)
-    app.ready_models.add("pipe")  # its replica answered
+    app.states.answered("pipe")  # its replica answered
     client = TestClient(app.build_app(), raise_server_exceptions=False)
     assert client.get("/v2/models/pipe/ready").json() == {"name": "pipe", "ready": True}
     assert client.post("/v2/repository/models/simple/unload").status_code == 200
@@ -291,9 +292,9 @@ def test_a_pipeline_is_not_ready_while_a_step_is_unloaded_and_its_requests_name_
     (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
     app = RouterApp(ModelRepository(root), control, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5),
                     initial=control.initial)
-    app.ready_models.add("pipe")
+    app.states.answered("pipe")
     app.steps["pipe"] = ("simple",)
-    app.loaded.discard("simple")
+    app.states.unloaded("simple")
     r = TestClient(app.build_app(), raise_server_exceptions=False).get("/v2/models/pipe/ready")
     assert r.status_code == 503 and "its step model(s) ['simple'] are not loaded" in r.json()["error"], r.text
 

@@ -21,7 +21,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from deployments.client import ReplicaCounts
-from deployments.ingress import RouterApp, RouterOptions
+from deployments.ingress import RouterApp
+from deployments.routes import RouterOptions
 from deployments.protocol.answer import answer_body
 from deployments.runtime.contract.errors import InvalidInput, ModelNotReady
 from deployments.runtime.contract.repository import ModelRepository
@@ -618,9 +619,9 @@ def test_only_infer_responses_are_compressed_as_tritonclient_aio_expects(router)
 def test_a_body_that_stalls_is_408_naming_what_arrived(repo, monkeypatch):
     """A client that sends part of its body, then nothing: 408 once no byte has come for
     ``BODY_STALL_TIMEOUT_S`` (HAProxy's own timeout covers only the first 16 KiB)."""
-    from deployments import ingress
+    from deployments import routes
 
-    monkeypatch.setattr(ingress, "BODY_STALL_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(routes, "BODY_STALL_TIMEOUT_S", 0.3)
     app = make_router(repo)[0].app
     sent: list[dict] = []
     arrived = iter([{"type": "http.request", "body": b'{"inputs": [', "more_body": True},
@@ -663,7 +664,7 @@ def test_an_integer_over_pythons_digit_limit_is_400_without_pythons_advice(route
 def test_routes_in_a_model_replica_shed_before_reading_the_body(repo):
     """An overloaded replica answers 503 without reading or decoding the body (the routes ask
     its ``Admission`` first): under 250 clients every shed request had cost a full decode."""
-    from deployments.ingress import Admission
+    from deployments.admission import Admission
 
     client = FakeModelClient(repo)
     app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
@@ -683,7 +684,8 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
     model's infer runs through the replica's own ``infer_body`` with the version's cache key;
     an unknown model's 404 names every model, as the router's does; a dedicated model (its own
     application) is not served here (503)."""
-    from deployments.ingress import PoolClient, pool_routes
+    from deployments.adapters import PoolAdapter
+    from deployments.replica_routes import pool_routes
 
     fake = FakeModelClient(repo)
     keys = []
@@ -696,7 +698,7 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
     routes = pool_routes(repo, fake.pool_models, infer_body, lambda: states,
                          RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0), {"enabled": False}, None,
                          "models")
-    assert isinstance(routes.client, PoolClient) and routes.observer is None
+    assert isinstance(routes.client, PoolAdapter) and routes.observer is None
     client = TestClient(routes.build_app(), root_path="/v2/models", raise_server_exceptions=False)
     x = np.arange(3 * 224 * 224, dtype=np.float32) / 1000
     r = client.post("/v2/models/tiny_cnn/infer", json={"inputs": [tensor(data=x.tolist())]})
@@ -718,7 +720,7 @@ def test_a_pool_replicas_routes_answer_its_models_and_the_routers_errors_for_the
 def test_a_repository_request_body_is_read_as_an_infer_body_is(router):
     """The repository index's body (and load's and unload's, read by the same ``_json_body``)
     keeps the infer routes' limit (413 from the declared length, or once more arrived), and a
-    gzip body is read (``RouterApp._read_body``)."""
+    gzip body is read (``V2Routes._read_body``)."""
     big = b"{" + b" " * LIMIT_BYTES + b"}"
     assert_error(post(router, "/v2/repository/index", big), 413, "request body is", f"the limit is {LIMIT_BYTES} bytes")
     chunked = router.post("/v2/repository/index", content=iter([big[:LIMIT_BYTES], big[LIMIT_BYTES:]]),

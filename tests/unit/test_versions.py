@@ -107,7 +107,10 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     """After an unload, or while the model is loaded: a load of a pool model whose folder has a
     new version kept running version 1's engine under the label of version 2 (the cache skipped
     a model it served while the routes read the folder again)."""
-    from deployments.ingress import ModelRoutes, PoolClient, PoolRoutes, RouterOptions
+    from deployments.adapters import PoolAdapter
+    from deployments.replica_routes import ModelRoutes, PoolRoutes
+    from deployments.routes import RouterOptions
+    from deployments.states import ModelState, Status
     from deployments.model import ModelDeployment
     from deployments.pool import PoolDeployment
     from deployments.runtime.residency.gate import Gate
@@ -119,7 +122,7 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     pool.cache = ModelCache(pool.repo)
     pool.entries, pool.keys, pool.versions = {"cnn": pool.repo.get("cnn")}, {"cnn": ("cnn", 1)}, {"cnn": 1}
     pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
-    pool.routes = PoolRoutes(ModelRepository(root), PoolClient(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
+    pool.routes = PoolRoutes(ModelRepository(root), PoolAdapter(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
     pool.cache.load("cnn")
     dedicated = ModelDeployment.func_or_class.__new__(ModelDeployment.func_or_class)
     dedicated.repo = ModelRepository(root)
@@ -130,13 +133,14 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     if unload_first:
         for replica in (pool, dedicated):
             assert replica.apply(unload)["cnn"]["error"] is None
-        assert dedicated.routes.unloaded == {"cnn": None} and "cnn" not in dedicated.routes.ready_models  # 503
-        assert pool.routes.unloaded == {"cnn": None} and "cnn" not in pool.routes.loaded
+        assert dedicated.routes.states.get("cnn") == ModelState(Status.UNLOADED, None)  # 503
+        assert pool.routes.states.get("cnn") == ModelState(Status.UNLOADED, None)
     versioned_repository(root, {2: 5}, {"latest": {"num_versions": 2}})  # version 2 arrives
     for replica in (pool, dedicated):
         assert replica.apply(load)["cnn"]["error"] is None
-    assert "cnn" in dedicated.routes.ready_models and dedicated.routes.repo.get("cnn").latest == 2
-    assert "cnn" in pool.routes.loaded and not pool.routes.unloaded and pool.routes.repo.get("cnn").latest == 2
+    assert dedicated.routes.states.is_ready("cnn") and dedicated.routes.repo.get("cnn").latest == 2
+    assert pool.routes.states.is_loaded("cnn") and not pool.routes.states.names(Status.UNLOADED)
+    assert pool.routes.repo.get("cnn").latest == 2
     expected = {v: ort.InferenceSession(str(root / "cnn" / str(v) / "model.onnx")).run(None, {"input": X})[0]
                 for v in (1, 2)}
     assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}

@@ -1,0 +1,264 @@
+"""The repository and model-control routes (index, load, unload, memory) and the following of
+model control's desired state that other routers changed (router only)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .control import applied_everywhere
+from .routes import V2Routes, answers_errors
+from .runtime.contract.errors import ConfigError, InferenceTimeout, InvalidInput, ModelNotFound, ModelNotReady
+from .runtime.contract.repository import ModelEntry
+from .states import LOADED, Status
+
+logger = logging.getLogger("ray.serve")
+
+_CONTROL_POLL_S = 0.1  # how often a load / unload checks whether every replica applied it
+# Repository index state and reason of a pool model, by its state in the pool replica's cache.
+_POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
+                "loading": ("LOADING", "loading into the pool replica's cache"),
+                "evicting": ("UNLOADING", "being evicted from the pool replica's cache"),
+                "absent": ("UNAVAILABLE", "not loaded yet; loads on first request")}
+
+
+class RepositoryRoutes(V2Routes):
+    """Triton's model repository extension over the routes: ``POST /v2/repository/index``,
+    ``POST /v2/repository/models/{name}/load|unload`` (explicit model control,
+    ``deployments.control``) and ``GET /v2/memory``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while a load or unload goes on
+        self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
+
+    def routes(self) -> list[Route]:
+        return super().routes() + [
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+            Route("/v2/repository/models/{name}/load", self.load, methods=["POST"]),
+            Route("/v2/repository/models/{name}/unload", self.unload, methods=["POST"]),
+            Route("/v2/memory", self.memory, methods=["GET"]),
+        ]
+
+    @answers_errors
+    async def repository_index(self, request: Request) -> JSONResponse:
+        """Triton's repository index: every model with its served version and state. A dedicated
+        model READY once a replica loaded it (LOADING before); a pool model as one pool replica's
+        cache holds it (READY resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING;
+        ``reason`` says which). With explicit model control, also every model folder on disk
+        not loaded yet, models unloaded through the API (UNAVAILABLE, reason "unloaded") and
+        models whose last load failed (UNAVAILABLE, reason "failed to load: ..."); a load still
+        going on after its request answered 504 is LOADING (``follow_desired``).
+        Body (optional): ``{"ready": true}`` lists only READY models."""
+        only_ready = (await self._json_body(request, "index")).get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
+        pool = await self._pool_models()
+        index = []
+        for entry in self.repo.entries():
+            for version in self._served(entry):
+                index.append(self._index_item(entry, version, pool.get(entry.key(version))))
+        if self.initial is not None:  # folders added since start, not read yet
+            index += [{"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
+                      for name in self.repo.folders() if name not in self.repo.names()]
+            index.sort(key=lambda item: item["name"])
+        return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
+        """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
+        state = self.states.get(entry.name)
+        item = {"name": entry.name, "version": str(version),
+                "state": "READY" if state.status is Status.READY else "LOADING"}
+        if cached is not None and state.status is not Status.READY:  # as its requests: 503 until one runs
+            item["state"], item["reason"] = "UNAVAILABLE", "the pool has no running replica; retry shortly"
+        elif cached is not None:
+            item["state"], item["reason"] = _POOL_STATES[cached["state"]]
+            if cached["state"] == "absent" and cached["evictions"]:
+                item["reason"] = "evicted from the pool replica's cache; loads on next request"
+        if entry.name in self.changing:
+            item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
+        elif state.status not in LOADED:
+            item["state"], item["reason"] = state.status.index_state, state.index_reason
+        return item
+
+    async def follow_desired(self, desired: dict[str, Any]) -> None:
+        """Take the loads and unloads that other router replicas made, and the outcome of loads
+        that outlived their request (``ControlDeployment.desired``): a model to be loaded is
+        LOADING until every running replica of its deployment applied it, then READY; one whose
+        load failed is UNAVAILABLE with the failure as its reason. A model this router is
+        loading or unloading itself is left to that request."""
+        for name, state in desired["models"].items():
+            lock = self._control_locks.get(name)
+            if lock is not None and lock.locked():
+                continue
+            if not state["loaded"]:
+                now = self.states.get(name)
+                unloaded_reason = now.reason if now.status is Status.UNLOADED else None
+                if now.status in LOADED or name in self.changing or unloaded_reason != state.get("reason"):
+                    self.changing.pop(name, None)
+                    self._mark_unloaded(name, state.get("reason"))
+                continue
+            if self.states.is_loaded(name):
+                continue
+            try:
+                entry = self.repo.get(name) if name in self.repo.names() else self.repo.read(name)
+            except Exception:  # unreadable here: it stays unavailable on this router
+                logger.warning("model '%s' was loaded but this router cannot read it", name, exc_info=True)
+                continue
+            generation = {"incarnation": desired["incarnation"], "revision": state["generation"]}
+            if not applied_everywhere(*await self.client.control_applied(name, state["placement"], generation)):
+                self.changing[name] = "LOADING"
+                continue
+            self.changing.pop(name, None)
+            self._mark_loaded(entry, state["placement"], None)
+
+    def _control(self, request: Request, verb: str) -> str:
+        """The model name of a load / unload request.
+
+        Raises:
+            InvalidInput: model control is off (``model_control_mode: none``).
+        """
+        name = request.path_params["name"]
+        if self.initial is None:
+            raise InvalidInput(f"failed to {verb} '{name}': explicit model load / unload is not allowed: "
+                               "model_control_mode is none (serve_config.yaml application args); "
+                               "set model_control_mode: explicit")
+        return name
+
+    def _placement(self, entry: ModelEntry, verb: str) -> str:
+        """``pool``, ``dedicated`` or ``pipeline``: where ``entry`` runs in this application.
+
+        Raises:
+            InvalidInput: a model that needs a deployment of its own that the application lacks.
+        """
+        if entry.name in self.client.dedicated:
+            return "pipeline" if entry.config.pipeline else "dedicated"
+        config = entry.path / "config.yaml"
+        if entry.config.pipeline or entry.config.deployment.mode == "dedicated":
+            raise InvalidInput(
+                f"failed to {verb} '{entry.name}': {config}: deployment.mode: a "
+                f"{'pipeline' if entry.config.pipeline else 'dedicated model'} needs a deployment of its own, "
+                "made when the application is deployed (serve deploy); models added at run time load "
+                "into the pool (deployment.mode: pool)")
+        if self.client.pool is None:
+            raise InvalidInput(f"failed to {verb} '{entry.name}': this application has no pool deployment "
+                               "to load it into (it was built without pool models)")
+        return "pool"
+
+    async def _wait_applied(self, name: str, placement: str, state: dict[str, Any], verb: str) -> list[dict[str, Any]]:
+        """The reports once every replica Serve counts RUNNING in the deployment serving
+        ``name`` applied ``state`` (``{"incarnation", "revision"}``; ``control.applied_everywhere``).
+
+        Raises:
+            InferenceTimeout: not all within ``request_timeout_s`` (the change goes on).
+            ModelNotReady: the deployment has no running replica.
+        """
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        while True:
+            reports, running = await self.client.control_applied(name, placement, state)
+            if applied_everywhere(reports, running):
+                return [r for r in reports if r["replica"] in running]
+            if asyncio.get_running_loop().time() > deadline:
+                if not running:
+                    raise ModelNotReady(f"failed to {verb} '{name}': its deployment has no running replica")
+                done = len(running & {r["replica"] for r in reports})
+                raise InferenceTimeout(f"failed to {verb} '{name}' within {self.request_timeout_s:g} s on every "
+                                       f"replica ({done} of {len(running)} running replicas done); it goes on, "
+                                       "and the repository index tells when it is done or why it failed")
+            await asyncio.sleep(_CONTROL_POLL_S)
+
+    @answers_errors
+    async def load(self, request: Request) -> Response:
+        """``POST /v2/repository/models/{name}/load``: read the model's folder again (the same
+        validation as at start: a bad config is 400 naming the file and field, and nothing
+        changes), then load it on every replica of its deployment (pool models: into every pool
+        replica's cache); answers 200 with an empty body once all have it."""
+        name = self._control(request, "load")
+        parameters = (await self._json_body(request, "load")).get("parameters") or {}
+        unsupported = sorted(parameters)
+        if unsupported:
+            raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
+                               "(a config or files sent with the request); put the model's folder in the repository")
+        try:
+            entry = self.repo.read(name)
+        except ConfigError as e:
+            raise InvalidInput(f"failed to load '{name}': {e.message}") from None
+        except ModelNotFound as e:
+            raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
+        placement = self._placement(entry, "load")
+        async with self._control_lock(name):
+            self.changing[name] = "LOADING"
+            going_on = False
+            try:
+                state = await self.client.control_set(name, True, placement)
+                reports = await self._wait_applied(name, placement, state, "load")
+                outcomes = [r["models"][name] for r in reports if name in r["models"]]
+                errors = [o["error"] for o in outcomes if o["error"] is not None]
+                if errors or not all(o["loaded"] for o in outcomes):
+                    # as Triton, a failed load leaves the model unavailable: the control
+                    # deployment has rolled it back (``ControlDeployment.report``), with its reason
+                    reason = (await self.client.control_desired())["models"].get(name, {}).get("reason")
+                    self._mark_unloaded(name, reason or "unloaded while it loaded")
+                    if errors:
+                        raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
+                    raise ModelNotReady(f"failed to load '{name}': {reason or 'it was unloaded while it loaded'}")
+            except InferenceTimeout:  # it goes on: LOADING until follow_desired sees it done or failed
+                going_on = True
+                raise
+            finally:
+                if not going_on:
+                    self.changing.pop(name, None)
+            backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
+            self._mark_loaded(entry, placement, backend)
+        return Response(status_code=200)
+
+    @answers_errors
+    async def unload(self, request: Request) -> Response:
+        """``POST /v2/repository/models/{name}/unload``: new requests for the model answer 503 at
+        once; every replica waits for its requests in flight, then frees the engine (pool:
+        unloads it from its cache); answers 200 once all have. ``parameters.unload_dependents``
+        is accepted and has no effect (a pipeline using the model answers 503 for it)."""
+        name = self._control(request, "unload")
+        await self._json_body(request, "unload")
+        if name not in self.repo.names():
+            raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
+        entry = self.repo.get(name)
+        placement = "pool" if name in self.client.pool_models else self._placement(entry, "unload")
+        async with self._control_lock(name):
+            self._mark_unloaded(name)
+            self.changing[name] = "UNLOADING"
+            try:
+                state = await self.client.control_set(name, False, placement)
+                await self._wait_applied(name, placement, state, "unload")
+            finally:
+                self.changing.pop(name, None)
+        return Response(status_code=200)
+
+    def _control_lock(self, name: str) -> asyncio.Lock:
+        """One load or unload of model ``name`` at a time on this router, in arrival order: the
+        last to answer is the state this router, the control deployment and the replicas all
+        keep (two at once could leave this router's view and the replicas' apart until the next
+        ``follow_desired``: ready 200 while requests answered 503 "unloaded")."""
+        return self._control_locks.setdefault(name, asyncio.Lock())
+
+    @answers_errors
+    async def memory(self, request: Request) -> JSONResponse:
+        """Resident memory: the cache of one pool replica (status + load/evict timeline; the
+        ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
+        engines = [n for n in sorted(self.client.dedicated)
+                   if self.states.is_ready(n) and not self.repo.get(n).config.pipeline]
+        calls = [self.client.memory(n) for n in engines]
+        if self.client.pool is not None:
+            calls.append(self.client.pool_memory())
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*calls), self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise InferenceTimeout(f"memory status did not arrive within {self.request_timeout_s:g} s") from None
+        pool = answers.pop() if self.client.pool is not None else None
+        return JSONResponse({"pool": pool, "dedicated": dict(zip(engines, answers))})
