@@ -80,7 +80,8 @@ GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 # does on Ctrl-C, deployments/run.py) stops every deployment at once, so a call still queued for a
 # model whose replicas are gone waits for nothing; without this bound it held the router, and
 # Ctrl-C, for the full 20 s. The router answers such calls 503 as soon as it sees the model's
-# deployment stopped (``RouterApp.stop_waiting``); this bound is the backstop. With HAProxy,
+# deployment stopped (``ModelClient.cut_unassigned``, from ``readiness.ReadinessWatch``); this
+# bound is the backstop. With HAProxy,
 # Serve raises the router's to RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + 5 s (35 s by default).
 ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S = 5.0
 # A dedicated model's name is its application's route prefix; HAProxy and Serve's proxy match a
@@ -91,8 +92,8 @@ DELETE_POLL_S = 0.1  # seconds between checks that deleted applications are gone
 DELETE_TIMEOUT_S = 60.0  # serve.delete's own bound
 # Serve's limit of requests at once in a dedicated model's replica, which is its model's ingress:
 # far above the bound ``ModelRoutes`` sheds at (the model's max_ongoing_requests +
-# max_queued_requests), and no queue limit in Serve's handles (its proxy's shed 1 of 55
-# requests at 4x saturation with the model's 8 while its router assigned a burst), so that
+# max_queued_requests), and no queue limit in Serve's handles (with the model's 8, Serve's own
+# proxy shed requests at 4x saturation while its router assigned a burst), so that
 # Serve, whose shedding answers plain text, never answers first: the routes shed with this app's
 # error body.
 INGRESS_MAX_ONGOING_REQUESTS = 1 << 16
