@@ -388,8 +388,10 @@ class ModelCache:
         with self._cond:
             hosts = [s.host for s in self._slots.values() if s.state == _READY]
         for host in hosts:
-            if host.ready:  # an eviction may have unloaded it since
+            try:
                 host.check_health()
+            except ModelNotReady:  # an eviction unloaded it since the list was made: nothing to probe
+                continue
 
     def resident(self) -> list[str]:
         """Names of the loaded models, least recently used first."""

@@ -136,13 +136,24 @@ class ModelHost:
         return self._loaded().footprint()
 
     def check_health(self) -> None:
-        """The health probe a serving layer calls (Ray's ``check_health``).
+        """The health probe a serving layer calls (Ray's ``check_health``). The probe counts as
+        a request in flight, so an ``unload`` (an eviction) that starts meanwhile closes the
+        engine only after it: a probe never runs on a closed engine (TensorRT's says "engine is
+        closed", an ``EngineFault``, which would fail a healthy replica).
 
         Raises:
             ModelNotReady: not loaded.
             EngineFault: the engine or its device can no longer run requests (``Engine.check_health``).
         """
-        self._loaded().check_health()
+        with self._lock:
+            engine = self._loaded()
+            self._in_flight += 1
+        try:
+            engine.check_health()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Validate (``validate_request``), then ``run``.
