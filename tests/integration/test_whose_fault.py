@@ -59,11 +59,12 @@ def infer(url: str, model: str, body: dict) -> requests.Response:
 
 
 def failures(url: str, model: str) -> dict[str, float]:
-    """``nv_inference_request_failure`` of ``model`` by reason."""
+    """``nv_inference_request_failure`` of ``model`` by reason (none before a first failure)."""
     text = requests.get(f"{url}/metrics", timeout=30).text
-    family = next(f for f in text_string_to_metric_families(text) if f.name == "nv_inference_request_failure")
+    samples = [s for f in text_string_to_metric_families(text) if f.name == "nv_inference_request_failure"
+               for s in f.samples]
     out: dict[str, float] = {}
-    for sample in family.samples:
+    for sample in samples:
         if sample.labels.get("model") == model:
             out[sample.labels["reason"]] = out.get(sample.labels["reason"], 0) + sample.value
     return out
