@@ -160,3 +160,30 @@ def test_a_dimension_named_question_mark_ties_no_axes_together():
     assert GraphChecks.read(engines / "ocr_cls" / "1" / "model.onnx").shared == ()
     simple = GraphChecks.read(engines / "simple" / "1" / "model.onnx")
     assert [(s.name, s.members) for s in simple.shared] == [("N", (("INPUT0", 0), ("INPUT1", 0)))]
+
+
+def test_an_allocation_the_runtime_cannot_make_is_503_capacity_and_logged(caplog):
+    """ONNX Runtime has no exception class for out of memory (a ``Fail`` or ``RuntimeException``
+    saying so): an arena capped at 4 KiB (the CPU's, as ``gpu_mem_limit_mib`` caps the CUDA one)
+    makes a real one."""
+    import onnxruntime as ort
+
+    from deployments.runtime.backends.onnxruntime import run_error
+    from deployments.runtime.contract.errors import DeviceOutOfMemory
+    from tests.token_models import token_model
+
+    memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(memory, ort.OrtArenaCfg({"max_mem": 4096, "arena_extend_strategy": 1}))
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.use_env_allocators", "1")  # only this session uses it
+    session = ort.InferenceSession(token_model().SerializeToString(), options, providers=["CPUExecutionProvider"])
+    ids = np.ones((8, 64), np.int64)
+    with pytest.raises(Exception) as raised:
+        session.run(None, {"input_ids": ids, "attention_mask": ids})
+    with caplog.at_level(logging.INFO, logger=ORT_LOGGER):
+        error = run_error("tokens", raised.value)
+    assert isinstance(error, DeviceOutOfMemory)
+    assert error_status(error) == (503, "model 'tokens': out of memory while running in its Gather node 'embed'; "
+                                        "retry later, or with fewer rows")
+    logged = [r for r in caplog.records if r.name == ORT_LOGGER]
+    assert [r.levelname for r in logged] == ["WARNING"] and "is smaller than requested bytes" in logged[0].getMessage()
