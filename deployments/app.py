@@ -59,7 +59,7 @@ from .observe.options import MetricsOptions
 from .pool import PoolDeployment
 from .protocol.errors import RETRY_AFTER_S
 from .runtime.contract.config import Autoscaling, Backend, CacheOptions, DeploymentOptions, describe_validation_error
-from .runtime.contract.errors import ConfigError
+from .runtime.contract.errors import ConfigError, LoadFault
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.units import mib_to_bytes
 
@@ -312,7 +312,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """
     try:
         return _build(args)
-    except ConfigError as e:
+    except (ConfigError, LoadFault) as e:  # a model file completion could not read stops the start too
         raise AppConfigError(e.message) from None
 
 
@@ -462,7 +462,7 @@ def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> 
     """
     try:
         _, entries, _, pool_models = _read(args)
-    except ConfigError as e:
+    except (ConfigError, LoadFault) as e:
         raise AppConfigError(e.message) from None
     base = route_prefix.rstrip("/")
     out = [(e.name, f"{base}/v2/models/{e.name}") for e in entries if e.name not in pool_models]

@@ -111,13 +111,20 @@ def test_a_load_is_500_for_an_unreadable_model_file_and_400_for_a_bad_config(fau
     assert r.json()["error"].startswith("failed to load 'damaged': model 'damaged': ")
     assert "could not read its model file" in r.json()["error"] and str(root) not in r.json()["error"]
 
+    (root / "bare" / "1").mkdir(parents=True)  # no config.yaml: completed from a file that cannot be read
+    (root / "bare" / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
+    r = requests.post(f"{url}/v2/repository/models/bare/load", timeout=120)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"].startswith("failed to load 'bare': ")
+    assert "cannot be read as an ONNX model to complete them from (missing, damaged or not ONNX)" in r.json()["error"]
+
     folder = write_token_model(root, "renamed")
     raw = token_config("renamed")
     raw["inputs"][0]["name"] = "ids"
     (folder / "config.yaml").write_text(yaml.safe_dump(raw))
     r = requests.post(f"{url}/v2/repository/models/renamed/load", timeout=120)
     assert r.status_code == 400, r.text
-    assert "config input 'ids' is not in the ONNX file" in r.json()["error"]
+    assert "config.yaml: inputs: ['ids', 'attention_mask'] are not the inputs of " in r.json()["error"]
     assert infer(url, "tokens", token_body([[1]])).status_code == 200
 
 

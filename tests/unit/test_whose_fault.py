@@ -111,26 +111,28 @@ def _warmup_fails(root: Path) -> None:
 
 
 @pytest.mark.parametrize("make, status, fragment", [
-    (_bad_config, 400, "config input 'ids' is not in the ONNX file"),
+    (_bad_config, 400, "config.yaml: inputs: ['ids', 'attention_mask'] are not the inputs of "),
     (_unreadable, 500, "model 'm': onnx could not read its model file (DecodeError); the file is missing"),
     (_warmup_fails, 500, "model 'm': a warm-up run (warmup in its config.yaml) failed: model 'm' input "
                          "'input_ids': element"),
 ], ids=["config-the-sender-wrote", "unreadable-model-file", "warm-up-failure"])
 def test_a_failed_load_reports_whose_fault_it_is(tmp_path, make, status, fragment):
-    """A load through model control (the pool replica's ``apply``: ``ModelCache.load``, then
-    ``outcome``) answers 400 only for a config its sender wrote. It answered 400 for every
-    ``ConfigError``, an unreadable model file included (documented as 500)."""
+    """A load through model control (the pool replica's ``apply``: the folder read, then
+    ``ModelCache.load``, then ``outcome``) answers 400 only for a config its sender wrote. It
+    answered 400 for every ``ConfigError``, an unreadable model file included (documented as
+    500)."""
     make(tmp_path)
-    cache = ModelCache(ModelRepository(tmp_path), ["m"], CacheOptions(load_policy="lru"), backend="onnxruntime")
-    try:
-        with pytest.raises(Exception) as raised:
-            cache.load("m")
-        line = outcome(raised.value, False)
-        assert line["loaded"] is False
-        answered = error_status(line["error"])
-        assert answered[0] == status and fragment in answered[1], answered
-    finally:
+    caches = []
+    with pytest.raises(Exception) as raised:
+        caches.append(ModelCache(ModelRepository(tmp_path), ["m"], CacheOptions(load_policy="lru"),
+                                 backend="onnxruntime"))
+        caches[0].load("m")
+    for cache in caches:
         cache.close()
+    line = outcome(raised.value, False)
+    assert line["loaded"] is False
+    answered = error_status(line["error"])
+    assert answered[0] == status and fragment in answered[1], answered
 
 
 def test_a_load_over_the_memory_budget_is_503_capacity(tmp_path):

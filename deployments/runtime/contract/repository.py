@@ -151,6 +151,7 @@ class ModelRepository:
                 against the folder names on disk, never joined to a path unchecked).
             ConfigError: a bad config (or one the model file contradicts) or no version folder;
                 names the file and field.
+            LoadFault: the config leaves fields to complete from a model file that cannot be read.
         """
         if name not in self.folders():
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
