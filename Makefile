@@ -1,4 +1,5 @@
-# `make serve` and `make test` do all the set-up on a fresh machine (Python 3.10+ with venv).
+# `make serve` and `make test` do all the set-up on a fresh machine (Python 3.11+ with venv; an
+# older one is refused with one line by `python-version`, before anything is installed).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,11 +14,17 @@ EXTRAS := $(EXTRAS),gpu
 STAMP := $(VENV)/.installed-stamp-gpu
 endif
 
-.PHONY: serve check status print-serve-env bench test unit integration models engines plan venv clean
+.PHONY: python-version serve check status print-serve-env bench test unit integration models engines plan venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The package refuses a Python older than it needs at import (deployments/__init__.py,
+# MIN_PYTHON), so importing it from here checks the interpreter: the virtual environment's once
+# it exists, else $(PYTHON) before one is made. Every target that installs or runs comes here.
+python-version:
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -c 'import deployments'
+
+$(STAMP): pyproject.toml | python-version
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(filter 1,$(GPU)),,$(PY) -m pip uninstall --quiet --yes onnxruntime-gpu)

@@ -59,7 +59,7 @@ from .observe.options import MetricsOptions
 from .pool import PoolDeployment
 from .protocol.errors import RETRY_AFTER_S
 from .runtime.contract.config import Autoscaling, Backend, CacheOptions, DeploymentOptions, describe_validation_error
-from .runtime.contract.errors import ConfigError
+from .runtime.contract.errors import ConfigError, LoadFault
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.units import mib_to_bytes
 
@@ -312,7 +312,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """
     try:
         return _build(args)
-    except ConfigError as e:
+    except (ConfigError, LoadFault) as e:  # a model file completion could not read stops the start too
         raise AppConfigError(e.message) from None
 
 
@@ -358,10 +358,12 @@ def _build(args: dict[str, Any] | None) -> Application:
     routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
                            request_timeout_s=app_args.request_timeout_s)
     dedicated = {e.name: deployment_name(e.name, bool(e.config.pipeline)) for e in entries if e.name not in pool_models}
-    # Every replica reads the models served at build, not the folder as it is when the replica
-    # starts: a folder added since (model control reads it on its load) whose config is bad
-    # would stop every later replica (a replacement, a scale-out) in its constructor.
-    served = [e.name for e in entries]
+    # Every replica gets the models as read here, at build, and reads no folder when it starts:
+    # a config.yaml edited since into an invalid one, or a folder added since (model control
+    # reads it on its load), would stop every later replica (a replacement, a scale-out) in its
+    # constructor, and Serve would restart it forever; and a replacement serves the config its
+    # peers were deployed with.
+    served = entries
     if app_args.model == POOL:
         if not pool_models:
             raise ConfigError(f"serve_config.yaml application args: model: {POOL}: the repository has no pool "
@@ -386,7 +388,7 @@ def _build(args: dict[str, Any] | None) -> Application:
                                       {n: d for n, d in dedicated.items() if n != entry.name}, pool_models,
                                       models=served, **model_args)
         return ModelDeployment.options(name=dedicated[entry.name], **serve_options).bind(
-            app_args.repository, entry.name, app_args.backend, **model_args)
+            app_args.repository, entry.name, app_args.backend, models=[entry], **model_args)
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
         app_args.repository, dedicated, pool_models, routes,
@@ -460,7 +462,7 @@ def model_applications(args: dict[str, Any] | None, route_prefix: str = "/") -> 
     """
     try:
         _, entries, _, pool_models = _read(args)
-    except ConfigError as e:
+    except (ConfigError, LoadFault) as e:
         raise AppConfigError(e.message) from None
     base = route_prefix.rstrip("/")
     out = [(e.name, f"{base}/v2/models/{e.name}") for e in entries if e.name not in pool_models]

@@ -176,8 +176,11 @@ def initial_state(placements: dict[str, str], loaded: set[str]) -> Desired:
 
 def outcome(error: BaseException | None, loaded: bool, backend: str = "") -> dict[str, Any]:
     """One model's line of a report. ``error`` travels as a ``ServingError`` (Ray pickles those
-    whole): a config error becomes ``InvalidInput`` (the request's repository is at fault, 400),
-    anything else not typed an ``InferenceError`` (its text stays in this replica's log)."""
+    whole), with the status of whose fault it is: a ``ConfigError`` (a config the one who asked
+    for the load wrote, e.g. one that disagrees with its model file) becomes ``InvalidInput``
+    (400); a server fault keeps its type (``LoadFault`` 500: an unreadable model file, a failed
+    warm-up; ``OverBudget`` / ``DeviceOutOfMemory`` 503: capacity); anything else not typed an
+    ``InferenceError`` (500; its text stays in this replica's log)."""
     if isinstance(error, ConfigError):
         error = InvalidInput(error.message)
     elif error is not None and not isinstance(error, ServingError):

@@ -60,18 +60,19 @@ class Router(RouterApp):
             its own application (``client.model_application``).
         pool_models: names served by the pool (its own application, ``client.pool_handle``).
         options: ``RouterOptions``.
-        models: the models served at build (None: every folder of the repository); one loaded
-            later is read on its load (``follow_desired``).
+        models: the models served, as read at build (``ModelRepository``'s ``entries``; None:
+            every folder of the repository, read now); one loaded later is read on its load
+            (``follow_desired``).
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         control: handle of ``deployments.control.ControlDeployment`` (explicit model control).
         initial: the build-time desired state (None: model control is off).
     """
 
     def __init__(self, repository: str, dedicated: dict[str, str], pool_models: Iterable[str],
-                 options: RouterOptions, models: list[str] | None = None,
+                 options: RouterOptions, models: list[ModelEntry] | None = None,
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None) -> None:
-        repo = ModelRepository(repository, models)
+        repo = ModelRepository(repository, entries=models)
         app = serve.get_replica_context().app_name
         # The handles are made here, so that they take this cluster's default transport (gRPC
         # under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): one made where the application was built has

@@ -30,7 +30,7 @@ from .protocol.errors import errors_as_values
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.errors import ModelNotReady
-from .runtime.contract.repository import ModelRepository
+from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.gate import Gate
 from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
@@ -51,6 +51,8 @@ class ModelDeployment:
             control deployment is the router application's (``client.router_application``).
         max_ongoing_requests, max_queued_requests: the model's; requests beyond both are shed
             with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
+        models: the model's entry as read at build (``ModelRepository``'s ``entries``); None:
+            its folder is read now.
 
     With ``dynamic_batching`` in the model's config, concurrent requests are batched through
     ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
@@ -60,11 +62,12 @@ class ModelDeployment:
 
     async def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
                        metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                       max_ongoing_requests: int = 512, max_queued_requests: int | None = None) -> None:
+                       max_ongoing_requests: int = 512, max_queued_requests: int | None = None,
+                       models: list[ModelEntry] | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = loaded_at_start(initial, name)
-        self.repo = ModelRepository(repository, [name])
+        self.repo = ModelRepository(repository, [name], entries=models)
         self.host = ModelHost(self.repo.get(name), backend)
         self.gate = Gate(name, open_=loaded)
         if loaded:

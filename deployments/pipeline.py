@@ -24,7 +24,7 @@ from .observe.deployment import observed_steps, replica_recorder
 from .pipelines import create_pipeline
 from .protocol.errors import errors_as_values
 from .runtime.contract.errors import ModelNotReady
-from .runtime.contract.repository import ModelRepository
+from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.validation import validate_request
 
 
@@ -40,7 +40,8 @@ class PipelineDeployment:
         name: the pipeline model.
         dedicated: model name -> deployment name of each dedicated model (its steps among them).
         pool_models: models the router application's pool serves.
-        models: the models served at build (None: every folder of the repository).
+        models: the models served, as read at build (``ModelRepository``'s ``entries``; None:
+            every folder of the repository, read now).
         routes, metrics, initial, max_ongoing_requests, max_queued_requests: as
             ``ModelDeployment``'s.
     """
@@ -48,10 +49,10 @@ class PipelineDeployment:
     async def __init__(self, repository: str, name: str, dedicated: dict[str, str], pool_models: Iterable[str],
                        routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
                        max_ongoing_requests: int = 512, max_queued_requests: int | None = None,
-                       models: list[str] | None = None) -> None:
+                       models: list[ModelEntry] | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
-        repo = ModelRepository(repository, models)
+        repo = ModelRepository(repository, entries=models)
         entry = repo.get(name)
         self.config = entry.config
         self.version = entry.latest
@@ -62,8 +63,8 @@ class PipelineDeployment:
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
-        self.routes = own_routes(entry, ModelRepository(repository, [name]), self.infer, routes, metrics, initial,
-                                 "pipeline" if loaded_at_start(initial, name) else None, self.apply)
+        self.routes = own_routes(entry, ModelRepository(repository, [name], entries=[entry]), self.infer, routes,
+                                 metrics, initial, "pipeline" if loaded_at_start(initial, name) else None, self.apply)
         self.routes.admission = self.admission
         self.routes.steps[name] = self.pipeline.steps  # its parameters' defaults included
         await first_sync(self.routes.follower)  # routed only once it serves the current state

@@ -65,21 +65,22 @@ class PoolDeployment:
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         initial: the build-time desired state of explicit model control (None: off); the
             control deployment is the router application's (``client.router_application``).
-        models: the models served at build (None: every folder of the repository); the routes
-            answer for every one of them as the router does (an unknown model's 404 names them),
-            and for one loaded later once it is (``apply``).
+        models: the models served, as read at build (``ModelRepository``'s ``entries``; None:
+            every folder of the repository, read now); the routes answer for every one of them
+            as the router does (an unknown model's 404 names them), and for one loaded later
+            once it is (``apply``).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
             with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
     """
 
     async def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
                        routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
-                       models: list[str] | None = None, max_ongoing_requests: int = 512,
+                       models: list[ModelEntry] | None = None, max_ongoing_requests: int = 512,
                        max_queued_requests: int | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
-        self.repo = repo = ModelRepository(repository, names)
+        self.repo = repo = ModelRepository(repository, names, entries=models)
         self.backend_request = backend
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
         self.recorder = replica_recorder(metrics)
@@ -96,7 +97,7 @@ class PoolDeployment:
         self.cache.start()
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         router_app = router_application(POOL)
-        self.routes = pool_routes(ModelRepository(repository, models), names, self.infer_body, self.models,
+        self.routes = pool_routes(ModelRepository(repository, entries=models), names, self.infer_body, self.models,
                                   routes, metrics, initial, router_app)
         self.routes.admission = self.admission
         control = handle(router_app, "control") if initial is not None else None

@@ -14,7 +14,7 @@ from .client import handle, model_application, router_application
 from .control import Desired, Follower, follow
 from .observe.router import RouterObserver
 from .routes import RouterOptions, V2Routes, router_observer
-from .runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, ServingError
+from .runtime.contract.errors import ConfigError, LoadFault, ModelNotFound, ModelNotReady, ServingError
 from .runtime.contract.repository import ModelEntry, ModelRepository
 
 
@@ -94,7 +94,7 @@ class PoolRoutes(V2Routes):
         to this replica is read first, so that its name is known (a folder that cannot be read
         stays unknown: 404)."""
         if name not in self.repo.names():
-            with contextlib.suppress(ConfigError, ModelNotFound):
+            with contextlib.suppress(ConfigError, LoadFault, ModelNotFound):
                 self.repo.read(name)
         self._mark_unloaded(name, reason)
 

@@ -14,7 +14,8 @@ from starlette.routing import Route
 
 from .control import applied_everywhere
 from .routes import V2Routes, answers_errors
-from .runtime.contract.errors import ConfigError, InferenceTimeout, InvalidInput, ModelNotFound, ModelNotReady
+from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
+                                      ModelNotReady)
 from .runtime.contract.repository import ModelEntry
 from .states import LOADED, Status
 
@@ -187,8 +188,10 @@ class RepositoryRoutes(V2Routes):
                                "(a config or files sent with the request); put the model's folder in the repository")
         try:
             entry = self.repo.read(name)
-        except ConfigError as e:
+        except ConfigError as e:  # a config the sender wrote: 400
             raise InvalidInput(f"failed to load '{name}': {e.message}") from None
+        except LoadFault as e:  # a model file it cannot read: the server's, 500
+            raise LoadFault(f"failed to load '{name}': {e.message}") from None
         except ModelNotFound as e:
             raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
         placement = self._placement(entry, "load")

@@ -20,9 +20,11 @@ from ray.serve.exceptions import BackPressureError
 
 from ..runtime.contract.errors import (
     ConfigError,
+    DeviceOutOfMemory,
     InferenceError,
     InferenceTimeout,
     InvalidInput,
+    LoadFault,
     MethodNotAllowed,
     ModelNotFound,
     ModelNotReady,
@@ -48,10 +50,12 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     UnsupportedMediaType: 415,
     ModelNotReady: 503,
     OverBudget: 503,
+    DeviceOutOfMemory: 503,
     Overloaded: 503,
     InferenceTimeout: 504,
     InferenceError: 500,
     ConfigError: 500,
+    LoadFault: 500,
 }
 
 

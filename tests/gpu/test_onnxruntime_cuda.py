@@ -24,7 +24,7 @@ from deployments.runtime.backends import gpu_memory
 from deployments.runtime.backends.gpu_memory import process_gpu_bytes
 from deployments.runtime.backends.select import choose_backend
 from deployments.runtime.contract.config import CacheOptions, Warmup
-from deployments.runtime.contract.errors import ConfigError
+from deployments.runtime.contract.errors import DeviceOutOfMemory
 from deployments.runtime.contract.shapes import max_profile_shapes
 from deployments.runtime.residency import footprints
 from deployments.runtime.residency.cache import ModelCache
@@ -146,7 +146,7 @@ def test_footprint_is_gpu_bytes_and_unload_returns_them(model_repository):
 
 def test_a_profile_over_the_arena_cap_fails_at_load_naming_the_cap(model_repository):
     entry = with_cuda_options(model_repository.get("resnet18"), gpu_mem_limit_mib=20)
-    with pytest.raises(ConfigError, match="gpu_mem_limit_mib 20"):
+    with pytest.raises(DeviceOutOfMemory, match="gpu_mem_limit_mib 20"):  # capacity: 503
         ModelHost(entry, "onnxruntime_cuda").load()
 
 

@@ -488,3 +488,69 @@ def test_pool_replica_health_probe_fails_when_a_loaded_models_engine_is_unusable
     monkeypatch.setattr(_SizedEngine, "fault", None)
     replica.check_health()
     cache.close()
+
+
+def test_pool_replica_health_probe_passes_when_an_eviction_unloads_a_model_during_it(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe lists the ready models, then probes each: an eviction that unloads one in
+    between (here, made to happen exactly there: a load of another model past the one-model cap)
+    is not a fault of the replica. It was: ``ModelNotReady`` from the evicted model's probe
+    failed the health check, and Serve replaced a healthy replica."""
+    from deployments.runtime.backends.base import Footprint
+    from deployments.runtime.residency import host as host_module
+
+    real = {"tiny_cnn": 10, "mid_cnn": 10}
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: _SizedEngine(
+        config.name, real, [], {}, threading.Event()))
+    cache = ModelCache(repo, list(real), CacheOptions(load_policy="lru", max_num_models_per_replica=1),
+                       backend="onnxruntime", footprints={n: Footprint(10, 0) for n in real})
+    with cache.acquire("tiny_cnn"):
+        pass
+    probe = ModelHost.check_health
+    evicted: list[str] = []
+
+    def evict_then_probe(host: ModelHost) -> None:
+        if host.name == "tiny_cnn" and not evicted:
+            with cache.acquire("mid_cnn"):  # over the cap of one: tiny_cnn is evicted
+                pass
+            evicted.append(host.name)
+        probe(host)
+
+    monkeypatch.setattr(ModelHost, "check_health", evict_then_probe)
+    cache.check_health()
+    assert evicted == ["tiny_cnn"] and cache.resident() == ["mid_cnn"]
+    assert [e["model"] for e in events(cache, "evict")] == ["tiny_cnn"]
+    cache.close()
+
+
+def test_an_unload_during_a_health_probe_closes_the_engine_only_after_the_probe(
+        repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe runs on the engine it found loaded; an unload that starts meanwhile takes the
+    engine away from new requests at once but closes it only once the probe is done (a probe on
+    a closed TensorRT engine raises ``EngineFault``: a healthy replica would be replaced)."""
+    from deployments.runtime.residency import host as host_module
+
+    closed = threading.Event()
+    during_probe: list[bool] = []
+
+    class Probed(_SizedEngine):
+        def check_health(self) -> None:
+            unloading = threading.Thread(target=host.unload)
+            unloading.start()
+            deadline = time.monotonic() + 10
+            while host.engine is not None and time.monotonic() < deadline:  # the unload has begun
+                time.sleep(0.01)
+            assert host.engine is None
+            during_probe.append(closed.wait(2))  # closed under the probe? (it was, at once)
+            self.unloading = unloading
+
+        def close(self) -> None:
+            closed.set()
+
+    monkeypatch.setattr(host_module, "open_engine", lambda config, model_dir, backend: Probed(
+        config.name, {config.name: 10}, [], {}, threading.Event()))
+    host = ModelHost(repo.get("tiny_cnn")).load()
+    engine = host.engine
+    host.check_health()
+    engine.unloading.join(10)
+    assert during_probe == [False] and closed.is_set() and not host.ready

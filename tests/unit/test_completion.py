@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from deployments.runtime.contract.completion import DEFAULT_MAX_BATCH_SIZE, completed_fields
 from deployments.runtime.contract.config import CacheOptions, Profile, read_config_file
-from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotFound
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, LoadFault, ModelNotFound
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 
@@ -248,9 +248,11 @@ def test_what_the_file_cannot_tell_is_a_config_error_naming_what_to_write(tmp_pa
         ModelRepository(tmp_path, ["b"])
 
 
-def test_a_damaged_model_file_is_a_config_error_only_when_the_config_needs_completing(tmp_path):
+def test_a_damaged_model_file_is_a_load_fault_only_when_the_config_needs_completing(tmp_path):
+    """The file's fault, not the config's: a load through model control answers it 500, not 400
+    (``LoadFault``; at start it stops the start as a config error does, ``deployments.app``)."""
     encoder(tmp_path / "enc").write_bytes(b"not onnx at all")
-    with pytest.raises(ConfigError) as raised:
+    with pytest.raises(LoadFault) as raised:
         ModelRepository(tmp_path)
     assert raised.value.message == (
         f"{tmp_path / 'enc' / 'config.yaml'}: max_batch_size, inputs, outputs: left out, and "

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deployments.runtime.contract.config import CacheOptions
-from deployments.runtime.contract.errors import ConfigError
+from deployments.runtime.contract.errors import LoadFault
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 
@@ -41,7 +41,7 @@ def test_a_model_file_damaged_before_its_load_is_a_clear_error_and_loads_once_re
     model.write_bytes({"truncated": good[: len(good) // 2], "emptied": b"", "garbage": os.urandom(300)}[damage])
     cache = ModelCache(ModelRepository(simple_repo), ["simple"], CacheOptions(load_policy="lru")).start()
     try:
-        with pytest.raises(ConfigError) as raised:
+        with pytest.raises(LoadFault) as raised:  # 500: the server's fault, whoever asked
             cache.infer("simple", _simple_request())
         message = raised.value.message
         assert message.startswith("model 'simple': ")

@@ -115,8 +115,17 @@ def test_gate_close_waits_for_the_requests_inside_and_refuses_new_ones():
         pass
 
 
-def test_a_config_error_reported_by_a_replica_becomes_400():
-    assert type(outcome(ConfigError("x: bad"), True)["error"]).__name__ == "InvalidInput"
+def test_a_replicas_load_error_keeps_whose_fault_it_is():
+    """Only a config the load's sender wrote is 400; a server fault kept 400 here too (every
+    ``ConfigError`` was turned into ``InvalidInput``, an unreadable model file included).
+    ``tests/unit/test_whose_fault.py`` makes each error for real."""
+    from deployments.protocol.errors import error_status
+    from deployments.runtime.contract.errors import DeviceOutOfMemory, LoadFault
+
+    statuses = [error_status(outcome(error, True)["error"])[0] for error in (
+        ConfigError("x/config.yaml: bad"), LoadFault("model 'x': onnx could not read its model file"),
+        DeviceOutOfMemory("model 'x': out of memory"), RuntimeError("boom"))]
+    assert statuses == [400, 500, 503, 500]
     assert outcome(None, True, "onnxruntime") == {"loaded": True, "backend": "onnxruntime", "error": None}
 
 

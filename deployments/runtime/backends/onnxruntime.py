@@ -18,12 +18,14 @@ from typing import Mapping
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from ..contract.config import ModelConfig
 from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
 from .base import Footprint
 from .process import measured_rss_bytes
-from ..contract.errors import ConfigError, InferenceError, InvalidInput, unreadable_model_file
+from ..contract.errors import (ConfigError, DeviceOutOfMemory, InferenceError, InvalidInput, ServingError,
+                               unreadable_model_file)
 from ..contract.repository import MODEL_FILENAME
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,49 @@ def check_numeric_text(model: str, name: str, to: int, text: np.ndarray) -> None
                 f"number ({kind}): expected {expected}")
 
 
+# ONNX Runtime's words for an allocation it could not make (its arena, BFCArena, or CUDA's
+# cudaErrorMemoryAllocation, "out of memory"); it has no exception class of its own for it.
+_OUT_OF_MEMORY = re.compile(r"Failed to allocate memory|Available memory of \d+ is smaller|out of memory",
+                            re.IGNORECASE)
+# The node a kernel failed in: "... while running Gather node. Name:'embed' Status Message: ...".
+_FAILED_NODE = re.compile(r"while running (\w{1,64}) node\. Name:'([^']{0,64})")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ONNX Runtime's (or CUDA's) ``error`` says an allocation failed."""
+    return _OUT_OF_MEMORY.search(str(error)) is not None
+
+
+def run_error(model: str, error: Exception) -> ServingError:
+    """The serving error for ONNX Runtime's exception ``error`` from a run, by its kind; the
+    runtime's own text goes to the log (this module's logger: the replica's log and terminal),
+    never to the client (it names files and source lines).
+
+    - ``InvalidArgument``: a kernel refused the values it was given, e.g. a ``Gather`` index
+      past its table (a token id past the vocabulary). The request's inputs passed the config's
+      checks and ``GraphChecks``, so the data is what the model cannot take: the client's
+      (``InvalidInput``, 400, naming the node and its operator). Logged at INFO.
+    - an allocation that failed: capacity (``DeviceOutOfMemory``, 503).
+    - anything else (``Fail``, ``RuntimeException``, ``EPFail``, ...): a fault of the model or
+      the runtime (``InferenceError``, 500). Logged at ERROR.
+    """
+    failed = _FAILED_NODE.search(str(error))
+    node = f" in its {failed[1]} node '{failed[2]}'" if failed else ""
+    kind = type(error).__name__
+    if isinstance(error, ort_errors.InvalidArgument):
+        logger.info("model '%s': ONNX Runtime refused a request's values (%s): %s", model, kind, error)
+        return InvalidInput(f"model '{model}': the model cannot compute these input values: ONNX Runtime refused "
+                            f"them{node} ({kind}), e.g. an index past a table it reads (a token id past the "
+                            "vocabulary); the server log has the runtime's message")
+    if out_of_memory(error):
+        logger.warning("model '%s': ONNX Runtime ran out of memory (%s): %s", model, kind, error)
+        return DeviceOutOfMemory(f"model '{model}': out of memory while running{node}; retry later, or with "
+                                 "fewer rows")
+    logger.error("model '%s': ONNX Runtime run failed (%s): %s", model, kind, error)
+    return InferenceError(f"model '{model}': ONNX Runtime run failed{node} ({kind}); the server log has the "
+                          "runtime's message")
+
+
 def _bytes_array(array: np.ndarray) -> np.ndarray:
     """A ``tensor(string)`` output (object array of ``str``) -> object array of UTF-8 ``bytes``."""
     flat = array.reshape(-1)
@@ -155,8 +200,9 @@ class OnnxRuntimeContext:
 
         Raises:
             InvalidInput: a BYTES element is not valid UTF-8 (names input, element and byte), or
-                is text the graph casts to a number and cannot parse (``check_numeric_text``).
-            InferenceError: ONNX Runtime's run failed.
+                is text the graph casts to a number and cannot parse (``check_numeric_text``), or
+                ONNX Runtime refused the values (``run_error``).
+            DeviceOutOfMemory, InferenceError: ONNX Runtime's run failed (``run_error``).
         """
         engine = self._engine
         model = engine.config.name
@@ -168,7 +214,7 @@ class OnnxRuntimeContext:
         try:
             values = engine.session.run(engine.output_names, feeds)
         except Exception as e:  # ORT raises its own types for shape/runtime faults
-            raise InferenceError(f"model '{model}': ONNX Runtime run failed ({type(e).__name__})") from e
+            raise run_error(model, e) from e
         return {name: _bytes_array(v) if name in engine.string_outputs else v
                 for name, v in zip(engine.output_names, values)}
 
@@ -189,8 +235,8 @@ class OnnxRuntimeEngine:
     515 MB) for no measured latency gain (ResNet-18 and tiny_cnn at batch 1 and 8, p50 within 1 %).
 
     Raises:
-        ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types), or
-            ONNX Runtime cannot load the file (missing, truncated, not ONNX).
+        ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types).
+        LoadFault: ONNX Runtime cannot load the file (missing, truncated, not ONNX).
     """
 
     backend = "onnxruntime"

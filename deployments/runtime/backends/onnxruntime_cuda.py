@@ -17,7 +17,7 @@ Each execution context owns:
   config, ``arena_extend_strategy: kSameAsRequested``), warmed by one run at the max profile
   when the context is made, so later requests find their memory there and the footprint is
   bounded by the profile, not by the request history. A profile whose run needs more than the
-  cap fails at load (``ConfigError`` naming the cap).
+  cap fails at load (``DeviceOutOfMemory``, 503, naming the cap).
 
 Precision: ``onnxruntime_cuda.use_tf32`` (default true, ONNX Runtime's own default) lets cuDNN
 and cuBLAS use TF32 tensor cores for FP32 convolutions and matrix products; false keeps full
@@ -51,7 +51,7 @@ from onnx import helper
 
 from ..contract.config import ModelConfig
 from ..contract.datatypes import NUMPY_BY_DATATYPE
-from ..contract.errors import ConfigError, InferenceError
+from ..contract.errors import ConfigError, DeviceOutOfMemory, LoadFault, ServingError
 from ..contract.repository import MODEL_FILENAME
 from ..contract.shapes import max_profile_shapes
 from ..contract.units import mib_to_bytes
@@ -59,7 +59,7 @@ from . import cuda
 from .base import Footprint
 from . import gpu_memory
 from .gpu_memory import process_gpu_bytes
-from .onnxruntime import check_signature, session_options
+from .onnxruntime import check_signature, out_of_memory, run_error, session_options
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,10 @@ class OnnxRuntimeCudaContext:
     """One execution slot: its own session, stream, binding and device buffers (module docstring).
 
     Raises:
-        ConfigError: at creation, when the provider did not come up or the warm-up run at the
-            max profile failed (e.g. over ``gpu_mem_limit_mib``).
+        DeviceOutOfMemory: at creation, the session or the warm-up run at the max profile ran
+            out of device memory (e.g. over ``gpu_mem_limit_mib``); names the cap (503).
+        LoadFault: at creation, the provider did not come up, or the session or the warm-up run
+            failed otherwise (500).
         CudaError: a CUDA call failed (stream, allocation, copy).
     """
 
@@ -187,11 +189,12 @@ class OnnxRuntimeCudaContext:
                     str(engine.model_path), sess_options=session_options(intra_op_threads=1),
                     providers=[(PROVIDER, engine.provider_options(self.stream.handle)), "CPUExecutionProvider"])
             except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
-                raise ConfigError(
+                fault = DeviceOutOfMemory if out_of_memory(e) else LoadFault
+                raise fault(
                     f"model '{config.name}': ONNX Runtime could not create a {PROVIDER} session with "
                     f"gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} ({str(e)[-200:]})") from e
             if PROVIDER not in self.session.get_providers():
-                raise ConfigError(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
+                raise LoadFault(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
                                   f"(session providers: {self.session.get_providers()}); see its log")
             check_signature(config, self.session)
             self.binding = self.session.io_binding()
@@ -224,8 +227,10 @@ class OnnxRuntimeCudaContext:
         feeds = {n: np.zeros(s, NUMPY_BY_DATATYPE[config.input(n).datatype]) for n, s in max_shapes.items()}
         try:
             self.infer(feeds)
-        except InferenceError as e:
-            raise ConfigError(
+        except ServingError as e:
+            short = isinstance(e, DeviceOutOfMemory) or out_of_memory(e.__cause__ or e)
+            fault = DeviceOutOfMemory if short else LoadFault
+            raise fault(
                 f"model '{config.name}': a run at the max profile {dict(max_shapes)} failed on "
                 f"{PROVIDER} with gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} "
                 f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mib or lower the profile") from e
@@ -270,8 +275,7 @@ class OnnxRuntimeCudaContext:
         except cuda.CudaError:
             raise
         except Exception as e:  # ORT raises its own types for shape/runtime/memory faults
-            raise InferenceError(
-                f"model '{engine.config.name}': ONNX Runtime CUDA run failed ({type(e).__name__})") from e
+            raise run_error(engine.config.name, e) from e
         finally:
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()

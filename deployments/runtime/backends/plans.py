@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract.config import ModelConfig, Profile
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, LoadFault
 from ..contract.files import file_sha256, write_atomic
 
 MANIFEST_FORMAT = 1
@@ -33,7 +33,7 @@ PLAN_PREFIX = "model"
 ProfileShapes = dict[str, dict[str, list[int]]]
 
 
-class PlanMismatch(ConfigError):
+class PlanMismatch(LoadFault):
     """No plan fits this model, TensorRT and GPU, or the one there is stale (HTTP 500 at load).
 
     The message names the model, the plan, every reason and the command that rebuilds it.

@@ -108,8 +108,10 @@ def open_engine(config: ModelConfig, model_dir: Path, backend: str = "auto") -> 
     ``tensorrt`` raises instead.
 
     Raises:
-        ConfigError: the backend cannot load this model (no plan, stale plan, signature mismatch,
-            provider missing).
+        ConfigError: the config cannot be served as written (signature mismatch, a backend
+            requested that this machine lacks).
+        LoadFault, DeviceOutOfMemory: the server cannot bring the model up (no plan or a stale
+            one, an unreadable model file, a provider that did not start, out of device memory).
     """
     requested = requested_backend(config, backend)
     choice = choose_backend(requested)

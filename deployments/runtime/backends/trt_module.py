@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
-from ..contract.errors import ConfigError
+from ..contract.errors import LoadFault
 
 Flavour = Literal["tensorrt", "tensorrt_rtx"]
 FlavourRequest = Literal["auto", "tensorrt", "tensorrt_rtx"]
@@ -34,7 +34,7 @@ FlavourRequest = Literal["auto", "tensorrt", "tensorrt_rtx"]
 FLAVOURS: tuple[Flavour, ...] = ("tensorrt", "tensorrt_rtx")
 
 
-class TensorRTUnavailable(ConfigError):
+class TensorRTUnavailable(LoadFault):
     """No usable TensorRT module for the requested flavour (HTTP 500 at load, exit 2 at build)."""
 
 

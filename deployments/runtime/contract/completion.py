@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from .config import ModelConfig, ModelConfigFile, TensorSpec, completed_config
 from .datatypes import ONNX_TYPE_BY_DATATYPE
-from .errors import ConfigError
+from .errors import ConfigError, LoadFault
 
 # As Triton's ``--backend-config=default-max-batch-size`` (4): the max_batch_size a batched model
 # gets when its config gives none.
@@ -84,7 +84,7 @@ def read_onnx_signature(path: Path) -> FileSignature | None:
     """The inputs and outputs of the ONNX file at ``path``, cached per (path, size, mtime) for
     this process (every replica reads the repository; the file is parsed once per process).
     None when the file is missing or is not ONNX: loading it reports that, naming the model
-    (``backends.base.unreadable_model_file``), and heals once the file is repaired.
+    (``errors.unreadable_model_file``), and heals once the file is repaired.
     """
     import onnx
     from google.protobuf.message import DecodeError
@@ -136,14 +136,17 @@ def complete_config(given: ModelConfigFile, config_path: Path, model_files: list
 
     Raises:
         ConfigError: the config disagrees with a model file, or leaves out a field that the
-            file cannot tell (no shape, no KServe datatype, or the file is unreadable); names
-            the config file, the field and the model file.
+            file cannot tell (no shape, no KServe datatype); names the config file, the field
+            and the model file.
+        LoadFault: the config leaves out a field and the model file cannot be read to tell it
+            (missing, damaged, not ONNX): the file's fault, not the config's (a load answers
+            500, not 400).
     """
     signatures = [read_onnx_signature(path) for path in model_files]
     first = signatures[0]
     left_out = [f for f in COMPLETED_FIELDS if getattr(given, f) is None]
     if left_out and first is None:
-        raise ConfigError(f"{config_path}: {', '.join(left_out)}: left out, and {model_files[0]} cannot be read as "
+        raise LoadFault(f"{config_path}: {', '.join(left_out)}: left out, and {model_files[0]} cannot be read as "
                           "an ONNX model to complete them from (missing, damaged or not ONNX)")
     max_batch_size = given.max_batch_size
     if max_batch_size is None:

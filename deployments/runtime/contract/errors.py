@@ -52,6 +52,12 @@ class OverBudget(ServingError):
     """Loading the model would exceed the memory budget (HTTP 503)."""
 
 
+class DeviceOutOfMemory(OverBudget):
+    """The device ran out of memory while a model was loaded or warmed (an allocation the
+    runtime refused, over a memory cap such as ``gpu_mem_limit_mib``): capacity, not a fault of
+    the request that asked for the load (HTTP 503, as ``OverBudget``)."""
+
+
 class Overloaded(ServingError):
     """The model's bounded queue is full: the request is shed at once, before any work (HTTP 503
     with a ``Retry-After`` header of ``retry_after_s`` seconds)."""
@@ -78,7 +84,21 @@ class EngineFault(InferenceError):
 
 
 class ConfigError(ServingError):
-    """A model repository or application config is invalid; raised at start, names file and field."""
+    """A config someone wrote is invalid (a model's ``config.yaml``, the application's args, a
+    config that disagrees with its model file); names the file and field.
+
+    At start it stops the start. A load through the repository API answers it 400 (whoever asks
+    for a load points at the repository: ``deployments.control.outcome``). On a request's own
+    path (a lazy load) it is the server's configuration at fault: 500.
+    """
+
+
+class LoadFault(ServingError):
+    """The server could not bring a model up through no fault of whoever asked for it (HTTP
+    500): its model file cannot be read, no TensorRT plan fits this machine, the device's
+    runtime did not start, a warm-up run failed. Not a ``ConfigError``: a load that meets it
+    answers 500, not 400. The message names the model and what failed; the cause's own text
+    is in the server log."""
 
 
 def unknown_model(name: str, detail: str, version: str | None = None) -> ModelNotFound:
@@ -103,12 +123,12 @@ def unloaded_model(name: str, reason: str | None = None) -> ModelNotReady:
                          f"POST /v2/repository/models/{name}/load loads it")
 
 
-def unreadable_model_file(name: str, reader: str, error: BaseException) -> ConfigError:
-    """``ConfigError`` (500: the server's fault, not the client's) for a model file that
+def unreadable_model_file(name: str, reader: str, error: BaseException) -> LoadFault:
+    """``LoadFault`` (500: the server's fault, not the client's) for a model file that
     ``reader`` (``"ONNX Runtime"``, ``"onnx"``) could not read: missing, truncated, damaged.
 
     The message names the model and the error's type only: the reader's own text names the
     file's path, which is for the server log, never for a client.
     """
-    return ConfigError(f"model '{name}': {reader} could not read its model file ({type(error).__name__}); the "
+    return LoadFault(f"model '{name}': {reader} could not read its model file ({type(error).__name__}); the "
                        "file is missing, damaged or not an ONNX model; the server log has the details")

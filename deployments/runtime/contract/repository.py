@@ -74,17 +74,32 @@ class ModelRepository:
     ``require_versions=False`` indexes a model with no ``<version>/model.onnx`` too, with
     empty ``versions`` (the build command reports it per model).
 
+    ``entries``: index these, read earlier (the application's build), instead of reading the
+    folders now: a replica that starts later (a replacement, a scale-out) serves the config the
+    application was deployed with, and a ``config.yaml`` edited since, even into an invalid
+    one, cannot stop it (``read``, a load through model control, reads a folder again).
+
     Raises:
         ConfigError: at construction, for a missing root, a bad config (or one the model file
             contradicts), a model with no ``<version>/model.onnx`` (the message says to run
-            ``make models``), or a name in ``names`` that has no folder.
+            ``make models``), or a name in ``names`` that has no folder (or no entry in
+            ``entries``).
     """
 
-    def __init__(self, root: str | Path, names: list[str] | None = None, *, require_versions: bool = True) -> None:
+    def __init__(self, root: str | Path, names: list[str] | None = None, *, require_versions: bool = True,
+                 entries: list[ModelEntry] | None = None) -> None:
         self.root = Path(root).resolve()
+        self.require_versions = require_versions
+        if entries is not None:
+            given = {e.name: e for e in entries}
+            missing = sorted(set(names or ()) - given.keys())
+            if missing:
+                raise ConfigError(f"models {missing} were not read at build from {self.root}")
+            self._entries = {n: given[n] for n in (names if names is not None else sorted(given))}
+            return
         if not self.root.is_dir():
             raise ConfigError(f"model repository {self.root} does not exist")
-        entries: dict[str, ModelEntry] = {}
+        found: dict[str, ModelEntry] = {}
         folders = self.folders()
         if names is not None:
             missing = sorted(set(names) - set(folders))
@@ -92,14 +107,13 @@ class ModelRepository:
                 raise ConfigError(f"models {missing} have no folder with a {CONFIG_FILENAME} or a "
                                   f"<version>/{MODEL_FILENAME} in {self.root}")
             folders = [f for f in folders if f in names]
-        self.require_versions = require_versions
         for folder in folders:
             entry = self._read(self.root / folder)
-            entries[entry.name] = entry
-        if not entries:
+            found[entry.name] = entry
+        if not found:
             raise ConfigError(f"model repository {self.root} holds no model folder (<model>/{CONFIG_FILENAME} "
                               f"or <model>/<version>/{MODEL_FILENAME})")
-        self._entries = entries
+        self._entries = found
 
     def _read(self, folder: Path) -> ModelEntry:
         """One model folder's entry: its config, completed from the model file and checked
@@ -137,6 +151,7 @@ class ModelRepository:
                 against the folder names on disk, never joined to a path unchecked).
             ConfigError: a bad config (or one the model file contradicts) or no version folder;
                 names the file and field.
+            LoadFault: the config leaves fields to complete from a model file that cannot be read.
         """
         if name not in self.folders():
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "

@@ -234,7 +234,7 @@ class ModelCache:
         """Serve ``name`` (again, after ``unload``) and load it now, as a first request would
         (evicting least-recently-used unheld models under ``lru``); blocks until it is ready.
 
-        Raises: as ``acquire`` (``OverBudget``, ``ConfigError``, ``InferenceError``...).
+        Raises: as ``acquire`` (``OverBudget``, ``ConfigError``, ``LoadFault``, ``InferenceError``...).
         """
         slot = self._slot(name)
         with self._cond:
@@ -267,7 +267,7 @@ class ModelCache:
 
         Raises:
             OverBudget: the models do not fit ``budget_bytes`` / ``max_models`` together.
-            ConfigError, InferenceError: a model failed to load.
+            ConfigError, LoadFault, InferenceError: a model failed to load.
         """
         if self.load_policy == "eager":
             for name in self.names:
@@ -290,7 +290,7 @@ class ModelCache:
             ModelNotFound: ``name`` is not served by this cache.
             OverBudget: the model alone is over the budget, or no room was freed in time.
             ModelNotReady: the cache is closed, or a concurrent load of this model failed.
-            ConfigError, InferenceError: this request's load of the model failed.
+            ConfigError, LoadFault, InferenceError: this request's load of the model failed.
         """
         if name not in self._slots:
             raise unknown_model(name, f"this replica serves {self.names}")
@@ -388,8 +388,10 @@ class ModelCache:
         with self._cond:
             hosts = [s.host for s in self._slots.values() if s.state == _READY]
         for host in hosts:
-            if host.ready:  # an eviction may have unloaded it since
+            try:
                 host.check_health()
+            except ModelNotReady:  # an eviction unloaded it since the list was made: nothing to probe
+                continue
 
     def resident(self) -> list[str]:
         """Names of the loaded models, least recently used first."""

@@ -157,7 +157,7 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
     The host stays loaded, with its arena grown by the measuring runs.
 
     Raises:
-        ConfigError, InferenceError: from loading or the measuring runs (the host is unloaded).
+        ConfigError, LoadFault, InferenceError: from loading or the measuring runs (the host is unloaded).
     """
     if resolve_backend(requested_backend(host.config, host.backend_request)) == "onnxruntime":
         _prime_onnxruntime()

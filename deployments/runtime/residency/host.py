@@ -13,7 +13,8 @@ import numpy as np
 from ..backends.base import Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
-from ..contract.errors import InferenceTimeout, ModelNotReady
+from ..contract.errors import InferenceTimeout, InvalidInput, LoadFault, ModelNotReady
+from ..contract.graph_checks import GraphChecks
 from ..contract.repository import ModelEntry
 from ..contract.validation import validate_request
 from .warmup import warmup_requests, warmup_shape
@@ -58,6 +59,7 @@ class ModelHost:
         self._lock = threading.Condition()
         self._in_flight = 0
         self._unloading = False
+        self._graph_checks = GraphChecks()  # the model file's (``load`` reads them)
         self.load_ms: float | None = None  # engine and contexts, without the warmup runs
         self.warmup_ms = 0.0  # the config's warmup runs at the last load (``residency.warmup``)
         self.on_execution: Callable[[str, int, int, float], None] | None = None
@@ -81,24 +83,32 @@ class ModelHost:
         created is closed again. Returns self.
 
         Raises:
-            ConfigError, InferenceError: the backend could not load the model.
+            ConfigError: the config disagrees with the model file or this machine.
+            LoadFault, DeviceOutOfMemory, InferenceError: the backend could not load the model,
+                or a warm-up run failed.
         """
         with self._lock:
             self._lock.wait_for(lambda: not self._unloading)
             if self.engine is not None:
                 return self
             start = time.perf_counter()
-            model_dir = self.entry.onnx_path(self.version).parent
-            engine = open_engine(self.config, model_dir, self.backend_request)
+            model_file = self.entry.onnx_path(self.version)
+            engine = open_engine(self.config, model_file.parent, self.backend_request)
+            checks = self._graph_checks = GraphChecks.read(model_file)
             contexts: list[ExecutionContext] = []
             try:
                 for _ in range(self.config.instances):
                     contexts.append(engine.create_context())
                 loaded = time.perf_counter()
                 warmups = warmup_requests(self.config, self.entry.path)
-                for request in warmups:  # every context, every size
-                    for context in contexts:
-                        context.infer(request)
+                try:
+                    for request in warmups:  # every context, every size
+                        checks.check(self.name, request)
+                        for context in contexts:
+                            context.infer(request)
+                except InvalidInput as e:  # no client sent it: the load failed, not a request
+                    raise LoadFault(f"model '{self.name}': a warm-up run (warmup in its config.yaml) failed: "
+                                    f"{e.message}") from e
             except BaseException:
                 for c in contexts:
                     c.close()
@@ -136,13 +146,24 @@ class ModelHost:
         return self._loaded().footprint()
 
     def check_health(self) -> None:
-        """The health probe a serving layer calls (Ray's ``check_health``).
+        """The health probe a serving layer calls (Ray's ``check_health``). The probe counts as
+        a request in flight, so an ``unload`` (an eviction) that starts meanwhile closes the
+        engine only after it: a probe never runs on a closed engine (TensorRT's says "engine is
+        closed", an ``EngineFault``, which would fail a healthy replica).
 
         Raises:
             ModelNotReady: not loaded.
             EngineFault: the engine or its device can no longer run requests (``Engine.check_health``).
         """
-        self._loaded().check_health()
+        with self._lock:
+            engine = self._loaded()
+            self._in_flight += 1
+        try:
+            engine.check_health()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self._lock.notify_all()
 
     def infer(self, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Validate (``validate_request``), then ``run``.
@@ -159,17 +180,22 @@ class ModelHost:
 
     def run(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run inputs that were already validated against the config on a free execution
-        context; returns the outputs named in ``outputs`` (all outputs when None).
+        context, after the checks its model file implies (``GraphChecks``: inputs sharing a
+        named axis, indices into a table); returns the outputs named in ``outputs`` (all
+        outputs when None).
 
         Callers that validated a request once (``ModelHost.infer``, ``ModelCache``, a batch of
         validated requests) use this; anything else calls ``infer``.
 
         Raises:
+            InvalidInput: the inputs fail the model file's checks (``GraphChecks.check``), or
+                the backend refused their values (the client's).
             ModelNotReady: the model is not loaded.
             InferenceTimeout: no context became free within ``checkout_timeout_s``.
             InferenceError: the backend failed.
         """
         wanted = outputs if outputs is not None else [t.name for t in self.config.outputs]
+        self._graph_checks.check(self.name, inputs)
         with self._lock:
             if self.engine is None:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")

@@ -165,8 +165,8 @@ def predict(entry: ModelEntry, precision: str | None = None) -> Prediction:
     bytes = weight bytes. See ``analyze_graph`` for ``precision``.
 
     Raises:
-        ConfigError: a pipeline model (no ONNX file), a dynamic axis without a profile, or a
-            model file that cannot be read (``unreadable_model_file``).
+        ConfigError: a pipeline model (no ONNX file), a dynamic axis without a profile.
+        LoadFault: a model file that cannot be read (``unreadable_model_file``).
     """
     if entry.config.pipeline:
         raise ConfigError(f"model '{entry.name}' is a pipeline; it has no ONNX graph to plan")

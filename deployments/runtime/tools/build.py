@@ -43,9 +43,10 @@ from tqdm import tqdm
 
 from ..backends import cuda, trt_module
 from ..contract.config import ModelConfig
-from ..contract.errors import ConfigError
+from ..contract.errors import ConfigError, LoadFault
 from ..backends.plans import (
     PlanManifest,
+    PlanMismatch,
     PlanTarget,
     ProfileShapes,
     requested_profiles,
@@ -590,7 +591,7 @@ def build_all(root: Path | str = "engines", names: Sequence[str] | None = None,
                 try:
                     reasons = stale_reasons(PlanManifest.read(manifest_path), source.config,
                                             source.onnx_path, plan_path)
-                except ConfigError as e:
+                except (ConfigError, PlanMismatch) as e:
                     reasons = [e.message]
             else:
                 reasons = ["no plan yet"]
@@ -637,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except trt_module.TensorRTUnavailable as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
-    except ConfigError as e:
+    except (ConfigError, LoadFault) as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 1
     for r in results:
