@@ -36,7 +36,8 @@ class RequestTimeout(ServingError):
 
 
 class PayloadTooLarge(ServingError):
-    """The request body is over the configured limit (HTTP 413)."""
+    """The request is over a configured limit: its body's bytes, or what a model accepts in one
+    request (a pipeline's texts per request, tokens per text) (HTTP 413)."""
 
 
 class UnsupportedMediaType(ServingError):
