@@ -7,6 +7,7 @@ Routes (Open Inference Protocol, plus Triton's repository index), by the module 
     GET  /v2/models[/{name}[/versions/{version}]]/stats, /metrics                 ``routes`` (``deployments.observe``)
     POST /v2/repository/index, /v2/repository/models/{name}/load|unload           ``repository_routes`` (router only)
     GET  /v2/memory                                                               ``repository_routes`` (router only)
+    POST /v1/embeddings, GET /v1/models (OpenAI-compatible)                       ``openai_routes`` (router only)
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
 bodies may be gzip/deflate compressed and responses are, as Accept-Encoding asks (``protocol.compression``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
@@ -38,15 +39,17 @@ from .control import Desired
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_logger, show_on_terminal
 from .readiness import ReadinessWatch
+from .openai_routes import OpenAIRoutes
 from .repository_routes import RepositoryRoutes
 from .routes import RouterOptions, router_observer
 from .runtime.contract.repository import ModelRepository
 
 
-class RouterApp(RepositoryRoutes, ReadinessWatch):
+class RouterApp(OpenAIRoutes, RepositoryRoutes, ReadinessWatch):
     """The router's routes without Ray: the KServe v2 route table (``routes.V2Routes``, whose
-    arguments it takes), the repository and model-control routes (``RepositoryRoutes``) and
-    readiness watching (``ReadinessWatch``), over a model repository and a ``ModelClient``."""
+    arguments it takes), the repository and model-control routes (``RepositoryRoutes``), the
+    OpenAI-compatible embeddings routes (``OpenAIRoutes``) and readiness watching
+    (``ReadinessWatch``), over a model repository and a ``ModelClient``."""
 
 
 @serve.deployment

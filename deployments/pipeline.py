@@ -24,6 +24,7 @@ from .observe.deployment import observed_steps, replica_recorder
 from .pipelines import create_pipeline
 from .protocol.errors import errors_as_values
 from .runtime.contract.errors import ModelNotReady
+from .runtime.contract.outputs import Outputs, parameters_of
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.contract.validation import validate_request
 
@@ -105,7 +106,7 @@ class PipelineDeployment:
             if self.recorder is not None:  # one execution per request, of its rows (Triton's ensembles)
                 rows = next(iter(inputs.values())).shape[0] if self.config.max_batch_size else 1
                 self.recorder.on_execution(self.config.name, self.version, rows, time.perf_counter() - start)
-            return result if outputs is None else {n: result[n] for n in wanted}
+            return result if outputs is None else Outputs({n: result[n] for n in wanted}, parameters_of(result))
 
     def backend(self) -> str:
         """``pipeline`` (see ``ModelDeployment.backend``)."""

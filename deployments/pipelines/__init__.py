@@ -3,7 +3,7 @@ pipeline class that calls other models through an async ``infer(model_name, inpu
 
 The Ray layer builds one with ``create_pipeline(repository, name, infer)``, gets handles for
 ``pipeline.steps`` and serves ``await pipeline.infer(inputs)``. Pipeline modules are imported
-only when built (the OCR one pulls in OpenCV and rapidocr).
+only when built (the OCR one pulls in OpenCV and rapidocr, the embed one tokenizers).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]
 # ``from_repository(repository, infer, name)``.
 PIPELINES: dict[str, str] = {
     "ocr": "deployments.pipelines.ocr:OcrPipeline",
+    "embed": "deployments.pipelines.embed:EmbedPipeline",
 }
 
 
@@ -31,7 +32,8 @@ class Pipeline(Protocol):
         """Names of the models the pipeline calls."""
 
     async def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run on the pipeline model's inputs; returns its outputs by name."""
+        """Run on the pipeline model's inputs; returns its outputs by name (an
+        ``Outputs`` where the answer carries response parameters)."""
 
 
 def create_pipeline(repository: ModelRepository, name: str, infer: InferFn) -> Pipeline:

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from ..runtime.contract.errors import InferenceTimeout
+from ..runtime.contract.outputs import parameters_of
 from .binary import decode_body, encode_response
 from .parameters import apply_classification
 from .v2 import InferRequest
@@ -48,8 +49,9 @@ async def answer(model: str, version: str, batched: bool, chunks: list[bytes], h
     decoded = time.perf_counter()
     outputs = await run(request)
     ran = time.perf_counter()
+    parameters = parameters_of(outputs)  # the answer's own response parameters, if any
     outputs = apply_classification(model, batched, request.output_parameters, outputs)
-    content, headers = encode_response(model, version, request, outputs)
+    content, headers = encode_response(model, version, request, outputs, parameters)
     return Answer(content, headers, decoded - start, time.perf_counter() - ran)
 
 

@@ -275,8 +275,10 @@ def _raw_bytes(array: np.ndarray) -> bytes | memoryview:
 
 
 def encode_response(model_name: str, model_version: str, request: InferRequest,
-                    outputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
-    """Outputs -> (response body, response headers), binary where the request asks.
+                    outputs: Mapping[str, np.ndarray],
+                    parameters: Mapping[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+    """Outputs -> (response body, response headers), binary where the request asks;
+    ``parameters``: the response's own (none when empty).
 
     Raises:
         InvalidInput: a binary flag is not a boolean, or a JSON output holds NaN or Infinity
@@ -284,12 +286,14 @@ def encode_response(model_name: str, model_version: str, request: InferRequest,
     """
     binary = binary_outputs(request, outputs)
     if not binary:
-        return encode_infer_response(model_name, model_version, request.id, outputs), {
+        return encode_infer_response(model_name, model_version, request.id, outputs, parameters), {
             "content-type": JSON_MEDIA_TYPE}
     check_finite(model_name, {n: a for n, a in outputs.items() if n not in binary})
     header: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         header["id"] = request.id
+    if parameters:
+        header["parameters"] = dict(parameters)
     tensors, buffers = [], []
     for name, array in outputs.items():
         if name in binary:

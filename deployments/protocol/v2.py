@@ -299,8 +299,9 @@ def encode_tensor(name: str, array: np.ndarray) -> dict[str, Any]:
 
 
 def encode_infer_response(model_name: str, model_version: str, request_id: str | None,
-                          outputs: Mapping[str, np.ndarray]) -> bytes:
-    """Outputs -> the JSON infer response body (UTF-8).
+                          outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None) -> bytes:
+    """Outputs -> the JSON infer response body (UTF-8); ``parameters``: the response's own
+    (left out when empty).
 
     Raises:
         InvalidInput: an output holds NaN or Infinity, which JSON cannot carry.
@@ -308,6 +309,8 @@ def encode_infer_response(model_name: str, model_version: str, request_id: str |
     body: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request_id is not None:
         body["id"] = request_id
+    if parameters:
+        body["parameters"] = dict(parameters)
     check_finite(model_name, outputs)
     body["outputs"] = [encode_tensor(n, a) for n, a in outputs.items()]
     return json.dumps(body, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")

@@ -62,10 +62,11 @@ def test_serve_config_parses_with_rays_schema_puts_a_proxy_on_every_node_and_bui
     assert schema.proxy_location == ProxyLocation.EveryNode
     app, *models = schema.applications
     assert app.import_path == "deployments.app:build_app" and app.route_prefix == "/"
-    # each dedicated model and the pipeline in an application of its own, with the router's args;
+    # each dedicated model and pipeline in an application of its own, with the router's args;
     # the pool models' application at /v2/models
     assert [(m.name, m.route_prefix, m.args) for m in models] == [
-        (f"models.{name}", f"/v2/models/{name}", {**app.args, "model": name}) for name in ("ocr", "ocr_cls", "ocr_det", "ocr_rec")
+        (f"models.{name}", f"/v2/models/{name}", {**app.args, "model": name})
+        for name in ("all-MiniLM-L6-v2", "embed", "ocr", "ocr_cls", "ocr_det", "ocr_rec")
     ] + [("models.pool", "/v2/models", {**app.args, "model": "pool"})]
     args = dict(app.args, repository=str(ROOT / app.args["repository"]))
     deployments = _built_deployments(args)

@@ -77,7 +77,7 @@ def test_requested_outputs_only(server):
 def test_repository_index_lists_every_model_and_its_version(server):
     index = requests.post(f"{server}/v2/repository/index").json()
     names = sorted(i["name"] for i in index)
-    assert names == ["mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple",
+    assert names == ["all-MiniLM-L6-v2", "embed", "mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple",
                      "simple_identity", "simple_string", "tiny_cnn"]
     assert all(i["version"] == "1" for i in index)  # states: test_model_config_and_states.py
 

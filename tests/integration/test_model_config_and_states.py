@@ -60,5 +60,5 @@ def test_repository_index_states_follow_the_pool_cache(server):
     assert sum(index[name]["state"] == "READY" for name in POOL) == 2
     evicted = [name for name in POOL if cached[name]["state"] == "absent"]
     assert evicted and all(index[name]["reason"].startswith("evicted") for name in evicted)
-    for name in ("ocr", "ocr_cls", "ocr_det", "ocr_rec"):  # dedicated: ready once a replica loaded it
+    for name in ("ocr", "ocr_cls", "ocr_det", "ocr_rec", "embed", "all-MiniLM-L6-v2"):  # dedicated: ready once loaded
         assert index[name]["state"] == "READY" and "reason" not in index[name]

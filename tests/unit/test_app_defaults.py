@@ -15,14 +15,14 @@ REPOSITORY = str(Path(__file__).resolve().parents[2] / "engines")
 def test_contexts_count_dedicated_replicas_and_the_pool_s_largest_models():
     args = AppArgs(repository=REPOSITORY, pool={"max_num_models_per_replica": 2, "num_replicas": 3})
     entries = ModelRepository(REPOSITORY).entries()
-    # ocr_det, ocr_cls, ocr_rec: 1 replica x 1 instance; pool: 3 replicas x (2 + 2) instances
-    assert execution_contexts(args, entries) == 3 + 3 * 4
+    # ocr_det, ocr_cls, ocr_rec, all-MiniLM-L6-v2: 1 replica x 1 instance; pool: 3 replicas x (2 + 2) instances
+    assert execution_contexts(args, entries) == 4 + 3 * 4
 
 
-@pytest.mark.parametrize("cores,threads", [(2, 1), (16, 1), (64, 7)])
+@pytest.mark.parametrize("cores,threads", [(2, 1), (16, 1), (64, 6)])
 def test_threads_share_the_cores_among_every_context(cores, threads, monkeypatch):
     monkeypatch.delenv("ORT_INTRA_OP_THREADS", raising=False)
-    args = AppArgs(repository=REPOSITORY)  # 3 dedicated contexts + the pool's 3 models x 2 = 9
+    args = AppArgs(repository=REPOSITORY)  # 4 dedicated contexts + the pool's 3 models x 2 = 10
     assert intra_op_threads(cores, args, ModelRepository(REPOSITORY).entries()) == threads
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 
@@ -10,6 +11,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.http._utils import _get_inference_request
 
+from deployments.protocol.answer import answer
 from deployments.protocol.binary import (
     HEADER_LENGTH,
     binary_outputs,
@@ -21,6 +23,7 @@ from deployments.protocol.binary import (
 )
 from deployments.protocol.errors import error_status
 from deployments.protocol.v2 import InferRequest
+from deployments.runtime.contract.outputs import Outputs
 from deployments.runtime.contract.errors import InvalidInput
 
 
@@ -311,3 +314,23 @@ def test_binary_bool_zeros_and_ones_decode_to_false_and_true():
         {"inputs": [{"name": "flags", "shape": [4], "datatype": "BOOL", "parameters": {"binary_data_size": 4}}]},
         b"\x00\x01\x01\x00")
     assert decode(body, header).inputs["flags"].tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_an_answer_s_own_parameters_reach_the_response_in_json_and_binary(binary):
+    """A pipeline's ``Outputs.parameters`` (the embed pipeline's ``truncated``) are the response's
+    ``parameters``; a plain dict answers without them."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}],
+                       "parameters": {"binary_data_output": binary}}).encode()
+    said = {"truncated": [0], "max_seq_length": 256}
+
+    async def run(outputs):
+        async def infer(request):
+            return outputs
+        done = await answer("m", "1", False, [body], None, infer)
+        length = int(done.headers.get(HEADER_LENGTH, len(done.content)))
+        return json.loads(done.content[:length])
+
+    y = {"y": np.ones(1, np.float32)}
+    assert asyncio.run(run(Outputs(y, said)))["parameters"] == said
+    assert "parameters" not in asyncio.run(run(y))

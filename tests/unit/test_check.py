@@ -50,7 +50,8 @@ def test_serve_config_yaml_lists_the_application_of_every_dedicated_model_of_eng
     result = run_check(ROOT / "serve_config.yaml")
     assert result.returncode == 0, result.stderr
     names = [app["name"] for app in yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"]]
-    assert names == ["models", "models.ocr", "models.ocr_cls", "models.ocr_det", "models.ocr_rec", "models.pool"]
+    assert names == ["models", "models.all-MiniLM-L6-v2", "models.embed", "models.ocr", "models.ocr_cls",
+                     "models.ocr_det", "models.ocr_rec", "models.pool"]
 
 
 def test_a_model_made_dedicated_is_named_missing_until_write_adds_its_application(repository, tmp_path):
@@ -201,7 +202,7 @@ def test_deployments_stop_promptly_the_router_and_pipelines_within_their_bound(p
              for d in serve_build_app(app, name=name).deployments}
     assert {c.graceful_shutdown_wait_loop_s for c in built.values()} == {GRACEFUL_SHUTDOWN_WAIT_LOOP_S}
     callers = {name for name in built if name == "router" or name.startswith("pipeline-")}
-    assert callers == {"router", "pipeline-ocr"}
+    assert callers == {"router", "pipeline-ocr", "pipeline-embed"}
     assert {built[name].graceful_shutdown_timeout_s for name in callers} == {ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S}
 
 
@@ -226,12 +227,12 @@ def test_write_keeps_other_applications_and_refuses_model_applications_listed_by
     path.write_text(shipped + echo)  # an application of another import path after the written block
     write(path)
     apps = yaml.safe_load(path.read_text())["applications"]
-    assert [a["name"] for a in apps] == ["models", "echo", "models.ocr", "models.ocr_cls", "models.ocr_det",
-                                         "models.ocr_rec", "models.pool"]  # kept; the written block ends the list
+    assert [a["name"] for a in apps] == ["models", "echo", "models.all-MiniLM-L6-v2", "models.embed", "models.ocr",
+                                         "models.ocr_cls", "models.ocr_det", "models.ocr_rec", "models.pool"]  # kept; the written block ends the list
     by_hand = shipped.replace(WRITTEN_MARK + "\n", "")  # the same applications, without the mark
     path.write_text(by_hand)
-    with pytest.raises(ConfigError, match=r"\['models.ocr', 'models.ocr_cls', 'models.ocr_det', 'models.ocr_rec', "
-                                          r"'models.pool'\] "
+    with pytest.raises(ConfigError, match=r"\['models.all-MiniLM-L6-v2', 'models.embed', 'models.ocr', 'models.ocr_cls', "
+                                          r"'models.ocr_det', 'models.ocr_rec', 'models.pool'\] "
                                           "are listed without the mark"):
         write(path)
     assert path.read_text() == by_hand  # nothing written
@@ -239,7 +240,7 @@ def test_write_keeps_other_applications_and_refuses_model_applications_listed_by
     only_models["applications"] = only_models["applications"][1:]  # no router application
     path.write_text(yaml.safe_dump(only_models))
     result = run_check(path)
-    assert result.returncode == 2 and "not dedicated models of the repository: ['models.ocr'" in result.stderr
+    assert result.returncode == 2 and "not dedicated models of the repository: ['models.all-MiniLM-L6-v2'" in result.stderr
 
 
 def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefix(prepared_engines, tmp_path):
@@ -252,6 +253,6 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
     copy = config_for_proxy(path, {})  # make serve FAST=0: Serve's Python proxy
     apps = yaml.safe_load(copy.read_text())["applications"]
     assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/")] + [
-        (f"models.{m}", None) for m in ("ocr", "ocr_cls", "ocr_det", "ocr_rec", "pool")]
+        (f"models.{m}", None) for m in ("all-MiniLM-L6-v2", "embed", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "pool")]
     assert apps[1:] == [dict(a, route_prefix=None) for a in yaml.safe_load(path.read_text())["applications"][1:]]
     assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops

@@ -77,7 +77,7 @@ def test_repository_without_model_file_says_how_to_prepare(tmp_path):
 
 def test_real_repository_indexes_every_model_and_version():
     repo = ModelRepository(ROOT / "engines")
-    assert repo.names() == ["mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple",
+    assert repo.names() == ["all-MiniLM-L6-v2", "embed", "mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple",
                             "simple_identity", "simple_string", "tiny_cnn"]
     assert repo.get("tiny_cnn").onnx_path() == ROOT / "engines" / "tiny_cnn" / "1" / "model.onnx"
     assert repo.get("ocr").config.pipeline == "ocr"

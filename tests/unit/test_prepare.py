@@ -110,7 +110,7 @@ def test_ocr_onnx_tensor_names_match_config(prepared_engines, model_repository, 
 
 def test_repository_indexes_and_loads_every_model(model_repository: ModelRepository):
     assert model_repository.names() == [
-        "mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple", "simple_identity",
+        "all-MiniLM-L6-v2", "embed", "mid_cnn", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "resnet18", "simple", "simple_identity",
         "simple_string", "tiny_cnn"]
     for entry in model_repository.entries():
         if entry.config.pipeline:
@@ -125,9 +125,11 @@ def test_repository_indexes_and_loads_every_model(model_repository: ModelReposit
 def test_prepare_fills_an_empty_root_then_skips_everything(tmp_path, wheel):
     lines: list[str] = []
     written = prep.prepare(tmp_path, cache_dir=wheel.parent, progress=lines.append)
-    names = ["ocr_det", "ocr_cls", "ocr_rec", "tiny_cnn", "mid_cnn", "resnet18", "simple", "simple_string",
+    names = ["ocr_det", "ocr_cls", "ocr_rec", prep.MINILM, "tiny_cnn", "mid_cnn", "resnet18", "simple", "simple_string",
              "simple_identity"]
-    assert written == [prep.model_path(tmp_path, n) for n in names]
+    encoder = prep.model_path(tmp_path, prep.MINILM)
+    assert written == [prep.model_path(tmp_path, n) for n in names[:4]] + [encoder.parent / "tokenizer.json"] + [
+        prep.model_path(tmp_path, n) for n in names[4:]]
     assert any("extracted" in line for line in lines)
     for name in GENERATED:
         assert hashlib.sha256(prep.model_path(tmp_path, name).read_bytes()).hexdigest() == prep.GENERATED_SHA256[name]

@@ -158,7 +158,7 @@ def test_repository_index_says_which_models_load_on_first_request(router, repo):
 def test_memory_gathers_dedicated_engines_and_the_pool(router):
     memory = router.get("/v2/memory").json()
     assert memory["pool"] == {"replica": "r1", "load_policy": "lru"}
-    assert sorted(memory["dedicated"]) == ["ocr_cls", "ocr_det", "ocr_rec"]  # the pipeline has no engine
+    assert sorted(memory["dedicated"]) == ["all-MiniLM-L6-v2", "ocr_cls", "ocr_det", "ocr_rec"]  # pipelines have no engine
     assert memory["dedicated"]["ocr_det"]["total_bytes"] == 1007
 
 

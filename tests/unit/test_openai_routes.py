@@ -1,0 +1,151 @@
+"""``POST /v1/embeddings`` and ``GET /v1/models`` under Starlette's TestClient, without Ray.
+
+The router runs over the real repository; its model client runs ``embed`` through the real
+embed pipeline and encoder (ModelHost, ONNX Runtime), as the pipeline's replica would, and
+records each call. Real Ray Serve and the ``openai`` client over HTTP: tests/integration/test_embeddings.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from deployments.pipelines import create_pipeline
+from deployments.runtime.contract.errors import ModelNotReady
+from deployments.runtime.residency.host import ModelHost
+from tests.unit.test_router_routes import FakeModelClient, make_router
+
+SENTENCES = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
+TOKEN_IDS_FIX = "check_embedding_ctx_length=False"
+
+
+@pytest.fixture(scope="module")
+def encoder(model_repository):
+    host = ModelHost(model_repository.get("all-MiniLM-L6-v2"), backend="onnxruntime").load()
+    yield host
+    host.unload()
+
+
+@pytest.fixture
+def served(model_repository, encoder, monkeypatch):
+    """(TestClient, the fake client): ``embed`` runs the real pipeline."""
+    async def run_encoder(name, inputs):
+        return await asyncio.to_thread(encoder.infer, inputs)
+
+    pipeline = create_pipeline(model_repository, "embed", run_encoder)
+    real_infer = FakeModelClient.infer
+
+    async def infer(self, name, inputs, outputs=None, key=None, version=None):
+        if name != "embed":
+            return await real_infer(self, name, inputs, outputs, key, version)
+        self.calls.append((name, inputs, outputs))
+        if self.raises is not None:
+            raise self.raises
+        return (await pipeline.infer(inputs)).select(outputs)
+
+    monkeypatch.setattr(FakeModelClient, "infer", infer)
+    return make_router(model_repository)
+
+
+def post(router, body, **kwargs):
+    return router.post("/v1/embeddings", content=json.dumps(body), headers={"content-type": "application/json"},
+                       **kwargs)
+
+
+def test_three_sentences_answer_in_openai_shape_with_the_published_similarities(served):
+    router, client = served
+    r = post(router, {"model": "embed", "input": SENTENCES})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "embed"
+    assert [(d["object"], d["index"]) for d in body["data"]] == [("embedding", i) for i in range(3)]
+    e = np.array([d["embedding"] for d in body["data"]])
+    assert e.shape == (3, 384)
+    assert [round(float(e[i] @ e[j]), 4) for i, j in ((0, 1), (0, 2), (1, 2))] == pytest.approx(
+        [0.6660, 0.1046, 0.1411], abs=5e-4)
+    assert body["usage"] == {"prompt_tokens": 8 + 9 + 8, "total_tokens": 25}
+    (name, inputs, outputs), = client.calls
+    assert name == "embed" and outputs == ["embedding", "tokens"]
+    assert inputs["text"].tolist() == [s.encode() for s in SENTENCES]
+
+
+def test_base64_encoding_is_the_float32_bytes_of_the_float_answer(served):
+    router, _ = served
+    floats = post(router, {"model": "embed", "input": "hello"}).json()["data"][0]["embedding"]
+    packed = post(router, {"model": "embed", "input": "hello", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4")
+    assert decoded.tolist() == np.array(floats, np.float32).tolist()
+
+
+def test_models_lists_the_embedding_models(served):
+    router, _ = served
+    r = router.get("/v1/models")
+    assert r.status_code == 200
+    assert [(m["id"], m["object"], m["owned_by"]) for m in r.json()["data"]] == [("embed", "model", "trt-serve")]
+    assert r.json()["object"] == "list" and isinstance(r.json()["data"][0]["created"], int)
+
+
+def _error(r, status: int, param: str | None, code: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error" if status < 500 else "server_error", param, code)
+    return error["message"]
+
+
+@pytest.mark.parametrize("tokens", [[1820, 4062], [[1820, 4062], [9906]]])
+def test_token_id_input_is_a_400_that_names_the_langchain_fix(served, tokens):
+    router, client = served
+    message = _error(post(router, {"model": "embed", "input": tokens}), 400, "input")
+    assert "token ids" in message and TOKEN_IDS_FIX in message
+    assert client.calls == []
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape_naming_the_embedding_models(served):
+    router, client = served
+    for model in ("text-embedding-3-small", "resnet18"):
+        message = _error(post(router, {"model": model, "input": "x"}), 404, None, "model_not_found")
+        assert f"The model '{model}' does not exist or is not an embedding model; embedding models: ['embed']" in message
+    assert client.calls == []
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"input": "x"}, 400, "model", "'model' is required"),
+    ({"model": "embed"}, 400, "input", "'input' is required: a string or a list of strings"),
+    ({"model": "embed", "input": {"text": "x"}}, 400, "input", "'input' must be a string or a list of strings, got dict"),
+    ({"model": "embed", "input": ["ok", 3.5]}, 400, "input", "'input'[1] is 3.5; 'input' must be a string or a list"),
+    ({"model": "embed", "input": "x", "encoding_format": "int8"}, 400, "encoding_format", "allowed: 'float', 'base64'"),
+    ({"model": "embed", "input": "x", "dimensions": 256}, 400, "dimensions", "gives embeddings of 384 dimensions only"),
+    ({"model": "embed", "input": []}, 400, "input", "'input' is an empty list; send a string or a list of at least one"),
+    ({"model": "embed", "input": ["a"] * 2049}, 413, "input", "holds 2049 texts; at most 2048 are accepted per request"),
+    ({"model": "embed", "input": ["fine", "\ud800"]}, 400, "input", "input 'text'[1] is not UTF-8 text"),
+    ([1, 2], 400, None, "the request body must be a JSON object"),
+])
+def test_bad_requests_answer_4xx_in_openai_shape_naming_field_and_what_is_allowed(served, body, status, param, message):
+    router, _ = served
+    assert message in _error(post(router, body), status, param)
+    assert post(router, {"model": "embed", "input": "still serving"}).status_code == 200
+
+
+def test_a_body_that_is_not_json_is_a_400(served):
+    router, _ = served
+    r = router.post("/v1/embeddings", content=b"{not json", headers={"content-type": "application/json"})
+    _error(r, 400, None)
+
+
+def test_a_text_over_256_tokens_is_cut_and_counted_at_256(served):
+    router, _ = served
+    body = post(router, {"model": "embed", "input": [" ".join(["serving"] * 300)]}).json()
+    assert body["usage"]["prompt_tokens"] == 256
+
+
+def test_a_pipeline_not_ready_is_a_503_server_error(served):
+    router, client = served
+    client.raises = ModelNotReady("model 'embed' is not ready: retry shortly")
+    message = _error(post(router, {"model": "embed", "input": "x"}), 503, None)
+    assert message == "model 'embed' is not ready: retry shortly"
