@@ -9,10 +9,12 @@ only when built (the OCR one pulls in OpenCV and rapidocr, the embed one tokeniz
 from __future__ import annotations
 
 import importlib
-from typing import Awaitable, Callable, Mapping, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..runtime.contract.config import describe_validation_error
 from ..runtime.contract.errors import ConfigError
 from ..runtime.contract.repository import ModelRepository
 
@@ -24,6 +26,27 @@ PIPELINES: dict[str, str] = {
     "ocr": "deployments.pipelines.ocr:OcrPipeline",
     "embed": "deployments.pipelines.embed:EmbedPipeline",
 }
+
+
+P = TypeVar("P", bound="PipelineParameters")
+
+
+class PipelineParameters(BaseModel):
+    """A pipeline's ``parameters`` (its ``config.yaml``): frozen, unknown fields refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def parse(cls: type[P], raw: Mapping[str, Any], where: str) -> P:
+        """Validate a ``parameters`` mapping.
+
+        Raises:
+            ConfigError: naming ``where``, the field and the problem (unknown fields included).
+        """
+        try:
+            return cls.model_validate(dict(raw))
+        except ValidationError as e:
+            raise ConfigError(f"{where}: {describe_validation_error(e, prefix='parameters')}") from None
 
 
 class Pipeline(Protocol):

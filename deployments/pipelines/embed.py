@@ -32,10 +32,11 @@ import asyncio
 from typing import Any, Awaitable, Callable, Literal, Mapping, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
-from ..runtime.contract.config import ModelConfig, describe_validation_error
+from . import PipelineParameters
+from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
 from ..runtime.contract.outputs import Outputs
 from ..runtime.contract.repository import ModelRepository
@@ -50,10 +51,8 @@ NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps, which sentence-transfor
 TEXT = "text"
 
 
-class EmbedParameters(BaseModel):
+class EmbedParameters(PipelineParameters):
     """The ``parameters`` of ``engines/embed/config.yaml``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     steps: tuple[str] = ("all-MiniLM-L6-v2",)  # the encoder
     max_seq_length: int = Field(256, ge=2)  # tokens per text, [CLS] and [SEP] included
@@ -71,17 +70,6 @@ class EmbedParameters(BaseModel):
                              f"got {buckets}")
         return self
 
-    @classmethod
-    def parse(cls, raw: Mapping[str, Any], where: str) -> "EmbedParameters":
-        """Validate a ``parameters`` mapping.
-
-        Raises:
-            ConfigError: naming ``where``, the field and the problem (unknown fields included).
-        """
-        try:
-            return cls.model_validate(dict(raw))
-        except ValidationError as e:
-            raise ConfigError(f"{where}: {describe_validation_error(e, prefix='parameters')}") from None
 
 
 def load_tokenizer(path: str, max_seq_length: int) -> Tokenizer:

@@ -65,7 +65,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from PIL import Image, UnidentifiedImageError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 from rapidocr_onnxruntime.ch_ppocr_cls.text_cls import TextClassifier
 from rapidocr_onnxruntime.ch_ppocr_cls.utils import ClsPostProcess
 from rapidocr_onnxruntime.ch_ppocr_det.text_detect import TextDetector
@@ -75,7 +75,8 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import RapidOCR
 from rapidocr_onnxruntime.utils.process_img import ResizeImgError, add_round_letterbox
 
-from ..runtime.contract.config import ModelConfig, TensorSpec, describe_validation_error
+from . import PipelineParameters
+from ..runtime.contract.config import ModelConfig, TensorSpec
 from ..runtime.contract.errors import ConfigError, InferenceError, InvalidInput
 from ..runtime.contract.repository import ModelRepository
 
@@ -89,11 +90,9 @@ CHARACTER_METADATA_KEY = "character"
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO")  # Pillow names camera JPEGs with a preview "MPO"
 
 
-class OcrParameters(BaseModel):
+class OcrParameters(PipelineParameters):
     """The ``parameters`` of ``engines/ocr/config.yaml``; defaults are rapidocr-onnxruntime
     1.4.4's ``config.yaml`` (``Global``, ``Det``, ``Cls``, ``Rec`` sections)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     steps: tuple[str, str, str] = ("ocr_det", "ocr_cls", "ocr_rec")
     # Global
@@ -122,17 +121,6 @@ class OcrParameters(BaseModel):
     rec_image_shape: tuple[int, int, int] = (3, 48, 320)
     rec_batch_size: Optional[int] = Field(6, ge=1)  # rapidocr's rec_batch_num; None: max_batch_size
 
-    @classmethod
-    def parse(cls, raw: Mapping[str, Any], where: str) -> "OcrParameters":
-        """Validate a ``parameters`` mapping.
-
-        Raises:
-            ConfigError: naming ``where``, the field and the problem (unknown fields included).
-        """
-        try:
-            return cls.model_validate(dict(raw))
-        except ValidationError as e:
-            raise ConfigError(f"{where}: {describe_validation_error(e, prefix='parameters')}") from None
 
 
 def read_character_list(onnx_path: str | Path) -> list[str]:
