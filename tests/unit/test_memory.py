@@ -126,7 +126,7 @@ def test_plan_json_reports_totals_fit_and_shrink_savings(
     plan = json.loads(capsys.readouterr().out)
     models = {m["model"]: m for m in plan["models"]}
     assert set(models) == {"tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec", "simple", "simple_string",
-                           "simple_identity"}
+                           "simple_identity", "all-MiniLM-L6-v2"}  # every engine model; pipelines (ocr, embed) have none
     assert plan["total_bytes"] == sum(m["total_bytes"] for m in plan["models"])
     assert plan["usable_bytes"] == int(80 * 2**30 * 0.85) and plan["fits"] is True
     tiny = models["tiny_cnn"]

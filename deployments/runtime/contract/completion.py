@@ -25,7 +25,8 @@ plan is built from (``tools.build``), and reading a plan needs the GPU it was bu
 
 from __future__ import annotations
 
-import threading
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +34,7 @@ from typing import Any, Optional
 from .config import ModelConfig, ModelConfigFile, TensorSpec, completed_config
 from .datatypes import ONNX_TYPE_BY_DATATYPE
 from .errors import ConfigError, LoadFault
+from .files import file_version
 
 # As Triton's ``--backend-config=default-max-batch-size`` (4): the max_batch_size a batched model
 # gets when its config gives none.
@@ -76,40 +78,36 @@ class FileSignature:
         return first if isinstance(first, str) else None
 
 
-_cache_lock = threading.Lock()
-_cache: dict[tuple[str, int, int], FileSignature] = {}
-
-
 def read_onnx_signature(path: Path) -> FileSignature | None:
-    """The inputs and outputs of the ONNX file at ``path``, cached per (path, size, mtime) for
+    """The inputs and outputs of the ONNX file at ``path``, cached per ``file_version`` for
     this process (every replica reads the repository; the file is parsed once per process).
     None when the file is missing or is not ONNX: loading it reports that, naming the model
     (``errors.unreadable_model_file``), and heals once the file is repaired.
     """
+    try:
+        version = file_version(path)
+    except OSError:
+        return None
+    signature = _signature(*version)
+    return None if signature is None else dataclasses.replace(signature, path=Path(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(path: str, size: int, mtime_ns: int) -> FileSignature | None:
     import onnx
     from google.protobuf.message import DecodeError
 
-    path = Path(path)
     try:
-        st = path.stat()
-        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-        with _cache_lock:
-            cached = _cache.get(key)
-        if cached is not None:
-            return cached
-        model = onnx.load(str(path), load_external_data=False)
+        model = onnx.load(path, load_external_data=False)
     except (OSError, DecodeError):
         return None
     if model.ir_version <= 0 or not model.HasField("graph"):  # e.g. an emptied file parses as an empty model
         return None
     initializers = {i.name for i in model.graph.initializer}
-    signature = FileSignature(
-        path=path,
+    return FileSignature(
+        path=Path(path),
         inputs=tuple(_tensor(v) for v in model.graph.input if v.name not in initializers),
         outputs=tuple(_tensor(v) for v in model.graph.output))
-    with _cache_lock:
-        _cache[key] = signature
-    return signature
 
 
 def _tensor(value: Any) -> FileTensor:

@@ -1,14 +1,13 @@
-"""Files of the model repository: atomic writes and content hashes (sha256)."""
+"""Files of the model repository: atomic writes, content hashes (sha256), and the version key
+that caches of what is read from a file are keyed by."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
 from pathlib import Path
-
-_hash_lock = threading.Lock()
-_hash_cache: dict[tuple[str, int, int], str] = {}
 
 
 def write_atomic(path: Path, data: bytes | bytearray | memoryview | str) -> None:
@@ -29,24 +28,30 @@ def write_atomic(path: Path, data: bytes | bytearray | memoryview | str) -> None
         tmp.unlink(missing_ok=True)
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 hex digest of a file, cached per (path, size, mtime_ns) for this process.
+def file_version(path: Path) -> tuple[str, int, int]:
+    """``(resolved path, size, mtime_ns)``: a key that changes when the file is edited or
+    replaced, for caching what is read from it once per process (``functools.lru_cache``).
 
     Raises:
         OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
     """
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    with _hash_lock:
-        cached = _hash_cache.get(key)
-    if cached is not None:
-        return cached
+    st = Path(path).stat()
+    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex digest of a file, cached per ``file_version`` for this process.
+
+    Raises:
+        OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
+    """
+    return _sha256(*file_version(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    value = digest.hexdigest()
-    with _hash_lock:
-        _hash_cache[key] = value
-    return value
+    return digest.hexdigest()

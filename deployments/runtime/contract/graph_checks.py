@@ -14,7 +14,6 @@ a GPU an index read out of bounds):
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 import onnx
 
 from .errors import InvalidInput
+from .files import file_version
 
 # A dimension's name that names a size: some exporters write "?" for "unknown" on every dynamic
 # axis (paddle2onnx: the OCR models), which ties nothing together.
@@ -60,10 +60,10 @@ class GraphChecks:
         """The checks of the ONNX file at ``path`` (no checks for a file that cannot be read:
         its load reports that)."""
         try:
-            stat = os.stat(path)
+            version = file_version(path)
         except OSError:
             return GraphChecks()
-        return _read(str(path), stat.st_mtime_ns, stat.st_size)
+        return _read(*version)
 
     def check(self, model: str, inputs: Mapping[str, np.ndarray]) -> None:
         """Raise ``InvalidInput`` for the first check ``inputs`` fail; inputs not given are skipped.
@@ -94,8 +94,8 @@ class GraphChecks:
 
 
 @functools.lru_cache(maxsize=64)
-def _read(path: str, mtime_ns: int, size: int) -> GraphChecks:
-    """``GraphChecks`` of one version of a file (the key's mtime and size)."""
+def _read(path: str, size: int, mtime_ns: int) -> GraphChecks:
+    """``GraphChecks`` of one version of a file (``files.file_version``)."""
     graph = onnx.load(path, load_external_data=False).graph
     initializers = {t.name: tuple(t.dims) for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]
