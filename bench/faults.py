@@ -10,7 +10,7 @@
   ``index`` the repository index: in one hop no model's request crosses the router); the router
   replica is killed. Every request is answered, those in flight in the killed replica included, and the
   server serves again by itself. Through HAProxy (``make serve``) a request in flight is sent
-  again (``deployments/loopback.py``: on Ray's fallback proxy, which waits for the new router)
+  again (``deployments/haproxy.py``: on Ray's fallback proxy, which waits for the new router)
   and answered 200, or answered 502/503 ``{"error": ...}`` with ``Retry-After``; through Ray's
   Python proxy (``FAST=0``, the integration tests) it is answered 500 "Internal Server Error"
   in plain text (Ray's own answer, ``python_proxy=True``). ``lost`` counts requests with no
@@ -197,7 +197,7 @@ def documented_router_kill_answer(status: int | None, error: str | None, in_flig
                                   python_proxy: bool = False) -> bool:
     """Whether an answer to a request sent while the router replica was killed is one docs/api.md
     documents: 200; 502, 503 or 504 with an ``{"error": ...}`` body (HAProxy's answers,
-    ``deployments/loopback.py``, or the server's own); with Ray's Python proxy in front, a
+    ``deployments/haproxy.py``, or the server's own); with Ray's Python proxy in front, a
     plain-text 500 for a request that was in flight in the killed replica."""
     if status == 200:
         return True

@@ -53,7 +53,7 @@ _SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/
                   "GET /metrics, POST /v1/embeddings, GET /v1/models")
 # A request body that sends nothing for this long is answered 408 (the time between two
 # chunks, as nginx's client_body_timeout: a slow upload that keeps sending is not cut). HAProxy's
-# own `timeout http-request` (deployments/loopback.py) covers only the headers and the first
+# own `timeout http-request` (deployments/haproxy.py) covers only the headers and the first
 # 16 KiB of body, so without this a client that stalls after them held a slot of the replica
 # (and of the router's max_ongoing_requests) without end.
 BODY_STALL_TIMEOUT_S = 30.0

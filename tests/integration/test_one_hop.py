@@ -1,7 +1,7 @@
 """One hop to a dedicated model, as `make serve` runs it (HAProxy ingress): its requests reach
 its own replicas with no router between, and while it has no replica (one that cannot be
 placed, or lost and unable to load again) the router takes them and answers 503 at once
-(``deployments.loopback.router_backs_up_models``); every other model keeps serving.
+(``deployments.haproxy.router_backs_up_models``); every other model keeps serving.
 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, in its
 own session (so ``bench.replicas`` finds its replicas), on a repository of a pool model, a
