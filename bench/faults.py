@@ -10,9 +10,10 @@
   ``index`` the repository index: in one hop no model's request crosses the router); the router
   replica is killed. Every request is answered, those in flight in the killed replica included, and the
   server serves again by itself. Through HAProxy (``make serve``) a request in flight is sent
-  again (``deployments/haproxy.py``: on Ray's fallback proxy, which waits for the new router)
-  and answered 200, or answered 502/503 ``{"error": ...}`` with ``Retry-After``; through Ray's
-  Python proxy (``FAST=0``, the integration tests) it is answered 500 "Internal Server Error"
+  again once (``deployments/haproxy.py``, ``RETRIES``) and answered 200 by another router
+  replica, or, with one router replica (the retry reaches the dead one before HAProxy marks it
+  down), answered 502/503 ``{"error": ...}`` with ``Retry-After``; later requests go to Ray's
+  fallback proxy, which waits for the new router. Through Ray's Python proxy (``FAST=0``, the integration tests) it is answered 500 "Internal Server Error"
   in plain text (Ray's own answer, ``python_proxy=True``). ``lost`` counts requests with no
   HTTP answer, a wrong answer, or an answer outside those.
 - ``damaged_model_file``: a pool model's ONNX file is truncated before its first load: its

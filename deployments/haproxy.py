@@ -40,9 +40,13 @@ WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
 # every 5 s, each waiting up to 5 s). A replica busy with an overload answers ``/-/healthz``
 # late, and two late answers put the OCR pipeline's replica out for 9-12 s while its traffic
 # went to the router backup and got 5xx (250 clients on 2 cores). 6 keeps a busy replica in
-# rotation for 30 s of failed checks; a dead one is taken out at once by live traffic (Ray's
-# ``observe layer4``), and Serve replaces a hung one after its own health check fails.
-HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6"}
+# rotation for 30 s of failed checks; a dead one is taken out by live traffic instead (Ray's
+# ``observe layer4 ... on-error mark-down``) at its first refused or timed-out connection
+# (``OBSERVE_ERROR_LIMIT``, Ray's default 3: the retry policy below has one retry to spend,
+# so a dead server must not stay a candidate for two more), and Serve replaces a hung one
+# after its own health check fails. Health checks put a server marked down by mistake back
+# after two passing checks (250 ms apart).
+HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6", "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": "1"}
 # Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
 HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
 
@@ -82,26 +86,36 @@ def bind_loopback(config: str) -> str:
     return "".join(lines)
 
 
-# What HAProxy does with a request whose ingress replica (the ``Router``, or Ray's Python proxy
-# as the fallback) dies before answering it (docs/reliability.md, "Faults"):
-# 1. Retry it when no byte of an answer came back (``empty-response``; ``conn-failure`` is
-#    Ray's own default) and the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
+# What HAProxy does with a request whose ingress replica (the ``Router``, a dedicated model's or
+# a pool replica in one hop, or Ray's Python proxy as the fallback) dies before answering it
+# (docs/reliability.md, "Faults"):
+# 1. Retry it once: on a refused connection (``conn-failure``: no replica saw the request), or
+#    when no byte of an answer came back (``empty-response``: a replica took it and died),
+#    when the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
 #    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``, 16 KiB): ``option http-buffer-request`` makes HAProxy
 #    hold the whole body of such a request before sending it, so that it can send it again.
-#    Ray's ``option redispatch 1`` sends each retry to a server picked anew, at once; the dead
-#    one stays a candidate until HAProxy marks it down (3 failed connections, ``observe
-#    layer4``), so ``RETRIES`` (HAProxy's default: 3, all spent on the dead replica when 4
-#    requests died together; measured) leaves room to reach a live replica or Ray's fallback
-#    proxy (the ``backup`` server), which waits for Serve's replacement. A replay is safe on
-#    this server: an infer is a pure function of its request (the only trace of a replay is
-#    one more count in ``/v2/models/{m}/stats``), load and unload set a desired state, the
-#    rest are reads.
+#    Once, because a request that kills its replica (a crash in native code) would kill every
+#    replica it is sent to: with ``RETRIES`` retries it can take down ``RETRIES`` + 1 of them.
+#    HAProxy 2.8 (Ray's) counts both kinds in one ``retries`` (``s->conn_retries``, spent by
+#    ``do_l7_retry`` and by a failed connection alike; 3.x's ``set-retries`` sets the same one
+#    count), so the budget cannot be "free on conn-failure, once on empty-response"; instead a
+#    dead server costs a request at most that one retry: Ray's ``option redispatch 1`` picks a
+#    server anew for the retry, and HAProxy's balancing avoids the server just tried while
+#    another is up (``prev_srv``); the first refused connection to a dead server marks it down
+#    at once (``RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT`` 1, ``HAPROXY_HEALTH_ENV``), so later
+#    requests go to a live replica or to the backups (the router for a model's backend, Ray's
+#    fallback proxy, which waits for Serve's replacement). What this costs: a request held by
+#    the only replica of its backend when it dies spends its retry on that dead replica and is
+#    answered 503 "send it again"; so may a request that meets two dead replicas before either
+#    is marked down. A replay is safe on this server: an infer is a pure function of its
+#    request (the only trace of a replay is one more count in ``/v2/models/{m}/stats``), load
+#    and unload set a desired state, the rest are reads.
 # 2. Else answer 502/503/504 with a JSON ``{"error": ...}`` body and ``Retry-After`` (Ray's
 #    template answers a plain-text 500 "Internal Server Error" for all three). HAProxy sends
 #    no answer at all on a connection the client reused for a request it cannot retry (its
 #    keep-alive rule: close silently, the client retries; ``http_ana.c``, ``abort_keep_alive``).
 RETRY_ON = ("conn-failure", "empty-response")
-RETRIES = 10
+RETRIES = 1
 RETRY_AFTER_S = 1
 ERROR_ANSWERS = {
     502: "the ingress replica that held this request closed its connection without an answer (it died "

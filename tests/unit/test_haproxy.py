@@ -118,7 +118,7 @@ def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_
     assert "    retry-on conn-failure\n" in original and "errorfile 502" in original  # Ray's, as it stands
     rewritten = haproxy.rewrite_config(original)
     defaults = _defaults_of(rewritten)
-    assert "retry-on conn-failure empty-response" in defaults and "retries 10" in defaults
+    assert "retry-on conn-failure empty-response" in defaults and f"retries {haproxy.RETRIES}" in defaults
     assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults  # Ray's kept
     assert not [line for line in defaults if line.startswith("errorfile")]
     assert _http_error_bodies(defaults) == {
@@ -196,11 +196,14 @@ def _get(port: int, path: str) -> tuple[int, bytes] | None:
 
 def test_haproxy_retries_a_request_whose_server_died_and_answers_json_where_it_cannot(tmp_path):
     """Ray's global and defaults sections, rewritten, in front of a server that dies holding the
-    request (as the Router replica does) and a backup (as Ray's fallback proxy)."""
+    request (as the Router replica does) and a backup (as Ray's fallback proxy). The request
+    held is retried once (``RETRIES``), on the only server, dead by then: HAProxy answers the
+    JSON 502 "send it again", and the next request goes to the backup."""
     ray_config = _ray_haproxy_config(tmp_path, "127.0.0.1").read_text()
     head = ray_config[:ray_config.index("\nfrontend ") + 1]
     front, dying, backup, closed = (_free_port() for _ in range(4))
     (tmp_path / "backend.py").write_text(_BACKEND)
+    limit = haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]  # as Ray renders it under local_env
     config = haproxy.answer_replica_deaths(head + f"""frontend api
     bind 127.0.0.1:{front}
     use_backend nothing if {{ path_beg /nothing }}
@@ -208,10 +211,10 @@ def test_haproxy_retries_a_request_whose_server_died_and_answers_json_where_it_c
 backend app
     option httpchk GET /-/healthz
     default-server fastinter 250ms downinter 250ms fall 2 rise 2 inter 5s check
-    server router 127.0.0.1:{dying} check observe layer4 error-limit 3 on-error mark-down
+    server router 127.0.0.1:{dying} check observe layer4 error-limit {limit} on-error mark-down
     server fallback 127.0.0.1:{backup} check backup
 backend nothing
-    server gone 127.0.0.1:{closed} check observe layer4 error-limit 3 on-error mark-down
+    server gone 127.0.0.1:{closed} check observe layer4 error-limit {limit} on-error mark-down
 """)
     (tmp_path / "lab.cfg").write_text(config)
     processes = []
@@ -237,10 +240,13 @@ backend nothing
             response = conn.getresponse()
             answer = (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
                       json.loads(response.read()))
-            if not fresh:  # fits HAProxy's buffer: sent again, to the backup
-                assert answer == (200, None, None, {"by": "fallback"})
-            else:  # larger than HAProxy's buffer (16 KiB): cannot be sent again
-                assert answer == (502, "application/json", "1", {"error": haproxy.ERROR_ANSWERS[502]})
+            # fits HAProxy's buffer: sent again once, to the dead server (the only one not a
+            # backup, not yet marked down); larger (16 KiB): cannot be sent again
+            assert answer == (502, "application/json", "1", {"error": haproxy.ERROR_ANSWERS[502]})
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            response = conn.getresponse()
+            assert (response.status, json.loads(response.read())) == (200, {"by": "fallback"})
         conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
         conn.request("POST", "/nothing", body=b"{}")
         response = conn.getresponse()
@@ -248,6 +254,132 @@ backend nothing
                 json.loads(response.read())) == (503, "application/json", "1", {"error": haproxy.ERROR_ANSWERS[503]})
     finally:
         for process in processes:
+            process.kill()
+            process.wait()
+
+
+_CRASHING = '''
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def do_GET(self):  # Ray's health check
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def do_POST(self):  # a request that crashes its replica (in native code, say)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        print("took it", flush=True)
+        os._exit(1)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+@contextlib.contextmanager
+def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int]) -> Iterator[tuple[int, Path]]:
+    """The real HAProxy on Ray's config for one application at ``/`` whose servers are
+    ``servers`` (name -> port), rendered as Ray renders it under ``HAPROXY_HEALTH_ENV`` and
+    rewritten by the wrapper; yields (its port, its admin socket)."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    front = _free_port()
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=front), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
+                        metrics_socket_path=str(tmp_path / "metrics.sock"),
+                        observe_error_limit=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]),
+                        health_check_fall=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    api.set_backend_configs({"http-app": BackendConfig(
+        name="http-app", path_prefix="/", app_name="app",
+        servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])})
+    api._generate_config_file_internal()
+    config = haproxy.rewrite_config((tmp_path / "haproxy.cfg").read_text())
+    (tmp_path / "haproxy.cfg").write_text(config)
+    process = subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "haproxy.cfg")])
+    try:
+        _until(lambda: _get(front, "/-/healthz") is not None)
+        yield front, tmp_path / "admin.sock"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _server_stats(admin: Path) -> dict[str, dict[str, str]]:
+    """HAProxy's ``show stat`` for backend ``http-app``'s servers: name -> {field: value}."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(admin))
+        s.sendall(b"show stat\n")
+        text = b""
+        while chunk := s.recv(65536):
+            text += chunk
+    header, *rows = text.decode().strip().splitlines()
+    fields = header.lstrip("# ").split(",")
+    stats = [dict(zip(fields, row.split(","))) for row in rows]
+    return {row["svname"]: row for row in stats if row["pxname"] == "http-app" and row["svname"] != "BACKEND"}
+
+
+def test_a_request_that_crashes_its_replica_reaches_at_most_two(tmp_path):
+    """Three replicas, each crashing on the request it takes: HAProxy sends it to one, retries it
+    once on another (``RETRIES``) and answers the JSON 502; the third replica lives (with
+    ``retries 10`` the request took down all three)."""
+    ports = {f"replica-{i}": _free_port() for i in range(3)}
+    (tmp_path / "crashing.py").write_text(_CRASHING)
+    replicas = {name: subprocess.Popen([sys.executable, str(tmp_path / "crashing.py"), str(port)],
+                                       stdout=subprocess.PIPE, text=True) for name, port in ports.items()}
+    try:
+        for port in ports.values():
+            _until(lambda: _get(port, "/-/healthz") is not None)
+        with _ray_app_haproxy(tmp_path, ports) as (front, _):
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+            conn.request("POST", "/v2/models/m/infer", body=b"{}")
+            response = conn.getresponse()
+            answer = (response.status, response.getheader("Content-Type"), json.loads(response.read()))
+            assert answer == (502, "application/json", {"error": haproxy.ERROR_ANSWERS[502]})
+            took, alive = [], []
+            for name, process in replicas.items():  # HAProxy answered: a replica that took it has died or dies now
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    alive.append(name)
+                    continue
+                took += [name] if process.stdout.read() == "took it\n" else []
+            assert (len(took), len(alive)) == (2, 1), (took, alive)
+    finally:
+        for process in replicas.values():
+            process.kill()
+            process.wait()
+
+
+def test_a_request_sent_to_a_dead_replica_is_answered_by_a_live_one(tmp_path):
+    """Two replicas up; one dies (its port refuses) while HAProxy still lists it up: every request
+    is answered 200 by the live one, those sent to the dead one too (retried past it), and the
+    dead one is marked down (live traffic does so at its first refused connection:
+    ``HAPROXY_HEALTH_ENV``'s error limit 1)."""
+    ports = {"dying": _free_port(), "live": _free_port()}
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    replicas = {name: subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+                for name, port in ports.items()}
+    try:
+        for port in ports.values():
+            _until(lambda: _get(port, "/who") is not None)
+        with _ray_app_haproxy(tmp_path, ports) as (front, admin):
+            _until(lambda: all(s["check_status"] == "L7OK" for s in _server_stats(admin).values()))
+            replicas["dying"].kill()
+            replicas["dying"].wait()
+            answers = []
+            while len(answers) < 10 and _server_stats(admin)["dying"]["status"].startswith("UP"):
+                conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+                conn.request("POST", "/v2/models/m/infer", body=b"{}")
+                response = conn.getresponse()
+                answers.append((response.status, json.loads(response.read())))
+                conn.close()
+            dead = _server_stats(admin)["dying"]
+            assert answers and answers == [(200, {"by": "live"})] * len(answers)
+            assert (dead["status"], dead["stot"]) == ("DOWN", "1"), dead  # one request was sent to it
+    finally:
+        for process in replicas.values():
             process.kill()
             process.wait()
 

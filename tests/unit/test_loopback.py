@@ -26,6 +26,7 @@ def test_local_env_with_haproxy_wraps_the_binary_ray_would_run_and_keeps_the_use
     again = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", **env})  # wrapped once, not twice
     assert again[haproxy.REAL_BINARY_ENV] == env[haproxy.REAL_BINARY_ENV]
     assert env["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"] == "6"  # a busy replica stays in rotation
+    assert env["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"] == "1"  # a dead one leaves it at its first refusal
     users = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "3"})
     assert "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL" not in users  # the user's value stands
 
