@@ -114,8 +114,17 @@ def bind_loopback(config: str) -> str:
 #    template answers a plain-text 500 "Internal Server Error" for all three). HAProxy sends
 #    no answer at all on a connection the client reused for a request it cannot retry (its
 #    keep-alive rule: close silently, the client retries; ``http_ana.c``, ``abort_keep_alive``).
+#    A retry must not go out on an idle server connection that the dead replica left open:
+#    Ray's ``http-reuse always`` lets it, the send fails there, and a connection error on a
+#    reused server connection is answered by closing the client's connection silently
+#    (``http_return_srv_error``: "the client retries"); seen in 1 of 5 requests held by a
+#    killed pool replica, and as requests with no answer in the fault campaign. HAProxy's own
+#    default, ``http-reuse safe``, sends the first request of a client connection on a
+#    server connection of its own, and only later ones on shared idle ones.
 RETRY_ON = ("conn-failure", "empty-response")
 RETRIES = 1
+SERVER_CONNECTION_REUSE = "safe"
+_REUSE = re.compile(r"^(?P<indent>\s+)http-reuse\s+\S+\s*$")
 RETRY_AFTER_S = 1
 ERROR_ANSWERS = {
     502: "the ingress replica that held this request closed its connection without an answer (it died "
@@ -162,7 +171,7 @@ def answer_replica_deaths(config: str) -> str:
     ``errorfile`` lines for 502/503/504 give way to ``http-error`` answers,
     ``application/json``, with ``Retry-After``; HAProxy's own 408 answers JSON too
     (``CLIENT_ERROR_ANSWERS``), and ``timeout http-request HTTP_REQUEST_TIMEOUT_S`` is added
-    where Ray wrote none.
+    where Ray wrote none. Every backend's ``http-reuse`` becomes ``SERVER_CONNECTION_REUSE``.
 
     Idempotent (a marker comment). A config without a ``defaults`` section is returned
     unchanged: Ray's own answers are worse, but no reason to run no HAProxy.
@@ -195,7 +204,9 @@ def answer_replica_deaths(config: str) -> str:
     added += [] if has_request_timeout else [f"timeout http-request {HTTP_REQUEST_TIMEOUT_S}s"]
     added += [_http_error(status, text) for status, text in CLIENT_ERROR_ANSWERS.items()]
     kept = [line if line.endswith("\n") else line + "\n" for line in kept]
-    return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + lines[end:])
+    rest = [f"{m['indent']}http-reuse {SERVER_CONNECTION_REUSE}\n" if (m := _REUSE.match(line)) else line
+            for line in lines[end:]]
+    return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + rest)
 
 
 # A request no application takes (docs/operations.md, "Stopping"): Ray answers a plain-text 404 "Path '...'
