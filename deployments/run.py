@@ -1,7 +1,8 @@
 """``python -m deployments.run [serve_config.yaml]``: what ``make serve`` runs.
 
 1. ``deployments.check`` on the config, before Ray starts: a bad config stops here with one
-   line (file, field, what is allowed) and exit status 2.
+   line (file, field, what is allowed) and exit status 2; so does an HTTP port that something
+   else listens on (``port_taken``).
 2. Ray Serve's own ``serve run <config>`` (``ray.serve.scripts.run``), in this process.
 3. A deploy that fails anyway (an application ``DEPLOY_FAILED`` in ``serve.status()``, polled
    every ``STATUS_POLL_S`` until every application runs) prints
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -78,6 +80,27 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     print(f"Serve's Python proxy (no HAProxy): {[a['name'] for a in models]} get no route prefix; the router "
           f"answers their routes (one hop needs HAProxy: make serve without FAST=0). Serving {copy}", file=sys.stderr)
     return copy
+
+
+def port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
+    """The line to print when ``path``'s HTTP port (``http_options``: Ray's defaults 127.0.0.1
+    and 8000) is taken on this machine, else None. Only where this command starts the cluster
+    (no ``RAY_ADDRESS``): Serve on a running cluster holds its own port. Ray would start anyway
+    and its proxy (HAProxy, or Serve's Python proxy) would retry binding forever, with no error
+    on the terminal: a second ``make serve`` hung silently."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_ADDRESS"):
+        return None
+    options = (yaml.safe_load(path.read_text()) or {}).get("http_options") or {}
+    host, port = options.get("host") or "127.0.0.1", int(options.get("port") or 8000)
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed socket's TIME_WAIT is no owner
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return (f"port {port} on {host} is taken ({e.strerror}): another server (an earlier `make serve`?) "
+                    f"listens there; stop it, or set another port in {path}'s http_options")
+    return None
 
 
 def _stay_on_loopback() -> None:
@@ -152,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = check.main([str(path)])
     if status:
         return status
+    taken = port_taken(path)
+    if taken:
+        print(taken, file=sys.stderr)
+        return 2
     from ray.serve.schema import ServeDeploySchema
     from ray.serve.scripts import run
 
