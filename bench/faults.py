@@ -4,8 +4,9 @@
   index says ``LOADING``, the pool replica is killed (SIGKILL); a load done before the index
   showed it is tried again, with ``resnet18`` made cold. The request is answered (200
   after the router's one retry on the replacement, or 503 naming the model; in one hop,
-  HAProxy -> pool replica, HAProxy's JSON 502 "send it again" for a body over its buffer), and
-  the model serves again once Serve has replaced the replica.
+  HAProxy -> pool replica, HAProxy's JSON 502 "send it again": its one retry reaches the dead
+  replica, ``deployments/haproxy.py``), and the model serves again once Serve has replaced the
+  replica.
 - ``router_kill_under_load``: clients send requests back to back (``simple``'s infer, or with
   ``index`` the repository index: in one hop no model's request crosses the router); the router
   replica is killed. Every request is answered, those in flight in the killed replica included, and the
@@ -179,7 +180,8 @@ def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s:
         status, error, _ = answer[0] if answer else (None, "no answer within 120 s", None)
         result.record(status, error)
         # documented: 200 (the router retried on the replacement), 503 naming the model, or in one
-        # hop (HAProxy -> pool replica) HAProxy's JSON 502 for a body it could not keep to send again
+        # hop (HAProxy -> pool replica) HAProxy's JSON 502 "send it again": its one retry went to
+        # the dead replica (deployments/haproxy.py, RETRIES), or the body was over its buffer
         if not (status == 200 or (status == 503 and error is not None and f"model '{model}'" in error)
                 or (status == 502 and error is not None and not error.startswith("not an error body"))):
             result.lost += 1
