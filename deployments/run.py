@@ -40,6 +40,11 @@ import yaml
 from . import check, loopback
 
 STATUS_POLL_S = 1.0  # seconds between checks for DEPLOY_FAILED while the applications start
+# Serve's controller ends its own shutdown with ``ray.kill`` on itself while ``serve.shutdown()``
+# still waits on its ``graceful_shutdown`` (``ray/serve/_private/controller.py``, ``shutdown``;
+# ``client.py`` catches the RayActorError), and Ray reports that call as a failed task: by design.
+STOPPING_LINE = ("stopping: the requests in flight are answered first; a 'Task ServeController.graceful_shutdown "
+                 "failed ... killed by ray.kill' line that Ray may print is how Serve's controller exits, not an error")
 
 
 def _delete_then_interrupt(app_names: list[str]):
@@ -47,6 +52,7 @@ def _delete_then_interrupt(app_names: list[str]):
 
     def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop waiting
+        print(STOPPING_LINE, file=sys.stderr, flush=True)
         try:
             from .app import delete_applications  # imports Ray: only once the environment is set
 

@@ -38,3 +38,17 @@ def test_a_port_held_on_any_interface_gives_way_to_a_free_one():
         taken = held.getsockname()[1]
         chosen = loopback._port_or_free(taken)
     assert chosen != taken and chosen > 0
+
+
+def test_the_direct_ingress_ports_start_at_a_free_one():
+    """Ray warned "Failed to start RequestProtocol.HTTP server on port 30000 ... Retrying" at every
+    start while another server held 30000: the range now starts at a port free at start."""
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert loopback.first_free_port(taken, taken + 10) != taken
+        assert loopback.first_free_port(taken, taken + 1) == taken  # none free: Ray's own start
+    env = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "31500"})
+    assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in env  # the user's value stands
+    assert 40000 <= int(env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) < 40500
