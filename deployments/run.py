@@ -88,6 +88,18 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     return copy
 
 
+def _bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (the OS's words), or None when it can. With
+    ``SO_REUSEADDR``, as servers bind: a closed socket's TIME_WAIT is no owner."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
 def port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
     """The line to print when ``path``'s HTTP port (``http_options``: Ray's defaults 127.0.0.1
     and 8000) is taken on this machine, else None. Only where this command starts the cluster
@@ -99,14 +111,38 @@ def port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
         return None
     options = (yaml.safe_load(path.read_text()) or {}).get("http_options") or {}
     host, port = options.get("host") or "127.0.0.1", int(options.get("port") or 8000)
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed socket's TIME_WAIT is no owner
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return (f"port {port} on {host} is taken ({e.strerror}): another server (an earlier `make serve`?) "
-                    f"listens there; stop it, or set another port in {path}'s http_options")
-    return None
+    error = _bind_error(host, port)
+    if error is None:
+        return None
+    return (f"port {port} on {host} is taken ({error}): another server (an earlier `make serve`?) "
+            f"listens there; stop it, or set another port in {path}'s http_options")
+
+
+def metrics_port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
+    """The warning to print when a node metrics port of ``path``'s applications (``args.metrics.port``,
+    default 8002: ``observe.options.MetricsOptions``) is taken on 127.0.0.1, else None (as
+    ``port_taken``, only where this command starts the cluster). The server starts: its
+    replicas serve ``:port/metrics`` once the port is free, and until then a scrape there reads
+    whatever holds it, another server's series included (a scrape lagging this server's
+    answers by seconds); the router's ``GET /metrics`` is this server's."""
+    from .observe.options import MetricsOptions
+
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_ADDRESS"):
+        return None
+    ports = set()
+    for app in (yaml.safe_load(path.read_text()) or {}).get("applications") or []:
+        if app.get("import_path") == check.APP_IMPORT_PATH:
+            options = MetricsOptions.model_validate((app.get("args") or {}).get("metrics") or {})
+            if options.enabled and options.port is not None:
+                ports.add(options.port)
+    taken = {port: error for port in sorted(ports) if (error := _bind_error(loopback.LOOPBACK, port)) is not None}
+    if not taken:
+        return None
+    return (f"metrics port(s) {sorted(taken)} on {loopback.LOOPBACK} taken ({next(iter(taken.values()))}): until "
+            f"free, a scrape of :port/metrics reads what holds it (another server's series?), not this server's; "
+            f"GET /metrics through the HTTP port is this server's. Stop the other server, or set args.metrics.port "
+            f"in {path}")
 
 
 def _stay_on_loopback() -> None:
@@ -185,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if taken:
         print(taken, file=sys.stderr)
         return 2
+    metrics_taken = metrics_port_taken(path)
+    if metrics_taken:
+        print(f"warning: {metrics_taken}", file=sys.stderr)
     from ray.serve.schema import ServeDeploySchema
     from ray.serve.scripts import run
 
