@@ -43,6 +43,7 @@ from .openai_routes import OpenAIRoutes
 from .repository_routes import RepositoryRoutes
 from .routes import RouterOptions, router_observer
 from .runtime.contract.repository import ModelRepository
+from .states import Status
 
 
 class RouterApp(OpenAIRoutes, RepositoryRoutes, ReadinessWatch):
@@ -105,8 +106,8 @@ class Router(RouterApp):
         except Exception:  # no answer from the pool: none of its models counts as serving
             cached = {}
         resident = {key for key, model in cached.items() if model["state"] == "ready" and "@" not in key}
-        ready_logger.info("%s", ready_line(url, self.repo.names(), self.loaded, self.ready_models,
-                                           self.client.pool_models, resident))
+        ready_logger.info("%s", ready_line(url, self.repo.names(), self.states.names(Status.LOADING, Status.READY),
+                                           self.states.names(Status.READY), self.client.pool_models, resident))
 
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""

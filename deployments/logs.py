@@ -43,7 +43,7 @@ def ready_line(url: str, names: Iterable[str], loaded: Container[str], ready: Co
     ``loaded`` (explicit model control) is named apart; any other model, not ready (a replica
     that has not loaded it), is named as not serving."""
     names = sorted(names)
-    serving = [n for n in names if n in loaded and (n in ready or n in resident)]
+    serving = [n for n in names if n in loaded and (n in resident if n in pool_models else n in ready)]
     first = [n for n in names if n in loaded and n in pool_models and n not in resident]
     off = [n for n in names if n not in loaded]
     waiting = [n for n in names if n in loaded and n not in pool_models and n not in ready]

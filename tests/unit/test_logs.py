@@ -135,7 +135,7 @@ def test_the_ready_line_counts_only_models_that_serve_now_and_names_the_rest():
     from deployments.logs import ready_line
 
     line = ready_line("http://127.0.0.1:8000", ["ocr", "tiny_cnn", "mid_cnn", "late", "stuck"],
-                      loaded={"ocr", "tiny_cnn", "mid_cnn", "stuck"}, ready={"ocr"},
+                      loaded={"ocr", "tiny_cnn", "mid_cnn", "stuck"}, ready={"ocr", "tiny_cnn", "mid_cnn"},
                       pool_models={"tiny_cnn", "mid_cnn"}, resident={"tiny_cnn"})
     assert line == ("ready: 2 models serving ['ocr', 'tiny_cnn']; "
                     "1 pool models load at their first request, not run yet: ['mid_cnn']; "
