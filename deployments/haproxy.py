@@ -114,16 +114,19 @@ def bind_loopback(config: str) -> str:
 #    template answers a plain-text 500 "Internal Server Error" for all three). HAProxy sends
 #    no answer at all on a connection the client reused for a request it cannot retry (its
 #    keep-alive rule: close silently, the client retries; ``http_ana.c``, ``abort_keep_alive``).
-#    A retry must not go out on an idle server connection that the dead replica left open:
-#    Ray's ``http-reuse always`` lets it, the send fails there, and a connection error on a
-#    reused server connection is answered by closing the client's connection silently
-#    (``http_return_srv_error``: "the client retries"); seen in 1 of 5 requests held by a
-#    killed pool replica, and as requests with no answer in the fault campaign. HAProxy's own
-#    default, ``http-reuse safe``, sends the first request of a client connection on a
-#    server connection of its own, and only later ones on shared idle ones.
+#    A retry must not go out on an idle server connection that the dead replica left open, nor
+#    may a request: with Ray's ``http-reuse always`` (and HAProxy's default ``safe``, for every
+#    request after the first on a client connection) one is sent on such a connection, fails
+#    there, spends the one retry, and HAProxy answers a failure on a reused connection by
+#    closing the client's connection with no answer (``http_return_srv_error``, its keep-alive
+#    rule): 1 in 5 requests held by a killed pool replica (``always``), and a keep-alive
+#    client's request sent 20 ms after a pool replica was killed (``safe``,
+#    tests/integration/test_one_hop.py), got no answer. ``never``: every request to a replica
+#    opens its own connection (the price: a TCP connect on loopback, and the replica's accept,
+#    per request).
 RETRY_ON = ("conn-failure", "empty-response")
 RETRIES = 1
-SERVER_CONNECTION_REUSE = "safe"
+SERVER_CONNECTION_REUSE = "never"
 _REUSE = re.compile(r"^(?P<indent>\s+)http-reuse\s+\S+\s*$")
 RETRY_AFTER_S = 1
 ERROR_ANSWERS = {

@@ -686,7 +686,8 @@ def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, pr
     config = _ray_pool_config(tmp_path, prefix, {"pool-a": 9, "pool-b": 10}, 11)
     assert haproxy.rewrite_config(config) == config
     rays = (tmp_path / "haproxy.cfg").read_text()  # every backend: a retry takes no stale server connection
-    assert "http-reuse always" not in config and config.count("http-reuse safe") == rays.count("http-reuse always") == 3
+    assert "http-reuse always" not in config
+    assert config.count(f"http-reuse {haproxy.SERVER_CONNECTION_REUSE}") == rays.count("http-reuse always") == 3
     pool = _pool_section(config)
     assert pool[pool.index(haproxy.POOL_HASH_MARKER) + 1:][:3] == [
         f"balance hash path,field({field},/)", "hash-type consistent",
