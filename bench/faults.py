@@ -4,15 +4,17 @@
   index says ``LOADING``, the pool replica is killed (SIGKILL); a load done before the index
   showed it is tried again, with ``resnet18`` made cold. The request is answered (200
   after the router's one retry on the replacement, or 503 naming the model; in one hop,
-  HAProxy -> pool replica, HAProxy's JSON 502 "send it again" for a body over its buffer), and
-  the model serves again once Serve has replaced the replica.
+  HAProxy -> pool replica, HAProxy's JSON 502 "send it again": its one retry reaches the dead
+  replica, ``deployments/haproxy.py``), and the model serves again once Serve has replaced the
+  replica.
 - ``router_kill_under_load``: clients send requests back to back (``simple``'s infer, or with
   ``index`` the repository index: in one hop no model's request crosses the router); the router
   replica is killed. Every request is answered, those in flight in the killed replica included, and the
   server serves again by itself. Through HAProxy (``make serve``) a request in flight is sent
-  again (``deployments/loopback.py``: on Ray's fallback proxy, which waits for the new router)
-  and answered 200, or answered 502/503 ``{"error": ...}`` with ``Retry-After``; through Ray's
-  Python proxy (``FAST=0``, the integration tests) it is answered 500 "Internal Server Error"
+  again once (``deployments/haproxy.py``, ``RETRIES``) and answered 200 by another router
+  replica, or, with one router replica (the retry reaches the dead one before HAProxy marks it
+  down), answered 502/503 ``{"error": ...}`` with ``Retry-After``; later requests go to Ray's
+  fallback proxy, which waits for the new router. Through Ray's Python proxy (``FAST=0``, the integration tests) it is answered 500 "Internal Server Error"
   in plain text (Ray's own answer, ``python_proxy=True``). ``lost`` counts requests with no
   HTTP answer, a wrong answer, or an answer outside those.
 - ``damaged_model_file``: a pool model's ONNX file is truncated before its first load: its
@@ -178,7 +180,8 @@ def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s:
         status, error, _ = answer[0] if answer else (None, "no answer within 120 s", None)
         result.record(status, error)
         # documented: 200 (the router retried on the replacement), 503 naming the model, or in one
-        # hop (HAProxy -> pool replica) HAProxy's JSON 502 for a body it could not keep to send again
+        # hop (HAProxy -> pool replica) HAProxy's JSON 502 "send it again": its one retry went to
+        # the dead replica (deployments/haproxy.py, RETRIES), or the body was over its buffer
         if not (status == 200 or (status == 503 and error is not None and f"model '{model}'" in error)
                 or (status == 502 and error is not None and not error.startswith("not an error body"))):
             result.lost += 1
@@ -197,7 +200,7 @@ def documented_router_kill_answer(status: int | None, error: str | None, in_flig
                                   python_proxy: bool = False) -> bool:
     """Whether an answer to a request sent while the router replica was killed is one docs/api.md
     documents: 200; 502, 503 or 504 with an ``{"error": ...}`` body (HAProxy's answers,
-    ``deployments/loopback.py``, or the server's own); with Ray's Python proxy in front, a
+    ``deployments/haproxy.py``, or the server's own); with Ray's Python proxy in front, a
     plain-text 500 for a request that was in flight in the killed replica."""
     if status == 200:
         return True

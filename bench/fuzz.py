@@ -8,7 +8,11 @@ top-level type), its bytes (truncated, flipped, inserted, invalid UTF-8, emptied
 (``Content-Type``, ``Inference-Header-Content-Length``, ``Content-Encoding`` gzip / deflate /
 unknown / stacked, compressed garbage, ``Accept-Encoding``), binary tensor sizes and bytes, the
 image bytes of the OCR input, and the route (unknown models and versions, path tricks, query
-strings, wrong methods). Case ``i`` of seed ``s`` is always the same request
+strings, wrong methods). A share of the cases (``BODY_ROUTE_SHARE``) is instead a valid request
+of another route that reads a body (``BODY_ROUTES``: the repository index, load and unload of
+``mid_cnn``), mutated by the mutations that apply to any JSON body (``BODY_ROUTE_MUTATIONS``);
+load and unload parse their bodies with explicit model control (``main`` starts its server so),
+else they answer 400 before reading them. Case ``i`` of seed ``s`` is always the same request
 (``random.Random(f"{s}:{i}")``), so a finding reproduces from its index.
 
 Every answer is checked (``check``):
@@ -455,9 +459,35 @@ def m_route(rng, case, doc):
     return f"route kind {kind}: {case.method} {case.path[:60]}"
 
 
+def m_body_route(rng, case, doc):
+    """A route of ``BODY_ROUTES`` changed: a model that is not one, path tricks, a query, GET."""
+    kind = rng.randrange(4)
+    if kind == 0 and "/models/" in case.path:
+        name = rng.choice(["nope", "..%2F..%2Fetc", "%00", "a" * 300, "%C3%A9", "mid_cnn%2F1", "MID_CNN"])
+        case.path = re.sub(r"/models/[^/]+/", f"/models/{name}/", case.path)
+    elif kind == 1:
+        case.path += rng.choice(["?", "?ready=1", "?x=%ZZ", "?" + "a" * 2000])
+    elif kind == 2:
+        case.method = rng.choice(["GET", "PUT", "DELETE"])
+    else:
+        case.path = case.path.replace("/v2/repository/", rng.choice(["/v2//repository/", "/v2/repository//"]), 1)
+    return f"body route kind {kind}: {case.method} {case.path[:60]}"
+
+
 MUTATIONS: list[Callable[..., str]] = [m_datatype, m_shape, m_data, m_name, m_parameters, m_outputs, m_structure,
                                        m_bytes, m_encoding, m_headers, m_binary, m_image, m_route]
 _BYTE_LEVEL = {"m_bytes", "m_encoding"}
+
+# Every other route that reads a body (``deployments/ingress.py``, ``_json_body``), with a valid
+# body; ``mid_cnn`` is in no infer template, so its loads and unloads change no other case's answer.
+BODY_ROUTES: list[tuple[str, dict[str, Any]]] = [
+    ("/v2/repository/index", {"ready": True}),
+    ("/v2/repository/models/mid_cnn/load", {"parameters": {}}),
+    ("/v2/repository/models/mid_cnn/unload", {"parameters": {"unload_dependents": False}}),
+]
+BODY_ROUTE_MUTATIONS: list[Callable[..., str]] = [m_parameters, m_structure, m_bytes, m_encoding, m_headers,
+                                                  m_body_route]
+BODY_ROUTE_SHARE = 0.2
 
 
 def _finish(case: Case, doc: dict[str, Any]) -> None:
@@ -476,20 +506,24 @@ def _finish(case: Case, doc: dict[str, Any]) -> None:
 
 
 def generate(seed: int, index: int, templates: list[tuple[str, dict, dict]] | None = None) -> Case:
-    """Case ``index`` of ``seed``: a valid request mutated 1-3 times (index % 25 == 0: unmutated)."""
+    """Case ``index`` of ``seed``: a valid request mutated 1-3 times (index % 25 == 0: unmutated):
+    an infer request of ``templates`` (default ``valid_requests()``), or with probability
+    ``BODY_ROUTE_SHARE`` one of ``BODY_ROUTES``."""
     rng = random.Random(f"{seed}:{index}")
-    model, doc, tensors = rng.choice(templates or valid_requests())
-    binary = model == "tiny_cnn" or rng.random() < 0.4  # tiny_cnn as JSON would be 1.5 MB a request
-    case = encode(model, doc, tensors, binary)
-    case.index = index
-    if binary:
-        head_len = int(case.headers[HEADER_LENGTH])
-        doc = json.loads(case.body[:head_len])
+    mutations = MUTATIONS
+    if rng.random() < BODY_ROUTE_SHARE:
+        path, doc = rng.choice(BODY_ROUTES)
+        case = Case(index, "POST", path, {"Content-Type": "application/json"}, json.dumps(doc).encode())
+        doc, mutations = copy.deepcopy(doc), BODY_ROUTE_MUTATIONS
     else:
-        doc = json.loads(case.body)
+        model, doc, tensors = rng.choice(templates or valid_requests())
+        binary = model == "tiny_cnn" or rng.random() < 0.4  # tiny_cnn as JSON would be 1.5 MB a request
+        case = encode(model, doc, tensors, binary)
+        case.index = index
+        doc = json.loads(case.body[:int(case.headers[HEADER_LENGTH])] if binary else case.body)
     if index % 25:
-        for mutation in rng.sample(MUTATIONS, rng.choice([1, 1, 2, 3])):
-            if doc.get("__finished__") and mutation.__name__ not in _BYTE_LEVEL | {"m_headers", "m_route"}:
+        for mutation in rng.sample(mutations, rng.choice([1, 1, 2, 3])):
+            if doc.get("__finished__") and mutation.__name__ not in _BYTE_LEVEL | {"m_headers", "m_route", "m_body_route"}:
                 continue  # the body is bytes now: document mutations no longer apply
             case.mutations.append(mutation(rng, case, doc))
     _finish(case, doc)
@@ -642,6 +676,8 @@ def main(argv: Sequence[str]) -> int:
         from bench.throughput import Server
 
         app_args = default_app_args(ROOT / "serve_config.yaml")
+        # load and unload read their bodies only with model control on (else: 400 at once)
+        app_args.update(model_control_mode="explicit", startup_models=["*"])
         with Server("ray", Path(app_args["repository"]), app_args=app_args) as server:
             report = fuzz(server.url, a.requests, a.seed, a.concurrency, start=a.start, log=log)
     out = Path(a.out)

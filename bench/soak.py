@@ -60,7 +60,7 @@ TENSOR_SHAPES = {"tiny_cnn": ("input", (1, 3, 224, 224)), "mid_cnn": ("input", (
                  "ocr_cls": ("x", (1, 3, 48, 192)), "ocr_rec": ("x", (1, 3, 48, 320))}
 KILL_TARGETS = ("pool", "model-ocr_det", "model-ocr_rec", "model-ocr_cls", "pipeline-ocr")
 # 502: HAProxy's JSON "send it again" for a request a killed replica held in one hop whose body
-# was over its buffer (deployments/loopback.py); 503, 504: the server's own.
+# was over its buffer (deployments/haproxy.py); 503, 504: the server's own.
 DOCUMENTED = (502, 503, 504)
 
 

@@ -37,7 +37,7 @@ Triton binary tensors unless the scenario compares encodings):
   ``x router`` = the pool path's QPS per router replica / the two-hop path's. Then, in a second
   cluster with the applications' route prefixes (``one_hop=True``, as ``make serve``), the same
   copies by the pool's own path (``pool_one_hop``: HAProxy -> the pool replica its model name
-  hashes to, no router; ``deployments.loopback.hash_pool_models``) and the dedicated model in
+  hashes to, no router; ``deployments.haproxy.hash_pool_models``) and the dedicated model in
   one hop (``one_hop``); ``x router`` compares them with the first cluster's two-hop path too.
 - ``scaleout`` (with ``--replicas 1,2,4,...``): every model and the router with k replicas;
   each model alone and all together; scale-out efficiency = QPS(k) / (k x QPS(1)); the echo

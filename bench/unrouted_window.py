@@ -1,6 +1,6 @@
 """What a client that polls a known model sees while ``make serve`` starts and stops (HAProxy on).
 
-For each ``--code`` checkout (its ``deployments`` package serves, its ``deployments/loopback.py``
+For each ``--code`` checkout (its ``deployments`` package serves, its ``deployments/haproxy.py``
 rewrites Ray's HAProxy config), it starts ``python -m deployments.run`` (what ``make serve``
 runs, under ``make -s print-serve-env``'s variables) on a copy of ``serve_config.yaml`` with a
 free port, sends ``POST /v2/models/<model>/infer`` every ``--poll-s`` from the start, sends
@@ -35,7 +35,7 @@ from typing import Sequence
 import requests
 
 from bench.stop_time import config_on_port, free_port
-from deployments.loopback import missing_routers
+from deployments.haproxy import missing_routers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -80,7 +80,7 @@ def _routed_backends(since: float) -> tuple[str, ...] | None:
 
 def _state(routed: tuple[str, ...] | None) -> str:
     """What the HAProxy config on disk routes: no config yet, nothing, the models' applications
-    without their router's, or the router's (``deployments.loopback.missing_routers``)."""
+    without their router's, or the router's (``deployments.haproxy.missing_routers``)."""
     if routed is None:
         return "no config"
     missing = missing_routers(set(routed))

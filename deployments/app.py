@@ -15,7 +15,7 @@ With pool models (``mode: pool``), the multiplexed pool's application, ``args`` 
 pool``, named ``<router application>.pool`` at ``<router prefix>/v2/models``: the ingress (longest
 route prefix first) sends every other model's requests to a pool replica, which decodes, runs and
 answers them (``replica_routes.PoolRoutes``), and HAProxy picks the replica by the model's name
-(``loopback.hash_pool_models``), so a model's requests find the replica that has it loaded.
+(``haproxy.hash_pool_models``), so a model's requests find the replica that has it loaded.
 ``applications`` lists them all; ``python -m deployments.check`` checks that ``serve_config.yaml``
 lists the same (``--write`` writes them), and the router finds the others by those names.
 

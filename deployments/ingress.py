@@ -37,12 +37,13 @@ from starlette.applications import Starlette
 from .client import ModelClient, model_handles, pool_handle
 from .control import Desired
 from .loopback import replica_grpc_on_loopback
-from .logs import ready_logger, show_on_terminal
+from .logs import ready_line, ready_logger, show_on_terminal
 from .readiness import ReadinessWatch
 from .openai_routes import OpenAIRoutes
 from .repository_routes import RepositoryRoutes
 from .routes import RouterOptions, router_observer
 from .runtime.contract.repository import ModelRepository
+from .states import Status
 
 
 class RouterApp(OpenAIRoutes, RepositoryRoutes, ReadinessWatch):
@@ -96,12 +97,17 @@ class Router(RouterApp):
         return self.build_app()
 
     async def _announce_when_ready(self) -> None:
-        """``poll_ready``, then the ready line (``deployments.logs``: it reaches the ``serve run``
-        terminal)."""
+        """``poll_ready``, then the ready line (``deployments.logs.ready_line``: it reaches the
+        ``serve run`` terminal), which counts only the models that serve now."""
         await self.poll_ready()
         url = await self._base_url()
-        ready_logger.info("ready: %d models %s; KServe v2 at %s/v2 (POST %s/v2/models/{name}/infer)",
-                          len(self.repo.names()), self.repo.names(), url, url)
+        try:
+            cached = await self._pool_models()
+        except Exception:  # no answer from the pool: none of its models counts as serving
+            cached = {}
+        resident = {key for key, model in cached.items() if model["state"] == "ready" and "@" not in key}
+        ready_logger.info("%s", ready_line(url, self.repo.names(), self.states.names(Status.LOADING, Status.READY),
+                                           self.states.names(Status.READY), self.client.pool_models, resident))
 
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""

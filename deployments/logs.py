@@ -25,13 +25,36 @@ from __future__ import annotations
 import builtins
 import logging
 import sys
-from typing import Any
+from typing import Any, Container, Iterable
 
 SERVE_LOGGER = "ray.serve"
 APP_LOGGER = "deployments"
 ready_logger = logging.getLogger(f"{APP_LOGGER}.ready")  # the router's "ready: ... at URL" line
 
 _FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def ready_line(url: str, names: Iterable[str], loaded: Container[str], ready: Container[str],
+               pool_models: Container[str], resident: Container[str]) -> str:
+    """The router's ready line: only the models that serve now count as ready (a dedicated
+    model or pipeline a replica has loaded, ``ready``; a pool model resident in the pool
+    replica's cache, ``resident``); a pool model not resident loads at its first request, so
+    that request is its first test: it is named as such, not counted; a model not
+    ``loaded`` (explicit model control) is named apart; any other model, not ready (a replica
+    that has not loaded it), is named as not serving."""
+    names = sorted(names)
+    serving = [n for n in names if n in loaded and (n in resident if n in pool_models else n in ready)]
+    first = [n for n in names if n in loaded and n in pool_models and n not in resident]
+    off = [n for n in names if n not in loaded]
+    waiting = [n for n in names if n in loaded and n not in pool_models and n not in ready]
+    parts = [f"ready: {len(serving)} models serving {serving}"]
+    if first:
+        parts.append(f"{len(first)} pool models load at their first request, not run yet: {first}")
+    if off:
+        parts.append(f"not loaded (model control: POST /v2/repository/models/<name>/load): {off}")
+    if waiting:
+        parts.append(f"not serving (no replica has loaded them): {waiting}")
+    return "; ".join(parts) + f"; KServe v2 at {url}/v2 (POST {url}/v2/models/{{name}}/infer)"
 
 
 class _AnsweredErrorsOnOneLine(logging.Filter):

@@ -3,7 +3,7 @@
 The deployment is the ingress of its own application (``deployments.app.applications``): its
 replicas answer the pool models' KServe v2 routes straight from the HTTP ingress
 (``replica_routes.PoolRoutes``), HAProxy choosing the replica by the model's name
-(``loopback.hash_pool_models``); the router and pipelines call it through handles, by
+(``haproxy.hash_pool_models``); the router and pipelines call it through handles, by
 multiplexed model id.
 """
 

@@ -35,7 +35,7 @@ from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import detached, error_status, retry_after_headers
 from .protocol.triton import model_configuration, platform_of
-from .protocol.v2 import InferRequest, model_metadata
+from .protocol.v2 import InferRequest, model_metadata, parse_json
 from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady,
                                       PayloadTooLarge, RequestTimeout, ServingError, unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -53,7 +53,7 @@ _SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/
                   "GET /metrics, POST /v1/embeddings, GET /v1/models")
 # A request body that sends nothing for this long is answered 408 (the time between two
 # chunks, as nginx's client_body_timeout: a slow upload that keeps sending is not cut). HAProxy's
-# own `timeout http-request` (deployments/loopback.py) covers only the headers and the first
+# own `timeout http-request` (deployments/haproxy.py) covers only the headers and the first
 # 16 KiB of body, so without this a client that stalls after them held a slot of the replica
 # (and of the router's max_ongoing_requests) without end.
 BODY_STALL_TIMEOUT_S = 30.0
@@ -385,17 +385,19 @@ class V2Routes:
         infer body is (``_read_body``: the body limit, the stall timeout, a client that leaves).
 
         Raises:
-            InvalidInput: a body that is not a JSON object, ``parameters`` that is not one (as an
-                infer request's: a falsy value counts as none), or a client that left before its end.
+            InvalidInput: a body that is not JSON (parsed as an infer body is: ``parse_json``,
+                nesting too deep included), not a JSON object, ``parameters`` that is not one
+                (as an infer request's: a falsy value counts as none), or a client that left
+                before its end.
             PayloadTooLarge, RequestTimeout: as ``_read_body``.
         """
         body = b"".join(await self._read_body(request))
         if not body.strip():
             return {}
         try:
-            value = json.loads(body)
-        except ValueError:
-            value = None
+            value = parse_json(body)
+        except InvalidInput as e:
+            raise InvalidInput(f"the {what} request body must be a JSON object: {e.message}") from None
         if not isinstance(value, dict):
             raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
         if not isinstance(value.get("parameters") or {}, dict):

@@ -1,7 +1,8 @@
 """``python -m deployments.run [serve_config.yaml]``: what ``make serve`` runs.
 
 1. ``deployments.check`` on the config, before Ray starts: a bad config stops here with one
-   line (file, field, what is allowed) and exit status 2.
+   line (file, field, what is allowed) and exit status 2; so does an HTTP port that something
+   else listens on (``port_taken``).
 2. Ray Serve's own ``serve run <config>`` (``ray.serve.scripts.run``), in this process.
 3. A deploy that fails anyway (an application ``DEPLOY_FAILED`` in ``serve.status()``, polled
    every ``STATUS_POLL_S`` until every application runs) prints
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,6 +40,11 @@ import yaml
 from . import check, loopback
 
 STATUS_POLL_S = 1.0  # seconds between checks for DEPLOY_FAILED while the applications start
+# Serve's controller ends its own shutdown with ``ray.kill`` on itself while ``serve.shutdown()``
+# still waits on its ``graceful_shutdown`` (``ray/serve/_private/controller.py``, ``shutdown``;
+# ``client.py`` catches the RayActorError), and Ray reports that call as a failed task: by design.
+STOPPING_LINE = ("stopping: the requests in flight are answered first; a 'Task ServeController.graceful_shutdown "
+                 "failed ... killed by ray.kill' line that Ray may print is how Serve's controller exits, not an error")
 
 
 def _delete_then_interrupt(app_names: list[str]):
@@ -45,6 +52,7 @@ def _delete_then_interrupt(app_names: list[str]):
 
     def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop waiting
+        print(STOPPING_LINE, file=sys.stderr, flush=True)
         try:
             from .app import delete_applications  # imports Ray: only once the environment is set
 
@@ -78,6 +86,63 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     print(f"Serve's Python proxy (no HAProxy): {[a['name'] for a in models]} get no route prefix; the router "
           f"answers their routes (one hop needs HAProxy: make serve without FAST=0). Serving {copy}", file=sys.stderr)
     return copy
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (the OS's words), or None when it can. With
+    ``SO_REUSEADDR``, as servers bind: a closed socket's TIME_WAIT is no owner."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
+    """The line to print when ``path``'s HTTP port (``http_options``: Ray's defaults 127.0.0.1
+    and 8000) is taken on this machine, else None. Only where this command starts the cluster
+    (no ``RAY_ADDRESS``): Serve on a running cluster holds its own port. Ray would start anyway
+    and its proxy (HAProxy, or Serve's Python proxy) would retry binding forever, with no error
+    on the terminal: a second ``make serve`` hung silently."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_ADDRESS"):
+        return None
+    options = (yaml.safe_load(path.read_text()) or {}).get("http_options") or {}
+    host, port = options.get("host") or "127.0.0.1", int(options.get("port") or 8000)
+    error = _bind_error(host, port)
+    if error is None:
+        return None
+    return (f"port {port} on {host} is taken ({error}): another server (an earlier `make serve`?) "
+            f"listens there; stop it, or set another port in {path}'s http_options")
+
+
+def metrics_port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
+    """The warning to print when a node metrics port of ``path``'s applications (``args.metrics.port``,
+    default 8002: ``observe.options.MetricsOptions``) is taken on 127.0.0.1, else None (as
+    ``port_taken``, only where this command starts the cluster). The server starts: its
+    replicas serve ``:port/metrics`` once the port is free, and until then a scrape there reads
+    whatever holds it, another server's series included (a scrape lagging this server's
+    answers by seconds); the router's ``GET /metrics`` is this server's."""
+    from .observe.options import MetricsOptions
+
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_ADDRESS"):
+        return None
+    ports = set()
+    for app in (yaml.safe_load(path.read_text()) or {}).get("applications") or []:
+        if app.get("import_path") == check.APP_IMPORT_PATH:
+            options = MetricsOptions.model_validate((app.get("args") or {}).get("metrics") or {})
+            if options.enabled and options.port is not None:
+                ports.add(options.port)
+    taken = {port: error for port in sorted(ports) if (error := _bind_error(loopback.LOOPBACK, port)) is not None}
+    if not taken:
+        return None
+    return (f"metrics port(s) {sorted(taken)} on {loopback.LOOPBACK} taken ({next(iter(taken.values()))}): until "
+            f"free, a scrape of :port/metrics reads what holds it (another server's series?), not this server's; "
+            f"GET /metrics through the HTTP port is this server's. Stop the other server, or set args.metrics.port "
+            f"in {path}")
 
 
 def _stay_on_loopback() -> None:
@@ -152,6 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = check.main([str(path)])
     if status:
         return status
+    taken = port_taken(path)
+    if taken:
+        print(taken, file=sys.stderr)
+        return 2
+    metrics_taken = metrics_port_taken(path)
+    if metrics_taken:
+        print(f"warning: {metrics_taken}", file=sys.stderr)
     from ray.serve.schema import ServeDeploySchema
     from ray.serve.scripts import run
 

@@ -320,9 +320,11 @@ class _Buffer:
             self.flush()
 
     def _tick(self) -> None:
+        # Every tick writes what changed since the last write: a value added just after a write
+        # is written within one ``interval_s`` (``maybe_flush`` here left it for a second tick).
         idle = threading.Event()  # never set: a wait that samplers (py-spy) see as idle
         while not idle.wait(self.interval_s):
-            self.maybe_flush(time.perf_counter())
+            self.flush()
 
 
 # --------------------------------------------------------------------------- router side

@@ -5,7 +5,7 @@ Ray Serve's ``BackPressureError`` (a deployment handle refused a call because th
 ``Retry-After`` (``retry_after_headers``), in the same body shape as every other error.
 
 When the router replica itself cannot answer (it died holding the request, or none runs),
-HAProxy answers 502/503/504 in the same shape: ``deployments/loopback.py``, ``ERROR_ANSWERS``.
+HAProxy answers 502/503/504 in the same shape: ``deployments/haproxy.py``, ``ERROR_ANSWERS``.
 """
 
 from __future__ import annotations

@@ -234,10 +234,14 @@ def running(app: str, deployment: str) -> int:
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.25) -> Any:
-    """Poll ``condition`` until it returns a truthy value; raise ``TimeoutError`` naming ``what``."""
+    """Poll ``condition`` until it returns a truthy value; raise ``TimeoutError`` naming ``what``.
+    A request of ``condition`` that is refused or times out (a busy machine) counts as not yet."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = condition()
+        try:
+            value = condition()
+        except requests.RequestException:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:

@@ -48,11 +48,15 @@ def server(serve_instance):
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    """Poll ``/v2/health/ready`` until 200 (every dedicated model answered)."""
+    """Poll ``/v2/health/ready`` until 200 (every dedicated model answered); an answer slower
+    than its 5 s (a busy machine) or a refused connection counts as not yet."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if requests.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
-            return
+        try:
+            if requests.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
 

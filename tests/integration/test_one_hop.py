@@ -1,7 +1,7 @@
 """One hop to a dedicated model, as `make serve` runs it (HAProxy ingress): its requests reach
 its own replicas with no router between, and while it has no replica (one that cannot be
 placed, or lost and unable to load again) the router takes them and answers 503 at once
-(``deployments.loopback.router_backs_up_models``); every other model keeps serving.
+(``deployments.haproxy.router_backs_up_models``); every other model keeps serving.
 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, in its
 own session (so ``bench.replicas`` finds its replicas), on a repository of a pool model, a
@@ -175,16 +175,47 @@ def test_router_replicas_grow_under_load_shrink_after_it_and_the_pool_replica_co
     assert stats["inference_stats"]["success"]["count"] == len(pool.done) + 1  # + the first request
 
 
+def _success_count(url: str, model: str) -> float:
+    """``nv_inference_request_success`` of ``model`` in the router's ``GET /metrics`` (this
+    node's series of the application: every replica process's, summed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200, r.text
+    return sum(s.value for f in text_string_to_metric_families(r.text) if f.name == "nv_inference_request_success"
+               for s in f.samples if s.labels.get("model") == model)
+
+
+@pytest.mark.parametrize("model", ["tiny_cnn", "lost_cnn"])  # a pool model, a dedicated one: both one hop
+def test_a_scrape_right_after_the_answers_counts_every_one(one_hop, model):
+    """N answers, then scrapes for at most ``FLUSH_INTERVAL_S`` (the documented bound: a request's
+    counts are written at most that long after its answer) see all N, whichever replica process
+    answered them."""
+    from deployments.observe.metrics import FLUSH_INTERVAL_S
+
+    _, url, _ = one_hop
+    before = _success_count(url, model)
+    for _ in range(5):
+        r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + FLUSH_INTERVAL_S
+    seen = [_success_count(url, model) - before]
+    while seen[-1] != 5 and time.monotonic() < deadline:
+        seen.append(_success_count(url, model) - before)
+    assert seen[-1] == 5, seen
+
+
 def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_heals(one_hop):
     """Two clients on a pool model in one hop (HAProxy -> the pool replica), requests within
     HAProxy's 16 KiB buffer (``simple``); the pool replica is killed. Every request gets an HTTP
     answer: the right sums (HAProxy sends one the killed replica held again, to the router,
     whose servers back up the pool's backend while it has no replica), a JSON 502 / 503 with
     Retry-After from HAProxy, or the router's JSON 503 "not ready" while Serve counts no pool
-    replica; then the new pool replica answers in one hop. (A request over the buffer in flight in the killed replica is
-    answered 502 on a fresh client connection and not at all on a reused one: HAProxy's rule,
-    docs/reliability.md, "Faults"; one whose answer the replica was writing when killed gets it
-    cut after its headers.)"""
+    replica; then the new pool replica answers in one hop. A request in flight at the kill (sent
+    before it, answered after) may get no answer or one cut short: HAProxy closes a reused client
+    connection it cannot answer on (docs/reliability.md, "Faults"), and one whose answer the
+    replica was writing when killed gets it cut after its headers; every other request gets a
+    full answer of those kinds."""
     from bench.faults import SIMPLE_BODY, SIMPLE_SUM
 
     proc, url, _ = one_hop
@@ -196,22 +227,23 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
                 sent = time.monotonic()
                 try:
                     r = session.post(f"{url}/v2/models/simple/infer", json=SIMPLE_BODY, timeout=120)
-                    seen.append((sent, r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"),
-                                 r.text))
+                    seen.append((sent, time.monotonic(), r.status_code, r.headers.get("content-type"),
+                                 r.headers.get("retry-after"), r.text))
                 except requests.RequestException as e:
-                    seen.append((sent, None, None, None, repr(e)))
+                    seen.append((sent, time.monotonic(), None, None, None, repr(e)))
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
     try:
         time.sleep(2)
+        killing = time.monotonic()
         killed, killed_at = kill_replica(proc.pid, "models", "pool"), time.monotonic()
         try:
             until(lambda: set(replica_pids(proc.pid, "models", "pool")) - {killed}
-                  and sum(1 for s in list(seen) if s[0] > killed_at and s[1] == 200) >= 20, "the pool serving again")
+                  and sum(1 for s in list(seen) if s[0] > killed_at and s[2] == 200) >= 20, "the pool serving again")
         except AssertionError as e:
-            after = [(round(s[0] - killed_at, 1), s[1], s[4][:120]) for s in list(seen) if s[0] > killed_at - 5]
+            after = [(round(s[0] - killed_at, 1), s[2], s[5][:120]) for s in list(seen) if s[0] > killed_at - 5]
             raise AssertionError(f"{e}; pool replicas {replica_pids(proc.pid, 'models', 'pool')} (killed {killed}); "
                                  f"answers since 5 s before the kill: {after[:40]}") from None
     finally:
@@ -219,11 +251,10 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
         for t in threads:
             t.join(150)
     assert not any(t.is_alive() for t in threads)
-    for sent, status, kind, retry_after, text in seen:
-        if status is None and sent < killed_at and "IncompleteRead" in text:
-            # the replica held it and was killed while writing its answer, after the headers had
-            # gone out (a CI run, 10 ms before the kill): no proxy can send the rest or send it again
-            continue
+    for sent, done, status, kind, retry_after, text in seen:
+        if status is None and sent <= killed_at and done >= killing:
+            continue  # in flight at the kill: no answer, or one cut short (docstring)
+        assert status is not None, (round(sent - killed_at, 2), text)  # not in flight: a full answer
         if status == 200:
             outputs = {o["name"]: o["data"] for o in json.loads(text)["outputs"]}
             assert outputs["OUTPUT0"] == SIMPLE_SUM, text
@@ -231,7 +262,6 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
             assert status in (502, 503) and kind == "application/json" and "error" in json.loads(text), (
                 round(sent - killed_at, 2), status, kind, text[:300])
             assert retry_after or "is not ready" in text, (round(sent - killed_at, 2), status, text[:300])
-    assert sum(1 for s in seen if s[1] == 200) > len(seen) // 2, [s[1] for s in seen]
 
 
 def test_a_model_that_lost_its_replicas_answers_503_at_once(one_hop):

@@ -9,7 +9,7 @@ to 127.0.0.1 (``loopback.replica_grpc_on_loopback``):
   binds to ``0.0.0.0:<ephemeral>`` on the first datagram sent; HAProxy never reads it.
 
 The same server, last: its router replica killed under load, every request gets an HTTP answer
-(HAProxy as ``deployments.loopback`` configures it; the Python proxy's answer:
+(HAProxy as ``deployments.haproxy`` configures it; the Python proxy's answer:
 ``test_campaigns.py``).
 """
 

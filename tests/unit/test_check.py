@@ -256,3 +256,53 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
         (f"models.{m}", None) for m in ("all-MiniLM-L6-v2", "embed", "ocr", "ocr_cls", "ocr_det", "ocr_rec", "pool")]
     assert apps[1:] == [dict(a, route_prefix=None) for a in yaml.safe_load(path.read_text())["applications"][1:]]
     assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops
+
+
+def test_make_serve_on_a_taken_port_exits_2_naming_the_port_before_ray_starts(prepared_engines, tmp_path):
+    """A second ``make serve`` while the first holds its port started Ray and hung silently
+    (its proxy retried the bind forever); now one line and status 2, before Ray starts."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = yaml.safe_load((ROOT / "serve_config.yaml").read_text().replace(
+            "repository: engines", f"repository: {prepared_engines}"))
+        config["http_options"]["port"] = port
+        path = tmp_path / "serve_config.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        done = subprocess.run([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    [line] = [line for line in done.stderr.splitlines() if "is taken" in line]
+    assert line.startswith(f"port {port} on 127.0.0.1 is taken (Address already in use): ")
+    assert line.endswith(f"set another port in {path}'s http_options")
+    assert "Started a local Ray instance" not in done.stdout + done.stderr  # Ray never started
+
+
+def test_a_taken_metrics_port_is_named_at_start_and_a_free_one_is_not(prepared_engines, tmp_path):
+    """A scrape of :8002 held by another server read that server's series: the counts lagged this
+    server's answers until the port was free (seconds), while the statistics extension was right."""
+    import socket
+
+    from deployments.run import metrics_port_taken
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    path = tmp_path / "serve_config.yaml"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        for app in config["applications"]:  # every application's args (the file's YAML merge key)
+            app["args"]["metrics"] = {"port": port}
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        line = metrics_port_taken(path, {})
+        assert line is not None and line.startswith(f"metrics port(s) [{port}] on 127.0.0.1 taken (Address already in use)")
+        assert metrics_port_taken(path, {"RAY_ADDRESS": "auto"}) is None  # a running cluster's own ports
+    assert metrics_port_taken(path, {}) is None  # free again
+    for app in config["applications"]:
+        app["args"]["metrics"] = {"port": None}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    assert metrics_port_taken(path, {}) is None

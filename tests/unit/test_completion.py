@@ -282,5 +282,5 @@ def test_a_folder_without_config_yaml_added_after_start_is_read_and_an_empty_fol
     with pytest.raises(ModelNotFound) as raised:
         repo.read("empty")
     assert raised.value.message == (
-        f"no model folder 'empty' with a config.yaml or a <version>/model.onnx in {tmp_path}; folders: "
+        "no model folder 'empty' with a config.yaml or a <version>/model.onnx in the model repository; folders: "
         "['late', 'simple']")

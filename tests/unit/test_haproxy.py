@@ -1,0 +1,789 @@
+"""deployments.haproxy: Ray's own HAProxy config (rendered by Ray 2.60's code) keeps its stats and
+Prometheus listeners on 127.0.0.1 and stays valid for the real HAProxy; it retries or answers
+(JSON) a request whose server dies, tried on the real HAProxy; the wrapper as Ray runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from deployments import haproxy
+
+WRAPPER = Path(haproxy.__file__)
+
+
+def _ray_haproxy_config(tmp_path: Path, host: str, routes: dict[str, str] | None = None) -> Path:
+    """The config file Ray Serve's HAProxyApi writes for an API on ``host``:8000, with an HTTP
+    backend ``http-<application>`` (one server, port 9) per ``routes`` item (application -> route
+    prefix), as Ray's HAProxy manager names them."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(http_options=HTTPOptions(host=host, port=8000), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
+                        metrics_socket_path=str(tmp_path / "metrics.sock"))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    api.set_backend_configs({f"http-{app}": BackendConfig(name=f"http-{app}", path_prefix=prefix, app_name=app,
+                                                          servers=[ServerConfig(f"SERVE_REPLICA--{app}", "127.0.0.1", 9)])
+                             for app, prefix in (routes or {}).items()})
+    api._generate_config_file_internal()
+    return tmp_path / "haproxy.cfg"
+
+
+def _binds(config: str) -> list[str]:
+    return [line.split()[1] for line in config.splitlines() if line.strip().startswith("bind ")]
+
+
+def _real_haproxy() -> str:
+    return haproxy.real_haproxy({})
+
+
+def test_rays_template_binds_stats_and_prometheus_on_every_interface(tmp_path):
+    binds = _binds(_ray_haproxy_config(tmp_path, "127.0.0.1").read_text())
+    assert "*:8404" in binds and ":9101" in binds and "127.0.0.1:8000" in binds
+
+
+def test_bind_loopback_moves_only_stats_and_prometheus_and_haproxy_accepts_it(tmp_path):
+    path = _ray_haproxy_config(tmp_path, "0.0.0.0")
+    original = path.read_text()
+    rewritten = haproxy.bind_loopback(original)
+    assert sorted(_binds(rewritten)) == ["*:8000", "127.0.0.1:8404", "127.0.0.1:9101"]  # the API: as asked
+    assert len(rewritten.splitlines()) == len(original.splitlines())
+    assert haproxy.bind_loopback(rewritten) == rewritten
+    path.write_text(rewritten)
+    check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("section", haproxy.WILDCARD_SECTIONS)
+def test_bind_loopback_refuses_a_config_without_a_section_it_must_move(section):
+    config = "".join(f"{s}\n    bind *:{1000 + i}\n" for i, s in enumerate(haproxy.WILDCARD_SECTIONS) if s != section)
+    with pytest.raises(ValueError, match=section):
+        haproxy.bind_loopback(config)
+
+
+def test_the_wrapper_rewrites_the_config_then_runs_the_real_haproxy_with_rays_arguments(tmp_path):
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1")
+    env = dict(os.environ, **{haproxy.REAL_BINARY_ENV: _real_haproxy()})
+    done = subprocess.run([str(WRAPPER), "-c", "-f", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(_binds(path.read_text())) == ["127.0.0.1:8000", "127.0.0.1:8404", "127.0.0.1:9101"]
+
+
+def test_the_wrapper_exits_2_naming_what_is_missing(tmp_path):
+    path = tmp_path / "haproxy.cfg"
+    path.write_text("listen stats\n  bind *:8404\n")
+    env = dict(os.environ, **{haproxy.REAL_BINARY_ENV: _real_haproxy()})
+    done = subprocess.run([str(WRAPPER), "-db", "-f", str(path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "frontend prometheus" in done.stderr
+    bare = {k: v for k, v in os.environ.items() if k != haproxy.REAL_BINARY_ENV}
+    done = subprocess.run([str(WRAPPER), "-db", "-f", str(path)], env=bare, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and haproxy.REAL_BINARY_ENV in done.stderr
+
+
+def _defaults_of(config: str) -> list[str]:
+    lines = config.splitlines()
+    start = lines.index("defaults")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    return [line.strip() for line in lines[start + 1:end]]
+
+
+def _http_error_bodies(defaults: list[str]) -> dict[int, tuple[dict, str | None]]:
+    """status -> (JSON body, Retry-After or None) of each ``http-error status N ... string "..."
+    [hdr Retry-After S]`` line."""
+    found = {}
+    for line in defaults:
+        if line.startswith("http-error status "):
+            retry = line.rsplit(" ", 1)[1] if '" hdr Retry-After ' in line else None
+            end = line.rindex('" hdr Retry-After ') if retry else len(line) - 1
+            quoted = line[line.index(' string "') + len(' string "'):end]
+            found[int(line.split()[2])] = (json.loads(quoted.replace('\\"', '"')), retry)
+    return found
+
+
+def test_rays_config_is_made_to_retry_or_answer_json_and_haproxy_accepts_it(tmp_path):
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1")
+    original = path.read_text()
+    assert "    retry-on conn-failure\n" in original and "errorfile 502" in original  # Ray's, as it stands
+    rewritten = haproxy.rewrite_config(original)
+    defaults = _defaults_of(rewritten)
+    assert "retry-on conn-failure empty-response" in defaults and f"retries {haproxy.RETRIES}" in defaults
+    assert "option http-buffer-request" in defaults and "option redispatch 1" in defaults  # Ray's kept
+    assert not [line for line in defaults if line.startswith("errorfile")]
+    assert _http_error_bodies(defaults) == {
+        **{status: ({"error": text}, "1") for status, text in haproxy.ERROR_ANSWERS.items()},
+        **{status: ({"error": text}, None) for status, text in haproxy.CLIENT_ERROR_ANSWERS.items()}}
+    assert "timeout http-request 30s" in defaults
+    assert haproxy.rewrite_config(rewritten) == rewritten
+    # out: errorfile x3; in: the marker, http-buffer-request, retries, http-error x4, timeout;
+    # answer_unrouted's marker in default_backend (its 404 line is replaced in place)
+    assert rewritten.count("\n") == original.count("\n") - 3 + 8 + 1
+    path.write_text(rewritten)
+    check = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_answers_keep_what_ray_was_told_and_skip_a_config_without_defaults():
+    told = "defaults\n    mode http\n    retry-on none\n    retries 2\nbackend b\n    server s 127.0.0.1:1\n"
+    defaults = _defaults_of(haproxy.answer_replica_deaths(told))
+    assert "retry-on none" in defaults and "retries 2" in defaults  # RAY_SERVE_HAPROXY_RETRY_ON / _RETRIES
+    assert not [line for line in defaults if line.startswith(("retries 1", "retry-on conn"))]
+    assert set(_http_error_bodies(defaults)) == {408, 502, 503, 504}
+    bare = "defaults\n    mode http\n"  # no retry-on at all: the policy is added
+    assert "retry-on conn-failure empty-response" in _defaults_of(haproxy.answer_replica_deaths(bare))
+    without = "global\n    maxconn 10\nfrontend f\n    bind 127.0.0.1:1\n"
+    assert haproxy.answer_replica_deaths(without) == without
+
+
+_BACKEND = '''
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+name = sys.argv[2]
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def answer(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.answer(name.encode())
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if name == "dying":  # holds the request until the test kills this process
+            print("holding", flush=True)
+            time.sleep(600)
+        self.answer(json.dumps({"by": name}).encode())
+ThreadingHTTPServer.daemon_threads = True
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((haproxy.LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _get(port: int, path: str) -> tuple[int, bytes] | None:
+    try:
+        conn = http.client.HTTPConnection(haproxy.LOOPBACK, port, timeout=5)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    except OSError:
+        return None
+
+
+def test_haproxy_retries_a_request_whose_server_died_and_answers_json_where_it_cannot(tmp_path):
+    """Ray's global and defaults sections, rewritten, in front of a server that dies holding the
+    request (as the Router replica does) and a backup (as Ray's fallback proxy). The request
+    held is retried once (``RETRIES``), on the only server, dead by then: HAProxy answers a
+    JSON 502 or 503 "send it again" (on a client connection that sent a request before, it may close it
+    with no answer instead: HAProxy's keep-alive rule, the client sends it again), and the next
+    request goes to the backup."""
+    ray_config = _ray_haproxy_config(tmp_path, "127.0.0.1").read_text()
+    head = ray_config[:ray_config.index("\nfrontend ") + 1]
+    front, dying, backup, closed = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    limit = haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]  # as Ray renders it under local_env
+    config = haproxy.answer_replica_deaths(head + f"""frontend api
+    bind 127.0.0.1:{front}
+    use_backend nothing if {{ path_beg /nothing }}
+    default_backend app
+backend app
+    option httpchk GET /-/healthz
+    default-server fastinter 250ms downinter 250ms fall 2 rise 2 inter 5s check
+    server router 127.0.0.1:{dying} check observe layer4 error-limit {limit} on-error mark-down
+    server fallback 127.0.0.1:{backup} check backup
+backend nothing
+    server gone 127.0.0.1:{closed} check observe layer4 error-limit {limit} on-error mark-down
+""")
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = []
+
+    def start(*args: str) -> subprocess.Popen:
+        processes.append(subprocess.Popen(list(args), stdout=subprocess.PIPE, text=True))
+        return processes[-1]
+
+    try:
+        start(sys.executable, str(tmp_path / "backend.py"), str(backup), "fallback")
+        start(_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg"))
+        for body, fresh in ((b"x" * 400, True), (b"x" * 400, False), (b"x" * 65536, True)):
+            server = start(sys.executable, str(tmp_path / "backend.py"), str(dying), "dying")
+            _until(lambda: _get(front, "/who") == (200, b"dying"))  # HAProxy sees it up
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+            if not fresh:  # a request on a reused client connection (HAProxy's keep-alive case)
+                conn.request("GET", "/who")
+                conn.getresponse().read()
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            assert server.stdout.readline() == "holding\n"
+            server.send_signal(signal.SIGKILL)
+            server.wait()
+            try:
+                response = conn.getresponse()
+            except http.client.RemoteDisconnected:
+                assert not fresh  # the keep-alive rule only
+            else:
+                answer = (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
+                          json.loads(response.read()))
+                # fits HAProxy's buffer: sent again once, to the dead server (the only one not a
+                # backup, not yet marked down): refused (503) or cut on a connection it had open
+                # (502); larger (16 KiB): cannot be sent again (502)
+                statuses = (502, 503) if len(body) < 16384 else (502,)
+                assert answer[0] in statuses, answer
+                assert answer == (answer[0], "application/json", "1", {"error": haproxy.ERROR_ANSWERS[answer[0]]})
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+            conn.request("POST", "/v2/models/m/infer", body=body)
+            response = conn.getresponse()
+            assert (response.status, json.loads(response.read())) == (200, {"by": "fallback"})
+        conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+        conn.request("POST", "/nothing", body=b"{}")
+        response = conn.getresponse()
+        assert (response.status, response.getheader("Content-Type"), response.getheader("Retry-After"),
+                json.loads(response.read())) == (503, "application/json", "1", {"error": haproxy.ERROR_ANSWERS[503]})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+_CRASHING = '''
+import os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def do_GET(self):  # Ray's health check
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def do_POST(self):  # a request that crashes its replica (in native code, say)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        print("took it", flush=True)
+        os._exit(1)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+@contextlib.contextmanager
+def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int]) -> Iterator[tuple[int, Path]]:
+    """The real HAProxy on Ray's config for one application at ``/`` whose servers are
+    ``servers`` (name -> port), rendered as Ray renders it under ``HAPROXY_HEALTH_ENV`` and
+    rewritten by the wrapper; yields (its port, its admin socket)."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    front = _free_port()
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=front), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
+                        metrics_socket_path=str(tmp_path / "metrics.sock"),
+                        observe_error_limit=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]),
+                        health_check_fall=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    api.set_backend_configs({"http-app": BackendConfig(
+        name="http-app", path_prefix="/", app_name="app",
+        servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])})
+    api._generate_config_file_internal()
+    config = haproxy.rewrite_config((tmp_path / "haproxy.cfg").read_text())
+    (tmp_path / "haproxy.cfg").write_text(config)
+    process = subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "haproxy.cfg")])
+    try:
+        _until(lambda: _get(front, "/-/healthz") is not None)
+        yield front, tmp_path / "admin.sock"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _server_stats(admin: Path) -> dict[str, dict[str, str]]:
+    """HAProxy's ``show stat`` for backend ``http-app``'s servers: name -> {field: value}."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(admin))
+        s.sendall(b"show stat\n")
+        text = b""
+        while chunk := s.recv(65536):
+            text += chunk
+    header, *rows = text.decode().strip().splitlines()
+    fields = header.lstrip("# ").split(",")
+    stats = [dict(zip(fields, row.split(","))) for row in rows]
+    return {row["svname"]: row for row in stats if row["pxname"] == "http-app" and row["svname"] != "BACKEND"}
+
+
+def test_a_request_that_crashes_its_replica_reaches_at_most_two(tmp_path):
+    """Three replicas, each crashing on the request it takes: HAProxy sends it to one, retries it
+    once on another (``RETRIES``) and answers the JSON 502; the third replica lives (with
+    ``retries 10`` the request took down all three)."""
+    ports = {f"replica-{i}": _free_port() for i in range(3)}
+    (tmp_path / "crashing.py").write_text(_CRASHING)
+    replicas = {name: subprocess.Popen([sys.executable, str(tmp_path / "crashing.py"), str(port)],
+                                       stdout=subprocess.PIPE, text=True) for name, port in ports.items()}
+    try:
+        for port in ports.values():
+            _until(lambda: _get(port, "/-/healthz") is not None)
+        with _ray_app_haproxy(tmp_path, ports) as (front, _):
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+            conn.request("POST", "/v2/models/m/infer", body=b"{}")
+            response = conn.getresponse()
+            answer = (response.status, response.getheader("Content-Type"), json.loads(response.read()))
+            assert answer == (502, "application/json", {"error": haproxy.ERROR_ANSWERS[502]})
+            took, alive = [], []
+            for name, process in replicas.items():  # HAProxy answered: a replica that took it has died or dies now
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    alive.append(name)
+                    continue
+                took += [name] if process.stdout.read() == "took it\n" else []
+            assert (len(took), len(alive)) == (2, 1), (took, alive)
+    finally:
+        for process in replicas.values():
+            process.kill()
+            process.wait()
+
+
+def test_a_request_sent_to_a_dead_replica_is_answered_by_a_live_one(tmp_path):
+    """Two replicas up; one dies (its port refuses) while HAProxy still lists it up: every request
+    is answered 200 by the live one, those sent to the dead one too (retried past it), and the
+    dead one is marked down (live traffic does so at its first refused connection:
+    ``HAPROXY_HEALTH_ENV``'s error limit 1)."""
+    ports = {"dying": _free_port(), "live": _free_port()}
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    replicas = {name: subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+                for name, port in ports.items()}
+    try:
+        for port in ports.values():
+            _until(lambda: _get(port, "/who") is not None)
+        with _ray_app_haproxy(tmp_path, ports) as (front, admin):
+            _until(lambda: all(s["check_status"] == "L7OK" for s in _server_stats(admin).values()))
+            replicas["dying"].kill()
+            replicas["dying"].wait()
+            answers = []
+            while len(answers) < 10 and _server_stats(admin)["dying"]["status"].startswith("UP"):
+                conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+                conn.request("POST", "/v2/models/m/infer", body=b"{}")
+                response = conn.getresponse()
+                answers.append((response.status, json.loads(response.read())))
+                conn.close()
+            dead = _server_stats(admin)["dying"]
+            assert answers and answers == [(200, {"by": "live"})] * len(answers)
+            assert (dead["status"], dead["stot"]) == ("DOWN", "1"), dead  # one request was sent to it
+    finally:
+        for process in replicas.values():
+            process.kill()
+            process.wait()
+
+
+def _raw(port: int, data: bytes) -> tuple[int, str | None, dict]:
+    """Send ``data`` as is; (status, Content-Type, JSON body) of the answer."""
+    with socket.create_connection((haproxy.LOOPBACK, port), timeout=30) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers.get("content-type"), json.loads(body)
+
+
+def test_haproxy_answers_a_request_that_never_arrives_in_full_in_json(tmp_path):
+    """HAProxy's own 408 (less body than Content-Length) in the ``{"error": ...}`` shape, with Ray's defaults rewritten (its http-request timeout, here 1 s,
+    kept where set)."""
+    ray_config = _ray_haproxy_config(tmp_path, "127.0.0.1").read_text()
+    head = ray_config[:ray_config.index("\nfrontend ") + 1].replace("    timeout connect", "    timeout http-request 1s\n    timeout connect", 1)
+    front, backend = _free_port(), _free_port()
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = haproxy.answer_replica_deaths(head + f"""frontend api
+    bind 127.0.0.1:{front}
+    default_backend app
+backend app
+    server s 127.0.0.1:{backend}
+""")
+    assert "timeout http-request 1s" in _defaults_of(config) and "timeout http-request 30s" not in config
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(backend), "ok"]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")])]
+    try:
+        _until(lambda: _get(front, "/who") == (200, b"ok"))
+        assert _raw(front, b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                    + b"x" * 10) == (408, "application/json", {"error": haproxy.CLIENT_ERROR_ANSWERS[408]})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+_ROUTES_BACKEND = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args): pass
+    def do_GET(self):
+        if self.path == "/who":
+            status, kind, body = 200, "text/plain", b"up"
+        elif self.path.startswith("/app/json"):  # the application's own 404
+            status, kind, body = 404, "application/json", json.dumps({"error": "unknown model"}).encode()
+        else:  # Ray's Python proxy once the route is gone
+            status, kind, body = 404, "text/plain", f"Path '{self.path}' not found.".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    def handle_error(self, request, client_address): pass  # HAProxy drops a body it replaces
+Server(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def _answer(port: int, path: str) -> tuple[int, str | None, str | None, dict | str]:
+    conn = http.client.HTTPConnection(haproxy.LOOPBACK, port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    body = response.read()
+    kind = response.getheader("Content-Type")
+    return (response.status, kind, response.getheader("Retry-After"),
+            json.loads(body) if kind == "application/json" else body.decode())
+
+
+def test_a_request_no_application_takes_answers_json_503_while_starting_or_stopping_404_else(tmp_path):
+    """Ray's config with no application (as while Serve starts or stops), and one routing /app
+    to a server standing for Ray's Python proxy: Ray's plain-text 404s become JSON, 503 with
+    Retry-After where the path is an application's (or no application is routed), 404 where no
+    route prefix matches it; the application's own JSON 404 passes unchanged."""
+    front, front2, stats, prometheus, server = (_free_port() for _ in range(5))
+    bare = haproxy.rewrite_config(_ray_haproxy_config(tmp_path, "127.0.0.1").read_text())
+    bare = (bare.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("127.0.0.1:8404", f"127.0.0.1:{stats}")
+            .replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    assert haproxy.answer_unrouted(bare) == bare  # idempotent
+    head = bare[:bare.index("\nfrontend ") + 1]
+    routed = haproxy.answer_unrouted(head + f"""frontend api
+    bind 127.0.0.1:{front2}
+    use_backend app if {{ path_beg /app }}
+    default_backend default_backend
+backend default_backend
+    http-request return status 404 content-type text/plain lf-string "Path '%[path]' not found. Ping http://.../-/routes for available routes."
+backend app
+    server proxy 127.0.0.1:{server}
+""")
+    (tmp_path / "bare.cfg").write_text(bare)
+    (tmp_path / "routed.cfg").write_text(routed)
+    (tmp_path / "backend.py").write_text(_ROUTES_BACKEND)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(server)]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "bare.cfg")]),
+                 subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "routed.cfg")])]
+    try:
+        _until(lambda: _get(front2, "/app/who") is not None and _get(front, "/") is not None)
+        error_503 = haproxy.UNROUTED_ANSWERS[503]
+        assert _answer(front, '/v2/models/m\\x"/infer') == (
+            503, "application/json", "1", {"error": error_503.format(path='/v2/models/m\\x"/infer')})
+        assert _answer(front2, "/app/v2/models/simple/infer") == (
+            503, "application/json", "1", {"error": error_503.format(path="/app/v2/models/simple/infer")})
+        assert _answer(front2, "/app/json") == (404, "application/json", None, {"error": "unknown model"})
+        assert _answer(front2, "/elsewhere") == (
+            404, "application/json", None, {"error": haproxy.UNROUTED_ANSWERS[404].format(path="/elsewhere")})
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _lab_config(front: int, fallback: int, routers: dict[str, int], models: dict[str, int]) -> str:
+    """Ray's HAProxy config in small, rewritten by ``router_backs_up_models``: a router
+    application ``app`` (servers ``routers``: name suffix -> port) and a model application
+    ``app.m`` at /v2/models/m/ (servers ``models``), each with Ray's fallback proxy as backup."""
+    def servers(app: str, ports: dict[str, int]) -> str:
+        return "".join(f"    server SERVE_REPLICA--{app}-{name} 127.0.0.1:{port} check\n" for name, port in ports.items())
+
+    return haproxy.router_backs_up_models(f"""global
+    maxconn 100
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend api
+    bind 127.0.0.1:{front}
+    use_backend http-app.m if {{ path_beg /v2/models/m/ }}
+    default_backend http-app
+backend http-app
+    default-server inter 200ms fall 1 rise 1
+{servers("app", routers)}    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+backend http-app.m
+    default-server inter 200ms fall 1 rise 1
+{servers("app.m", models)}    server SERVE_PROXY_ACTOR-n 127.0.0.1:{fallback} check backup
+""")
+
+
+def test_a_model_backend_without_a_live_server_goes_to_the_router_then_back(tmp_path):
+    """A dedicated model's application (``http-app.m``) with no replica up: its requests reach
+    the router application's server (``router_backs_up_models``), and the model's own replica
+    again once it runs; Ray's fallback proxy stays the last backup."""
+    router, model, fallback, front = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = _lab_config(front, fallback, {"router-x": router}, {"model-m-x": model})
+    assert haproxy.router_backs_up_models(config) == config  # idempotent
+    servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
+               if line.split()[:1] == ["server"]]
+    assert servers == ["SERVE_REPLICA--app.m-model-m-x", "trt-router-SERVE_REPLICA--app-router-x", "SERVE_PROXY_ACTOR-n"]
+    (tmp_path / "lab.cfg").write_text(config)
+    check = subprocess.run([_real_haproxy(), "-c", "-f", str(tmp_path / "lab.cfg")], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    processes = []
+    try:
+        for port, name in ((router, "router"), (fallback, "fallback")):
+            processes.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name]))
+        processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")]))
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"router"))  # no model replica: the router
+        processes.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(model), "model"]))
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"model"))  # its replica runs: one hop
+        assert _get(front, "/v2/health/ready") == (200, b"router")
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_with_several_router_replicas_each_backs_up_a_model_and_a_live_one_answers(tmp_path):
+    """Router replicas scale with load (``args.router.autoscaling``), and Ray's HAProxy config
+    lists each as a server of the router's backend: every one becomes a backup of a model's
+    backend, in Ray's order, before Ray's fallback proxy. HAProxy sends a model's requests to
+    the first backup that is up (no ``option allbackups``: the fallback proxy must stay last),
+    so with that router replica gone the next one answers."""
+    first, second, fallback, front = (_free_port() for _ in range(4))
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    config = _lab_config(front, fallback, {"router-a": first, "router-b": second}, {})
+    servers = [line.split()[1] for line in config.split("backend http-app.m\n")[1].splitlines()
+               if line.split()[:1] == ["server"]]
+    assert servers == ["trt-router-SERVE_REPLICA--app-router-a", "trt-router-SERVE_REPLICA--app-router-b",
+                       "SERVE_PROXY_ACTOR-n"]
+    (tmp_path / "lab.cfg").write_text(config)
+    processes = {}
+    try:
+        for port, name in ((first, "first"), (second, "second"), (fallback, "fallback")):
+            processes[name] = subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+        processes["haproxy"] = subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "lab.cfg")])
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"first"))
+        processes["first"].kill()
+        _until(lambda: _get(front, "/v2/models/m/ready") == (200, b"second"))
+        # the router's own backend checks its servers apart (200 ms): until it marks the killed
+        # one down, a request there may still be sent to it
+        _until(lambda: _get(front, "/v2/health/ready") == (200, b"second"))
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(("routes", "missing"), [
+    ({}, None),  # nothing routed: Serve starting, or stopped
+    ({"models.ocr": "/v2/models/ocr", "models.ocr_cls": "/v2/models/ocr_cls"}, ["http-models"]),
+    ({"models": "/", "models.ocr": "/v2/models/ocr"}, []),
+    ({"models": "/api"}, []),
+    ({"models": "/", "edge": "/edge", "edge.m": "/edge/v2/models/m"}, []),
+    ({"models.m": "/v2/models/m", "edge": "/edge", "edge.m": "/edge/v2/models/m"}, ["http-models"]),
+])
+def test_the_routers_missing_from_rays_config_are_those_of_routed_model_applications(tmp_path, routes, missing):
+    """A dedicated model's application ``<router>.<model>`` routed without its router's
+    application: the router is missing (Serve routes each application once its ingress has a
+    replica); with nothing routed, nothing is known by name."""
+    config = _ray_haproxy_config(tmp_path, "127.0.0.1", routes).read_text()
+    assert haproxy.routed_backends(config) == {f"http-{app}" for app in routes}
+    assert haproxy.missing_routers(haproxy.routed_backends(config)) == missing
+
+
+def _serve_ray_config(tmp_path: Path, name: str, routes: dict[str, str]) -> tuple[int, subprocess.Popen]:
+    """Ray's config for ``routes`` (``_ray_haproxy_config``), rewritten as the wrapper does, run
+    by the real HAProxy on free ports: (its front port, its process)."""
+    front, stats, prometheus = (_free_port() for _ in range(3))
+    folder = tmp_path / name
+    folder.mkdir()
+    config = haproxy.rewrite_config(_ray_haproxy_config(folder, "127.0.0.1", routes).read_text())
+    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("127.0.0.1:8404", f"127.0.0.1:{stats}")
+              .replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    (folder / "rewritten.cfg").write_text(config)
+    return front, subprocess.Popen([_real_haproxy(), "-db", "-f", str(folder / "rewritten.cfg")])
+
+
+def test_a_path_no_application_takes_answers_503_until_the_router_is_routed_then_404_outside_its_prefix(tmp_path):
+    """Ray's config with the models' applications routed but not their router's (as while
+    ``make serve`` starts, or after Ctrl-C): a path none of them takes, a model the router
+    serves, answers JSON 503 with Retry-After naming the router application; with the router
+    routed at /api, a path outside /api is a genuine 404."""
+    path = "/v2/models/simple/infer"
+    models_only = {"models.ocr": "/v2/models/ocr", "models.ocr_cls": "/v2/models/ocr_cls"}
+    with_router = {"models": "/api", "models.ocr": "/api/v2/models/ocr"}
+    starting, starting_haproxy = _serve_ray_config(tmp_path, "starting", models_only)
+    routed, routed_haproxy = _serve_ray_config(tmp_path, "routed", with_router)
+    try:
+        _until(lambda: _get(starting, "/") is not None and _get(routed, "/") is not None)
+        assert _answer(starting, path) == (503, "application/json", "1", {
+            "error": haproxy.ROUTER_UNROUTED_ANSWER.format(path=path, apps="'models'")})
+        assert _answer(routed, path) == (
+            404, "application/json", None, {"error": haproxy.UNROUTED_ANSWERS[404].format(path=path)})
+    finally:
+        for process in (starting_haproxy, routed_haproxy):
+            process.kill()
+            process.wait()
+
+
+def _ray_pool_config(tmp_path: Path, prefix: str, pool_ports: dict[str, int], router_port: int,
+                     ocr_port: int = 12) -> str:
+    """Ray's HAProxy config (Ray 2.60's code) for a router application ``models`` at ``prefix``,
+    a dedicated model's ``models.ocr`` and the pool's ``models.pool`` at ``<prefix>/v2/models``
+    (servers ``pool_ports``: name -> port), rewritten as the wrapper does."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    base = prefix.rstrip("/")
+    cfg = HAProxyConfig(http_options=HTTPOptions(host="127.0.0.1", port=8000), socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
+                        metrics_socket_path=str(tmp_path / "metrics.sock"))
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+    backends = {"models": (prefix, {"router": router_port}), "models.ocr": (f"{base}/v2/models/ocr", {"ocr": ocr_port}),
+                "models.pool": (f"{base}/v2/models", pool_ports)}
+    api.set_backend_configs({f"http-{app}": BackendConfig(
+        name=f"http-{app}", path_prefix=path, app_name=app,
+        servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])
+        for app, (path, servers) in backends.items()})
+    api._generate_config_file_internal()
+    return haproxy.rewrite_config((tmp_path / "haproxy.cfg").read_text())
+
+
+def _pool_section(config: str) -> list[str]:
+    section = config.split("backend http-models.pool\n")[1] + "\nbackend "
+    return [line.strip() for line in section[:section.index("\nbackend ")].splitlines()]
+
+
+@pytest.mark.parametrize(("prefix", "field"), [("/", 4), ("/api", 5)])
+def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, prefix, field):
+    """In Ray's config the pool's backend gets the model-name hash (the path segment after
+    ``<prefix>/v2/models/``) on a consistent ring with bounded loads; the router's and the
+    dedicated model's backends keep Ray's least connections; rewriting again changes nothing."""
+    config = _ray_pool_config(tmp_path, prefix, {"pool-a": 9, "pool-b": 10}, 11)
+    assert haproxy.rewrite_config(config) == config
+    rays = (tmp_path / "haproxy.cfg").read_text()  # every backend: a retry takes no stale server connection
+    assert "http-reuse always" not in config
+    assert config.count(f"http-reuse {haproxy.SERVER_CONNECTION_REUSE}") == rays.count("http-reuse always") == 3
+    pool = _pool_section(config)
+    assert pool[pool.index(haproxy.POOL_HASH_MARKER) + 1:][:3] == [
+        f"balance hash path,field({field},/)", "hash-type consistent",
+        f"hash-balance-factor {haproxy.POOL_HASH_BALANCE_FACTOR}"]
+    assert config.count("balance hash") == 1 and "balance leastconn" in config  # Ray's default for the others
+    alone = haproxy.rewrite_config(_ray_haproxy_config(tmp_path / "alone", "127.0.0.1", {  # routed before its router
+        "models.pool": "/v2/models", "other.pool": "/other"}).read_text())
+    assert "balance hash path,field(4,/)" in _pool_section(alone) and alone.count("balance hash") == 1
+    without = config.replace("acl is_http-models.pool path_beg", "acl is_http-models.pool path_end")
+    assert "balance hash" not in haproxy.hash_pool_models(without.replace(haproxy.POOL_HASH_MARKER, "#").replace(
+        f"    balance hash path,field({field},/)\n", ""))  # no prefix to count from: Ray's balance stays
+
+
+@contextlib.contextmanager
+def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
+    """The real HAProxy on the rewritten config of a pool with servers ``ports`` (name -> port),
+    a router and ``ocr``, each a small server answering with its name; yields the front port
+    once every pool server is up."""
+    router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
+    config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
+    config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
+              .replace("127.0.0.1:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
+    (tmp_path / "pool.cfg").write_text(config)
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    processes = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port), name])
+                 for name, port in {**ports, "router": router, "ocr": ocr}.items()]
+    processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
+    try:
+        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
+        _until(lambda: _get(front, "/v2/models/m0/ready") is not None, 30)
+        time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
+        yield front
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_models(tmp_path):
+    """On the real HAProxy with the rewritten config: every request for one pool model (its
+    routes, any version) reaches the same pool replica, and 16 models spread over the three."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
+    with _pool_haproxy(tmp_path, ports) as front:
+        chosen = {}
+        for i in range(16):
+            paths = [f"/v2/models/m{i}/ready", f"/v2/models/m{i}", f"/v2/models/m{i}/versions/2/ready"] * 3
+            answers = {_get(front, path) for path in paths}
+            assert len(answers) == 1, (i, answers)
+            [(status, by)] = answers
+            assert status == 200 and by.decode() in ports, (i, status, by)
+            chosen[f"m{i}"] = by.decode()
+        assert len(set(chosen.values())) >= 2, chosen
+        assert _get(front, "/v2/health/ready") == (200, b"router")
+        assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
+
+
+def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
+    """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
+    port): the server each of ``models`` pool models' requests reach."""
+    with _pool_haproxy(tmp_path, ports) as front:
+        chosen = {}
+        for i in range(models):
+            answer = _get(front, f"/v2/models/m{i}/ready")
+            assert answer is not None and answer[0] == 200, answer
+            chosen[f"m{i}"] = answer[1].decode()
+        return chosen
+
+
+def test_a_pool_replica_that_goes_moves_only_its_own_models(tmp_path):
+    """Ray lists the running replicas, so one that dies or is scaled down leaves the list and the
+    servers after it move up; HAProxy's ring places a server by its id, by default its position:
+    without an id of its own, 22 of the 39 models on the 3 remaining replicas moved too (and each
+    replica had to load another's). With ids from the servers' names only the gone replica's
+    models move."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c", "pool-d")}
+    (tmp_path / "four").mkdir()
+    (tmp_path / "three").mkdir()
+    before = _pool_models_replicas(tmp_path / "four", ports, 48)
+    after = _pool_models_replicas(tmp_path / "three", {n: p for n, p in ports.items() if n != "pool-b"}, 48)
+    stayed = {model for model, server in before.items() if server != "pool-b"}
+    assert len(set(before.values())) >= 3 and stayed, before
+    assert {model: after[model] for model in stayed} == {model: before[model] for model in stayed}
+
+
+def test_the_pool_servers_ids_come_from_their_names(tmp_path):
+    """Each pool server's ``id`` follows its name, whatever its place in the list; other backends'
+    servers keep HAProxy's numbering; rewriting again changes nothing."""
+    config = _ray_pool_config(tmp_path, "/", {"pool-a": 9, "pool-b": 10, "pool-c": 11}, 12, 13)
+    (tmp_path / "fewer").mkdir()
+    fewer = _ray_pool_config(tmp_path / "fewer", "/", {"pool-c": 11, "pool-a": 9}, 12, 13)
+    ids = {line.split()[1]: line.split()[-1] for line in _pool_section(config) if line.startswith("server ")}
+    assert ids["pool-a"] == str(haproxy.pool_server_id("pool-a", set())) and len(set(ids.values())) == len(ids)
+    assert {line.split()[1]: line.split()[-1] for line in _pool_section(fewer) if line.startswith("server pool-")} == {
+        "pool-a": ids["pool-a"], "pool-c": ids["pool-c"]}
+    assert all(int(i) >= haproxy.POOL_SERVER_ID_BASE for i in ids.values())
+    servers = [line.strip() for line in config.splitlines() if line.strip().startswith("server ")]
+    assert sum(" id " in line for line in servers) == len(ids) < len(servers)  # the router's, ocr's: none
+    assert haproxy.rewrite_config(config) == config
+    assert haproxy.pool_server_id("x", {haproxy.pool_server_id("x", set())}) != haproxy.pool_server_id("x", set())
