@@ -1,5 +1,8 @@
 """Triton-named Prometheus series, recorded in every replica process, summed per node.
 
+Long because the router's, the replica's and the cache's recorders share one in-process buffer
+and one file layout per node; apart, each would need the buffer's internals.
+
 Why not Ray's metrics API: Ray 2.60 exports application metrics on its own port with a fixed
 ``ray_`` prefix (``ray/_private/telemetry/open_telemetry_metric_recorder.py``: ``NAMESPACE =
 "ray"``, not configurable) and only after its report interval (seconds), so Triton's names
@@ -14,8 +17,8 @@ node; ``:port/metrics`` (``serve_node_metrics``) every application's on the node
 Ray's own ``ray_*`` series are untouched.
 
 A request's values are added in the process first (``_Buffer``: plain floats under one lock)
-and written to the process's file at most every ``FLUSH_INTERVAL_S`` (at the end of a request,
-or by a daemon thread when the process is idle): writing every value through
+and written to the process's file every ``FLUSH_INTERVAL_S`` (a daemon thread writes whatever
+changed at each tick): writing every value through
 ``prometheus_client`` costs about 1.2 us each (a lock, ``os.getpid()``, a struct write), 15 per
 request. The recorders of one request, router and replica, cost 24 us of CPU written through
 and 5 us buffered (docs/lab-notes.md, "Metrics on vs off"). So a scrape sees a request's counts at

@@ -1,5 +1,9 @@
 """ModelCache: the models one replica holds, under a byte budget and an optional count cap.
 
+Long because its promises below are one state machine under one lock (reference counts, single
+flight, the count cap, the byte budget and the timeline): split, each part would need the others'
+state.
+
 Three load policies (``CacheOptions.load_policy``; docs/placement.md, "Memory"):
 
 * ``eager``: ``start()`` loads every model; nothing is ever evicted.

@@ -1,5 +1,9 @@
 """Build TensorRT plans for the model repository: ``python -m deployments.runtime.tools.build``.
 
+Long because it holds the whole build as small steps, each a function tested alone (parse,
+check the network's I/O, add profiles, configure, build, save), and the command that runs them
+over a repository.
+
 For every non-pipeline model in the repository (or those named with ``--models``), the
 latest version's ``model.onnx`` is parsed with TensorRT's ONNX parser and built with:
 
