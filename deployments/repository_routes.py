@@ -66,11 +66,17 @@ class RepositoryRoutes(V2Routes):
         for entry in self.repo.entries():
             for version in self._served(entry):
                 index.append(self._index_item(entry, version, pool.get(entry.key(version))))
-        if self.initial is not None:  # folders added since start, not read yet
-            index += [{"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
-                      for name in self.repo.folders() if name not in self.repo.names()]
+        if self.initial is not None:  # folders added since start, not read yet (or loading)
+            index += [self._unread_item(name) for name in self.repo.folders() if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    def _unread_item(self, name: str) -> dict[str, Any]:
+        """The index line of a model folder this router has not taken (yet): LOADING while a
+        load of it goes on, else UNAVAILABLE with why."""
+        if name in self.changing:
+            return {"name": name, "state": self.changing[name], "reason": "asked for through the repository API"}
+        return {"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
 
     def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
         """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""

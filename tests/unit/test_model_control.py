@@ -696,3 +696,16 @@ def test_a_load_that_outlives_its_request_takes_the_folder_it_read_once_every_re
     asyncio.run(app.follow_desired(fake.control.desired()))
     assert http.get("/v2/models/simple").json()["versions"] == ["2"]
     assert [i["version"] for i in http.post("/v2/repository/index").json()] == ["2"]
+
+
+def test_a_model_new_to_the_router_is_loading_in_the_index_while_its_load_goes_on(root):
+    app, fake, http = explicit_router(root, timeout_s=0.3)
+    add_model(root, "late")
+    fake.replicas["r1"].held = True
+    assert http.post("/v2/repository/models/late/load").status_code == 504
+    assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
+        {"name": "late", "state": "LOADING", "reason": "asked for through the repository API"}]
+    fake.replicas["r1"].held = False
+    asyncio.run(app.follow_desired(fake.control.desired()))
+    assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
+        {"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "not loaded yet; loads on first request"}]
