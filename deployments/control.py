@@ -40,7 +40,9 @@ from typing import Any, Callable, Iterable, Protocol
 from ray import serve
 
 from .loopback import replica_grpc_on_loopback
+from .runtime.contract.config import ModelConfig
 from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, ServingError
+from .runtime.contract.repository import CONFIG_FILENAME, ModelEntry
 
 logger = logging.getLogger("ray.serve")
 
@@ -187,6 +189,29 @@ def outcome(error: BaseException | None, loaded: bool, backend: str = "") -> dic
         logger.error("model control: a load failed", exc_info=error)
         error = InferenceError("the model failed to load; the replica's log has the details")
     return {"loaded": loaded and error is None, "backend": backend, "error": error}
+
+
+def config_kept(entry: ModelEntry, deployed: ModelConfig, what: str) -> None:
+    """Check that a load of ``entry`` (its folder read again) keeps ``deployed``, the config a
+    deployment was built with, where that deployment cannot take another: a dedicated model's
+    replicas built their batch queue, admission and validation from it, a pipeline's its steps'
+    calls (``what`` says which, for the message). A new version folder with the same config
+    loads; any other change (the config completed from the model file included) needs a new
+    deploy.
+
+    Raises:
+        InvalidInput: the config differs (400: the one who asked for the load changed the
+            folder); names the file, the fields that changed and what can be loaded.
+    """
+    if entry.config == deployed:
+        return
+    now, then = entry.config.model_dump(), deployed.model_dump()
+    fields = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+    raise InvalidInput(
+        f"failed to load '{entry.name}': {entry.path / CONFIG_FILENAME} changed since {what} was deployed "
+        f"(fields {fields}, as completed from its model file); its replicas keep the config they were deployed "
+        "with, so this load changes nothing: a config change needs a new deploy (serve deploy, or restart the "
+        "server); a load takes a new version folder whose config is unchanged")
 
 
 class Follower:

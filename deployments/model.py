@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from ray import serve
 
-from .control import Desired, first_sync, loaded_at_start, outcome
+from .control import Desired, config_kept, first_sync, loaded_at_start, outcome
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
@@ -145,8 +144,9 @@ class ModelDeployment:
             return {}
         try:
             if state["loaded"]:
-                self._take_new_version()
+                entry = self._take_new_version()
                 self.host.load()
+                self.repo.take(entry)  # its routes describe the version once it serves
                 self._policy = self._loaded_policy()
                 self.gate.open()
                 self.routes.model_loaded(self.host.backend)
@@ -168,27 +168,30 @@ class ModelDeployment:
             self.host.warm(policy.pad_to)
         return policy
 
-    def _take_new_version(self) -> None:
+    def _take_new_version(self) -> ModelEntry:
         """Before a load: read the model's folder again (the validation the router did) and
         serve its newest served version from now on, as the router reports it (a version folder
         added since; docs/models.md, "Versions"). A loaded model changing version is unloaded first: new
         requests answer 503 while it loads, those in flight finish on the old version, and a
         request labelled with the old version that arrives later is refused (``infer``). The
-        config stays the one this replica started with (its batch queue was built from it).
+        config must be the one this replica started with (its batch queue was built from it;
+        the router refuses a load of a changed one before it reaches a replica, this check is
+        for a folder edited since the router read it). Returns the entry read.
 
         Raises:
             ConfigError, ModelNotFound: as ``ModelRepository.read``.
+            InvalidInput: the config changed (``control.config_kept``); nothing changed here.
         """
         entry = ModelRepository(self.repo.root, [self.host.name]).get(self.host.name)  # not served before it loads
+        config_kept(entry, self.host.config, "this dedicated model's deployment")
         if entry.latest != self.host.version:
             if self.host.ready:
                 self.gate.close()
                 self.host.unload()
-            host = ModelHost(replace(entry, config=self.host.config), self.host.backend_request,
-                             self.host.checkout_timeout_s)
+            host = ModelHost(entry, self.host.backend_request, self.host.checkout_timeout_s)
             host.on_execution = self.host.on_execution
             self.host = host
-        self.repo.take(replace(entry, config=self.host.config))
+        return entry
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

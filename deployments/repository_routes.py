@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .control import applied_everywhere
+from .control import applied_everywhere, config_kept
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
                                       ModelNotReady)
@@ -38,6 +38,7 @@ class RepositoryRoutes(V2Routes):
         super().__init__(*args, **kwargs)
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while a load or unload goes on
         self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
+        self._pending: dict[str, ModelEntry] = {}  # model -> its folder as read by a load that outlived its request
 
     def routes(self) -> list[Route]:
         return super().routes() + [
@@ -65,11 +66,17 @@ class RepositoryRoutes(V2Routes):
         for entry in self.repo.entries():
             for version in self._served(entry):
                 index.append(self._index_item(entry, version, pool.get(entry.key(version))))
-        if self.initial is not None:  # folders added since start, not read yet
-            index += [{"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
-                      for name in self.repo.folders() if name not in self.repo.names()]
+        if self.initial is not None:  # folders added since start, not read yet (or loading)
+            index += [self._unread_item(name) for name in self.repo.folders() if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    def _unread_item(self, name: str) -> dict[str, Any]:
+        """The index line of a model folder this router has not taken (yet): LOADING while a
+        load of it goes on, else UNAVAILABLE with why."""
+        if name in self.changing:
+            return {"name": name, "state": self.changing[name], "reason": "asked for through the repository API"}
+        return {"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
 
     def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
         """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
@@ -99,16 +106,18 @@ class RepositoryRoutes(V2Routes):
             if lock is not None and lock.locked():
                 continue
             if not state["loaded"]:
+                self._settle_failed(name, self._pending.pop(name, None))
                 now = self.states.get(name)
                 unloaded_reason = now.reason if now.status is Status.UNLOADED else None
                 if now.status in LOADED or name in self.changing or unloaded_reason != state.get("reason"):
                     self.changing.pop(name, None)
                     self._mark_unloaded(name, state.get("reason"))
                 continue
-            if self.states.is_loaded(name):
+            if self.states.is_loaded(name) and name not in self.changing:  # a reload going on is not done
                 continue
             try:
-                entry = self.repo.get(name) if name in self.repo.names() else self.repo.read(name)
+                entry = self._pending.get(name) or (
+                    self.repo.get(name) if name in self.repo.names() else self.repo.peek(name))
             except Exception:  # unreadable here: it stays unavailable on this router
                 logger.warning("model '%s' was loaded but this router cannot read it", name, exc_info=True)
                 continue
@@ -117,6 +126,8 @@ class RepositoryRoutes(V2Routes):
                 self.changing[name] = "LOADING"
                 continue
             self.changing.pop(name, None)
+            self._pending.pop(name, None)
+            self.repo.take(entry)
             self._mark_loaded(entry, state["placement"], None)
 
     def _control(self, request: Request, verb: str) -> str:
@@ -152,6 +163,35 @@ class RepositoryRoutes(V2Routes):
                                "to load it into (it was built without pool models)")
         return "pool"
 
+    def _settle_failed(self, name: str, entry: ModelEntry | None) -> None:
+        """After a load of ``entry`` (its folder as the load read it; None: no load pending)
+        failed: a model this router did not know yet is known from now on, so that its index
+        line and its requests give the failure; a known one keeps the entry its replicas
+        served (they did not take the new one)."""
+        if entry is not None and name not in self.repo.names():
+            self.repo.take(entry)
+
+    def _keeps_deployed_config(self, entry: ModelEntry, placement: str) -> None:
+        """Refuse a load that would change the config a deployment was built with
+        (``control.config_kept``): a dedicated model's or pipeline's, and a pool model's that
+        a pipeline calls as a step (the pipeline built its calls from that config).
+
+        Raises:
+            InvalidInput: see ``control.config_kept``.
+        """
+        if entry.name not in self.repo.names():
+            return
+        deployed = self.repo.get(entry.name).config
+        if placement == "dedicated":
+            config_kept(entry, deployed, "this dedicated model's deployment")
+        elif placement == "pipeline":
+            config_kept(entry, deployed, "this pipeline's deployment")
+        else:
+            users = [p.name for p in self.repo.entries() if p.name in self.client.dedicated
+                     and entry.name in self._steps_of(p)]
+            if users:
+                config_kept(entry, deployed, f"the pipeline(s) {users} calling it as a step")
+
     async def _wait_applied(self, name: str, placement: str, state: dict[str, Any], verb: str) -> list[dict[str, Any]]:
         """The reports once every replica Serve counts RUNNING in the deployment serving
         ``name`` applied ``state`` (``{"incarnation", "revision"}``; ``control.applied_everywhere``).
@@ -179,7 +219,15 @@ class RepositoryRoutes(V2Routes):
         """``POST /v2/repository/models/{name}/load``: read the model's folder again (the same
         validation as at start: a bad config is 400 naming the file and field, and nothing
         changes), then load it on every replica of its deployment (pool models: into every pool
-        replica's cache); answers 200 with an empty body once all have it."""
+        replica's cache); answers 200 with an empty body once all have it. This router's index,
+        metadata and config routes describe the folder as read from then on, not before: a load
+        that fails leaves them as they were (a model new to it is known from then on, with the
+        failure as its reason).
+
+        A dedicated model or pipeline takes a new version folder, not a changed config: its
+        replicas were built from the config it was deployed with, so a load of a changed one
+        (or of a pool model a pipeline calls as a step) is 400 and changes nothing
+        (``_keeps_deployed_config``)."""
         name = self._control(request, "load")
         parameters = (await self._json_body(request, "load")).get("parameters") or {}
         unsupported = sorted(parameters)
@@ -187,7 +235,7 @@ class RepositoryRoutes(V2Routes):
             raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
                                "(a config or files sent with the request); put the model's folder in the repository")
         try:
-            entry = self.repo.read(name)
+            entry = self.repo.peek(name)  # taken once every replica serves it
         except ConfigError as e:  # a config the sender wrote: 400
             raise InvalidInput(f"failed to load '{name}': {e.message}") from None
         except LoadFault as e:  # a model file it cannot read: the server's, 500
@@ -195,6 +243,7 @@ class RepositoryRoutes(V2Routes):
         except ModelNotFound as e:
             raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
         placement = self._placement(entry, "load")
+        self._keeps_deployed_config(entry, placement)
         async with self._control_lock(name):
             self.changing[name] = "LOADING"
             going_on = False
@@ -207,17 +256,21 @@ class RepositoryRoutes(V2Routes):
                     # as Triton, a failed load leaves the model unavailable: the control
                     # deployment has rolled it back (``ControlDeployment.report``), with its reason
                     reason = (await self.client.control_desired())["models"].get(name, {}).get("reason")
+                    self._settle_failed(name, entry)
                     self._mark_unloaded(name, reason or "unloaded while it loaded")
                     if errors:
                         raise type(errors[0])(f"failed to load '{name}': {errors[0].message}")
                     raise ModelNotReady(f"failed to load '{name}': {reason or 'it was unloaded while it loaded'}")
             except InferenceTimeout:  # it goes on: LOADING until follow_desired sees it done or failed
                 going_on = True
+                self._pending[name] = entry
                 raise
             finally:
                 if not going_on:
                     self.changing.pop(name, None)
             backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
+            self._pending.pop(name, None)
+            self.repo.take(entry)
             self._mark_loaded(entry, placement, backend)
         return Response(status_code=200)
 

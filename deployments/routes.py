@@ -255,10 +255,17 @@ class V2Routes:
         """A pipeline's step models (``steps``, else its config's ``parameters.steps``) that are
         not loaded now (explicit model control: unloaded, or never loaded); the pipeline is not
         ready while one is, as its requests could only fail at that step."""
-        if self.initial is None or not entry.config.pipeline:
+        if self.initial is None:
+            return []
+        return [step for step in self._steps_of(entry) if not self.states.is_loaded(step)]
+
+    def _steps_of(self, entry: ModelEntry) -> list[str]:
+        """A pipeline's step models (``steps``, else its config's ``parameters.steps``); [] for
+        a model that is not a pipeline."""
+        if not entry.config.pipeline:
             return []
         steps = self.steps.get(entry.name) or (entry.config.parameters or {}).get("steps") or []
-        return [step for step in steps if isinstance(step, str) and not self.states.is_loaded(step)]
+        return [step for step in steps if isinstance(step, str)]
 
     def _not_served(self, entry: ModelEntry) -> ServingError | None:
         """The 503 error for a loaded model no replica can serve for a reason of the deployment

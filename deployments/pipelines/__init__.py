@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..runtime.contract.config import describe_validation_error
-from ..runtime.contract.errors import ConfigError
+from ..runtime.contract.errors import ConfigError, InvalidInput
 from ..runtime.contract.repository import ModelRepository
 
 InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
@@ -74,4 +74,24 @@ def create_pipeline(repository: ModelRepository, name: str, infer: InferFn) -> P
     if target is None:
         raise ConfigError(f"model '{name}': unknown pipeline '{config.pipeline}'; known: {sorted(PIPELINES)}")
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls).from_repository(repository, infer, name)
+    return getattr(importlib.import_module(module), cls).from_repository(repository, step_caller(name, infer), name)
+
+
+def step_caller(pipeline: str, infer: InferFn) -> InferFn:
+    """``infer`` for pipeline ``pipeline``'s steps, whose errors keep whose fault they are: a
+    step's ``InvalidInput`` (400: what the pipeline made of this request does not fit the step,
+    e.g. an image whose lines come out outside the recognizer's profile) stays 400, its message
+    naming the pipeline, the step and the shapes sent; capacity (503), a timeout (504) and a
+    real fault (500) pass on as the step raised them. (A pipeline checks at build that each
+    step's profile admits what it sends, so what a step refuses at run time comes from the
+    request.)"""
+
+    async def step(model: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            return await infer(model, inputs)
+        except InvalidInput as e:
+            shapes = {n: list(a.shape) for n, a in inputs.items()}
+            raise InvalidInput(f"model '{pipeline}': its step '{model}' refused what the pipeline made of this "
+                               f"request (shapes {shapes}): {e.message}") from None
+
+    return step

@@ -225,7 +225,8 @@ class EmbedPipeline:
 
         Raises:
             PayloadTooLarge: with ``on_overlength: reject``, a text over ``max_seq_length`` tokens.
-            InferenceError, ModelNotReady, InferenceTimeout: passed on from ``infer``.
+            InferenceError, ModelNotReady, InferenceTimeout: passed on from ``infer``; its
+                ``InvalidInput`` names the step (``pipelines.step_caller``).
         """
         encodings = await asyncio.to_thread(self._tokenizer.encode_batch, list(texts))
         cut = [i for i, e in enumerate(encodings) if e.overflowing]

@@ -77,7 +77,7 @@ from rapidocr_onnxruntime.utils.process_img import ResizeImgError, add_round_let
 
 from . import PipelineParameters
 from ..runtime.contract.config import ModelConfig, TensorSpec
-from ..runtime.contract.errors import ConfigError, InferenceError, InvalidInput
+from ..runtime.contract.errors import ConfigError, InvalidInput
 from ..runtime.contract.repository import ModelRepository
 
 InferFn = Callable[[str, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
@@ -437,9 +437,9 @@ class OcrPipeline:
 
         Raises:
             InvalidInput: the bytes are not a decodable PNG or JPEG image, or it is too large
-                or too thin to process.
-            InferenceError: a step model failed or rejected what the pipeline sent.
-            ModelNotReady, InferenceTimeout: passed on from ``infer``.
+                or too thin to process, or a step refused what the pipeline made of it.
+            InferenceError, ModelNotReady, OverBudget, InferenceTimeout: passed on from ``infer``
+                (a step's fault, capacity, timeout).
         """
         p = self.parameters
         # CPU work runs in worker threads so the replica's event loop keeps serving.
@@ -487,11 +487,9 @@ class OcrPipeline:
         }
 
     async def _call(self, config: ModelConfig, input_name: str, output_name: str, batch: np.ndarray) -> np.ndarray:
-        try:
-            outputs = await self._infer(config.name, {input_name: batch})
-        except InvalidInput as e:  # the pipeline built this request: a rejection is our fault
-            raise InferenceError(
-                f"pipeline '{self.name}': step '{config.name}' rejected shape {list(batch.shape)}: {e.message}") from e
+        """One step call; its errors pass on as the step raised them (``create_pipeline`` names
+        the step in a refusal: ``pipelines.step_caller``)."""
+        outputs = await self._infer(config.name, {input_name: batch})
         return outputs[output_name]
 
     async def _detect(self, image: np.ndarray) -> np.ndarray:

@@ -351,3 +351,35 @@ def test_a_control_replica_killed_during_a_load_loses_nothing(control):
     r = requests.post(f"{url}/v2/models/midway_cnn/infer", json=cnn_body(X[:1]))
     assert r.status_code == 200, r.text
     assert desired()["models"]["midway_cnn"]["loaded"] is True
+
+
+def test_a_changed_config_of_a_dedicated_model_is_refused_on_load_and_a_new_version_loads(control):
+    """The router read the changed config.yaml and its index, metadata and config described it
+    (200) while the replica went on validating against the config it was deployed with. Now the
+    load is 400 naming the redeploy, and everything keeps describing what serves; a new version
+    folder with the config unchanged loads and answers under its own label."""
+    url, root = control
+    config = root / "simple_dedicated" / "config.yaml"
+    deployed = config.read_text()
+    config.write_text(yaml.safe_dump({**yaml.safe_load(deployed), "max_batch_size": 4}))
+    try:
+        r = requests.post(f"{url}/v2/repository/models/simple_dedicated/load")
+        assert r.status_code == 400, r.text
+        assert r.json()["error"].startswith(f"failed to load 'simple_dedicated': {config} changed since this dedicated "
+                                            "model's deployment was deployed (fields ['max_batch_size']")
+        assert "a config change needs a new deploy (serve deploy, or restart the server)" in r.json()["error"]
+    finally:
+        config.write_text(deployed)
+    assert requests.get(f"{url}/v2/models/simple_dedicated/config").json()["max_batch_size"] == 8
+    assert index(url)["simple_dedicated"]["state"] == "READY"
+    eight = {"inputs": [{"name": f"INPUT{i}", "shape": [8, 16], "datatype": "INT32",
+                         "data": np.repeat(PAIR[i], 8, axis=0).ravel().tolist()} for i in range(2)]}
+    assert requests.post(f"{url}/v2/models/simple_dedicated/infer", json=eight).status_code == 200
+
+    (root / "simple_dedicated" / "2").mkdir()
+    shutil.copy(root / "simple_dedicated" / "1" / "model.onnx", root / "simple_dedicated" / "2" / "model.onnx")
+    assert requests.post(f"{url}/v2/repository/models/simple_dedicated/load").status_code == 200
+    r = requests.post(f"{url}/v2/models/simple_dedicated/infer", json=simple_body())
+    assert (r.status_code, r.json().get("model_version")) == (200, "2"), r.text
+    assert requests.get(f"{url}/v2/models/simple_dedicated").json()["versions"] == ["2"]
+    assert index(url)["simple_dedicated"]["version"] == "2"

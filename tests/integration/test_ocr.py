@@ -113,3 +113,38 @@ def test_the_pipelines_statistics_count_its_requests_as_triton_counts_an_ensembl
             break
         time.sleep(0.2)
     assert grown == [2, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def strict_ocr(serve_instance, tmp_path_factory):
+    """The OCR pipeline of a repository whose recognizer takes only widths that are multiples
+    of 64 (``strict_recognizer_repository``), its steps in the pool (fewer deployments), at
+    /ocrstep."""
+    from deployments.app import delete_server, run_applications
+
+    from ..unit.test_ocr_pipeline import strict_recognizer_repository
+    from .conftest import wait_ready
+
+    repo = strict_recognizer_repository(tmp_path_factory.mktemp("strict-ocr"))
+    run_applications({"repository": str(repo.root), "pool": {"max_num_models_per_replica": 3},
+                      "deployments": {step: {"mode": "pool"} for step in ("ocr_det", "ocr_cls", "ocr_rec")}},
+                     name="ocrstep", route_prefix="/ocrstep")
+    url = f"{serve_instance}/ocrstep"
+    wait_ready(url)
+    yield url
+    delete_server("ocrstep")
+
+
+def test_a_step_refusing_what_the_pipeline_made_of_the_image_answers_400_naming_the_step(strict_ocr):
+    """It answered 500 ("pipeline 'ocr': step 'ocr_rec' rejected shape ..."): the recognizer's
+    refusal (a line of this image comes out at a width it does not take) is the request's, 400."""
+    r = ocr(strict_ocr, SAMPLE.read_bytes())
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error == ("model 'ocr': its step 'ocr_rec' refused what the pipeline made of this request (shapes "
+                     "{'x': [2, 3, 48, 476]}): unexpected shape for input 'x' for model 'ocr_rec'. Expected "
+                     "[-1,3,48,-1], got [2,3,48,476]; model 'ocr_rec' input 'x': axis 3 is 476, allowed [32, 3200] "
+                     "and a multiple of 64 (shape [2, 3, 48, 476])"), error
+    blank = io.BytesIO()
+    Image.new("RGB", (320, 240), "white").save(blank, "PNG")  # no line: the recognizer is not called
+    assert outputs(ocr(strict_ocr, blank.getvalue()))["text"]["shape"] == [0]  # it keeps serving

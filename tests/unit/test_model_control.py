@@ -600,3 +600,132 @@ def test_the_index_does_not_show_ready_a_pool_model_whose_requests_answer_503_fo
     assert http.post("/v2/repository/index").json() == [
         {"name": "simple", "version": "1", "state": "UNAVAILABLE",
          "reason": "the pool has no running replica; retry shortly"}]
+
+
+# --- a load never leaves the router's view apart from what the replicas serve -------------------
+
+def edit_config(root: Path, name: str, **changes: Any) -> None:
+    raw = yaml.safe_load((root / name / "config.yaml").read_text())
+    raw.update(changes)
+    (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
+
+
+def deployed_router(root: Path) -> tuple[FakeControlClient, TestClient]:
+    """A router over ``simple`` (dedicated), ``spare`` (pool), ``pipe`` (a pipeline calling
+    ``spare`` as a step), every one loaded and answering."""
+    add_model(root, "spare")
+    raw = yaml.safe_load((ENGINES / "ocr" / "config.yaml").read_text())
+    raw["parameters"]["steps"] = ["spare"]
+    (root / "pipe").mkdir()
+    (root / "pipe" / "config.yaml").write_text(yaml.safe_dump(raw))
+    repo = ModelRepository(root)
+    fake = FakeControlClient(repo, initial_state({"simple": "dedicated", "spare": "pool", "pipe": "pipeline"},
+                                                 {"simple", "spare", "pipe"}))
+    fake.dedicated = {"simple": object(), "pipe": object()}
+    fake.pool_models = {"spare"}
+    app = RouterApp(repo, fake, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=fake.initial)
+    for name in ("simple", "pipe"):
+        app.states.answered(name)
+    return fake, TestClient(app.build_app(), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("name, what", [
+    ("simple", "this dedicated model's deployment"),
+    ("pipe", "this pipeline's deployment"),
+    ("spare", "the pipeline(s) ['pipe'] calling it as a step"),
+])
+def test_a_load_of_a_changed_config_that_a_deployment_was_built_with_is_400_and_changes_nothing(root, name, what):
+    """The router read the folder again and described the new config (metadata, config, index)
+    while the replicas validated requests against the one they were deployed with (a pipeline's
+    replica never re-read it). Now the load is refused, naming the fields and what can be
+    loaded, and nothing changes: the desired state, the router's config route, the readiness."""
+    fake, http = deployed_router(root)
+    before = http.get(f"/v2/models/{name}/config").json()
+    revision = fake.control.revision
+    field, value = ("parameters", {"steps": ["spare"], "text_score": 0.9}) if name == "pipe" else ("max_batch_size", 4)
+    edit_config(root, name, **{field: value})
+    r = http.post(f"/v2/repository/models/{name}/load")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == (
+        f"failed to load '{name}': {root}/{name}/config.yaml changed since {what} was deployed (fields "
+        f"['{field}'], as completed from its model file); its replicas keep the config they were deployed with, "
+        "so this load changes nothing: a config change needs a new deploy (serve deploy, or restart the server); "
+        "a load takes a new version folder whose config is unchanged")
+    assert http.get(f"/v2/models/{name}/config").json() == before
+    assert fake.control.revision == revision
+    assert http.get(f"/v2/models/{name}/ready").status_code == 200 or name == "spare"  # the fake pool holds none
+
+
+def test_a_new_version_of_a_dedicated_model_with_its_config_unchanged_loads(root):
+    fake, http = deployed_router(root)
+    (root / "simple" / "2").mkdir()
+    shutil.copy(root / "simple" / "1" / "model.onnx", root / "simple" / "2" / "model.onnx")
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    assert http.get("/v2/models/simple").json()["versions"] == ["2"]
+
+
+@pytest.mark.parametrize("replica_fails", [True, False])
+def test_a_failed_load_of_a_changed_pool_model_leaves_the_routers_view_as_the_replicas_serve(root, replica_fails):
+    """``repo.read`` replaced the router's entry before the load was known to succeed: after a
+    load its replica refused (or a config the router refused, its placement), the router's
+    metadata and config described the new folder while the replicas served the old."""
+    app, fake, http = explicit_router(root)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    if replica_fails:
+        edit_config(root, "simple", max_batch_size=4)
+        fake.replicas["r1"].fail = OverBudget("model 'simple' needs 9.0 MiB")
+        expected = (503, "failed to load 'simple': model 'simple' needs 9.0 MiB")
+    else:
+        edit_config(root, "simple", max_batch_size=4, deployment={"mode": "dedicated"})
+        expected = (400, f"failed to load 'simple': {root}/simple/config.yaml: deployment.mode: a dedicated model "
+                         "needs a deployment of its own, made when the application is deployed (serve deploy); models "
+                         "added at run time load into the pool (deployment.mode: pool)")
+    r = http.post("/v2/repository/models/simple/load")
+    assert (r.status_code, r.json()["error"]) == expected
+    assert http.get("/v2/models/simple/config").json()["max_batch_size"] == 8
+    assert app.repo.get("simple").config.deployment.mode == "pool"
+
+    fake.replicas["r1"].fail = None  # a load that succeeds takes the folder, where a pool replica takes it too
+    edit_config(root, "simple", max_batch_size=4, deployment={"mode": "pool"})
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    assert http.get("/v2/models/simple/config").json()["max_batch_size"] == 4
+
+
+def test_a_failed_load_of_a_model_new_to_the_router_gives_its_reason(root):
+    app, fake, http = explicit_router(root)
+    add_model(root, "late")
+    fake.replicas["r1"].fail = OverBudget("model 'late' needs 9.0 MiB")
+    assert http.post("/v2/repository/models/late/load").status_code == 503
+    body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+                       for n, a in PAIR.items()]}
+    r = http.post("/v2/models/late/infer", json=body)
+    assert r.status_code == 503 and "it is not loaded: failed to load: model 'late' needs 9.0 MiB" in r.json()["error"]
+    assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
+        {"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "failed to load: model 'late' needs 9.0 MiB"}]
+
+
+def test_a_load_that_outlives_its_request_takes_the_folder_it_read_once_every_replica_serves_it(root):
+    app, fake, http = explicit_router(root, timeout_s=0.3)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    (root / "simple" / "2").mkdir()
+    shutil.copy(root / "simple" / "1" / "model.onnx", root / "simple" / "2" / "model.onnx")
+    fake.replicas["r1"].held = True
+    assert http.post("/v2/repository/models/simple/load").status_code == 504
+    assert [(i["version"], i["state"]) for i in http.post("/v2/repository/index").json()] == [("1", "LOADING")]
+    fake.replicas["r1"].held = False
+    asyncio.run(app.follow_desired(fake.control.desired()))
+    assert http.get("/v2/models/simple").json()["versions"] == ["2"]
+    assert [i["version"] for i in http.post("/v2/repository/index").json()] == ["2"]
+
+
+def test_a_model_new_to_the_router_is_loading_in_the_index_while_its_load_goes_on(root):
+    app, fake, http = explicit_router(root, timeout_s=0.3)
+    add_model(root, "late")
+    fake.replicas["r1"].held = True
+    assert http.post("/v2/repository/models/late/load").status_code == 504
+    assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
+        {"name": "late", "state": "LOADING", "reason": "asked for through the repository API"}]
+    fake.replicas["r1"].held = False
+    asyncio.run(app.follow_desired(fake.control.desired()))
+    assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
+        {"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "not loaded yet; loads on first request"}]

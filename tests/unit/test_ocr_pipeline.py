@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 from rapidocr_onnxruntime import RapidOCR
 
@@ -19,9 +21,12 @@ from deployments.pipelines.ocr import (
     det_input_size,
     read_character_list,
 )
-from deployments.runtime.contract.errors import ConfigError, InferenceError, InvalidInput
+from deployments.runtime.contract.errors import (ConfigError, InferenceError, InferenceTimeout, InvalidInput,
+                                                 OverBudget)
+from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.host import ModelHost
 
+ENGINES = Path(__file__).resolve().parents[2] / "engines"
 HELLO = "Hello World 2026"
 FOX = "The quick brown fox"
 DOG = "jumps over the lazy dog"
@@ -252,13 +257,53 @@ def test_det_input_size_is_rapidocr_size_within_the_profile(model_repository, h,
     assert det_input_size(h, w, OcrParameters(), bounds) == expected
 
 
-def test_a_step_rejecting_the_request_is_an_inference_error_not_a_client_error(model_repository, image_maker):
-    async def rejecting(name, inputs):
-        raise InvalidInput(f"model '{name}' input 'x': axis 3 is 4000, allowed [32, 2016]")
+def strict_recognizer_repository(root: Path) -> ModelRepository:
+    """A repository of the OCR models whose recognizer takes only widths that are multiples of
+    64, a constraint the pipeline does not adapt its lines to (it does for the profile's range):
+    a line's width then depends on the image, and the recognizer refuses most (400)."""
+    for name in ("ocr", "ocr_det", "ocr_cls", "ocr_rec"):
+        raw = yaml.safe_load((ENGINES / name / "config.yaml").read_text())
+        if name == "ocr_rec":
+            raw["inputs"][0]["multiple_of"] = [1, 1, 1, 64]
+        (root / name).mkdir()
+        (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
+        if name != "ocr":
+            (root / name / "1").mkdir()
+            (root / name / "1" / "model.onnx").symlink_to(ENGINES / name / "1" / "model.onnx")
+    return ModelRepository(root)
 
-    pipeline = OcrPipeline.from_repository(model_repository, rejecting)
-    with pytest.raises(InferenceError, match="step 'ocr_det' rejected"):
+
+def test_a_step_refusing_what_the_pipeline_made_of_the_image_is_400_naming_the_step(tmp_path, image_maker):
+    """It was an InferenceError (500 "step 'ocr_rec' rejected shape"): the step's refusal is
+    about this request's image, and the client's fault stays 400, with the step named."""
+    repo = strict_recognizer_repository(tmp_path)
+    models = RecordingModels(repo)
+    pipeline = create_pipeline(repo, "ocr", models)
+    with pytest.raises(InvalidInput) as refused:
         run(pipeline, image_maker.render_text([HELLO]))
+    ((_, (_, _, _, width)),) = [c for c in models.calls if c[0] == "ocr_rec"]
+    assert width % 64
+    assert refused.value.message.startswith(
+        f"model 'ocr': its step 'ocr_rec' refused what the pipeline made of this request (shapes "
+        f"{{'x': [1, 3, 48, {width}]}}): unexpected shape for input 'x' for model 'ocr_rec'")
+    assert refused.value.message.endswith(f"axis 3 is {width}, allowed [32, 3200] and a multiple of 64 "
+                                          f"(shape [1, 3, 48, {width}])")
+
+
+@pytest.mark.parametrize("error, status", [
+    (OverBudget("model 'ocr_det' needs 90.0 MiB, more than the budget"), 503),
+    (InferenceTimeout("model 'ocr_det': no execution context within 1 s"), 504),
+    (InferenceError("model 'ocr_det': ONNX Runtime run failed"), 500),
+])
+def test_a_steps_capacity_timeout_and_fault_pass_on_with_their_status(model_repository, image_maker, error, status):
+    from deployments.protocol.errors import error_status
+
+    async def failing(name, inputs):
+        raise error
+
+    with pytest.raises(type(error)) as raised:
+        run(create_pipeline(model_repository, "ocr", failing), image_maker.render_text([HELLO]))
+    assert error_status(raised.value, log=False) == (status, error.message)
 
 
 def test_unknown_parameter_is_a_config_error(pipeline, models, characters):

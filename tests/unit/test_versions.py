@@ -4,6 +4,7 @@ cache holds each served version as an entry of its own under the same limits."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.runtime.contract.config import CacheOptions, VersionPolicy
-from deployments.runtime.contract.errors import ConfigError, ModelNotFound
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotFound
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 from deployments.runtime.tools.prepare import build_tiny_cnn
@@ -102,25 +103,22 @@ def test_the_router_sends_each_version_to_its_cache_key_and_lists_the_served_ver
     assert [(i["name"], i["version"]) for i in index] == [("cnn", "1"), ("cnn", "2")]
 
 
-@pytest.mark.parametrize("unload_first", [True, False])
-def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path, unload_first):
-    """After an unload, or while the model is loaded: a load of a pool model whose folder has a
-    new version kept running version 1's engine under the label of version 2 (the cache skipped
-    a model it served while the routes read the folder again)."""
+def replicas_of_cnn(root: Path) -> tuple[Any, Any]:
+    """A pool replica and a dedicated model's replica serving ``root/cnn`` (loaded), built
+    without Ray: their model control's ``apply``, cache or host, and routes are real."""
     from deployments.adapters import PoolAdapter
     from deployments.replica_routes import ModelRoutes, PoolRoutes
     from deployments.routes import RouterOptions
-    from deployments.states import ModelState, Status
     from deployments.model import ModelDeployment
     from deployments.pool import PoolDeployment
     from deployments.runtime.residency.gate import Gate
     from deployments.runtime.residency.host import ModelHost
 
-    root = versioned_repository(tmp_path, {1: 0}, {"latest": {"num_versions": 2}})
     pool = PoolDeployment.func_or_class.__new__(PoolDeployment.func_or_class)
     pool.repo = ModelRepository(root)
     pool.cache = ModelCache(pool.repo)
-    pool.entries, pool.keys, pool.versions = {"cnn": pool.repo.get("cnn")}, {"cnn": ("cnn", 1)}, {"cnn": 1}
+    pool.entries, pool.versions = {"cnn": pool.repo.get("cnn")}, {"cnn": pool.repo.get("cnn").latest}
+    pool.keys = {key: ("cnn", v) for key, v in pool.repo.get("cnn").keys().items()}
     pool.backend_request, pool.backends = "auto", {"cnn": "onnxruntime"}
     pool.routes = PoolRoutes(ModelRepository(root), PoolAdapter(["cnn"], None, dict), RouterOptions(1 << 20, 5.0))
     pool.cache.load("cnn")
@@ -129,6 +127,18 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     dedicated.host, dedicated.gate = ModelHost(dedicated.repo.get("cnn")).load(), Gate("cnn")
     dedicated.routes = ModelRoutes(dedicated.repo.get("cnn"), dedicated.repo, None, RouterOptions(1 << 20, 5.0))
     dedicated.routes.model_loaded("onnxruntime")
+    return pool, dedicated
+
+
+@pytest.mark.parametrize("unload_first", [True, False])
+def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path, unload_first):
+    """After an unload, or while the model is loaded: a load of a pool model whose folder has a
+    new version kept running version 1's engine under the label of version 2 (the cache skipped
+    a model it served while the routes read the folder again)."""
+    from deployments.states import ModelState, Status
+
+    root = versioned_repository(tmp_path, {1: 0}, {"latest": {"num_versions": 2}})
+    pool, dedicated = replicas_of_cnn(root)
     unload, load = ({"cnn": {"loaded": flag, "placement": "pool"}} for flag in (False, True))
     if unload_first:
         for replica in (pool, dedicated):
@@ -150,3 +160,48 @@ def test_a_version_folder_added_after_start_is_served_by_the_next_load(tmp_path,
     np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], expected[2], rtol=1e-4, atol=1e-5)
     pool.cache.close()
     dedicated.host.unload()
+
+
+def test_a_dedicated_replica_refuses_a_load_of_a_changed_config_and_describes_what_it_serves(tmp_path):
+    """The replica's own check, for a folder edited after the router's (``control.config_kept``):
+    it kept validating with its deployed config while it took the version of a changed folder;
+    now the load fails (400, naming the fields) and its routes keep describing what it serves."""
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    _, dedicated = replicas_of_cnn(root)
+    versioned_repository(root, {2: 5}, {"all": {}})  # a new version, and a changed version_policy
+    raw = yaml.safe_load((root / "cnn" / "config.yaml").read_text())
+    (root / "cnn" / "config.yaml").write_text(yaml.safe_dump({**raw, "max_batch_size": 4}))
+    error = dedicated.apply({"cnn": {"loaded": True, "placement": "dedicated"}})["cnn"]["error"]
+    assert isinstance(error, InvalidInput)
+    assert error.message.startswith(f"failed to load 'cnn': {root}/cnn/config.yaml changed since this dedicated "
+                                    "model's deployment was deployed (fields ['max_batch_size', 'version_policy']")
+    assert dedicated.host.version == 1 and dedicated.host.config.max_batch_size == 32
+    assert dedicated.routes.repo.get("cnn").latest == 1 and dedicated.routes.repo.get("cnn").config.max_batch_size == 32
+    dedicated.host.unload()
+
+
+def test_a_pool_model_loaded_again_with_a_changed_config_is_described_and_validated_by_it(tmp_path):
+    """A pool model unloaded, its config changed (max_batch_size, version_policy), loaded
+    again: the pool replica's metadata, its config route, its versions and its validation all
+    follow the new config (the router takes the same folder once the load succeeded:
+    ``test_model_control``)."""
+    from starlette.testclient import TestClient
+
+    root = versioned_repository(tmp_path, {1: 0, 2: 5}, None)
+    pool, _ = replicas_of_cnn(root)
+    http = TestClient(pool.routes.build_app(), raise_server_exceptions=False)
+    assert http.get("/v2/models/cnn").json()["versions"] == ["2"]
+    assert pool.apply({"cnn": {"loaded": False, "placement": "pool"}})["cnn"]["error"] is None
+    raw = yaml.safe_load((root / "cnn" / "config.yaml").read_text())
+    (root / "cnn" / "config.yaml").write_text(yaml.safe_dump({**raw, "max_batch_size": 2, "version_policy": {"all": {}}}))
+    assert pool.apply({"cnn": {"loaded": True, "placement": "pool"}})["cnn"]["error"] is None
+    assert http.get("/v2/models/cnn").json()["versions"] == ["1", "2"]
+    config = http.get("/v2/models/cnn/versions/1/config").json()
+    assert (config["max_batch_size"], config["version_policy"]) == (2, {"all": {}})
+    assert pool.keys == {"cnn@1": ("cnn", 1), "cnn": ("cnn", 2)}
+    batch = np.concatenate([X] * 3)
+    for key in ("cnn@1", "cnn"):
+        with pytest.raises(InvalidInput, match=r"batch-size must be <= 2 for 'cnn'"):
+            pool.cache.infer(key, {"input": batch})
+        assert pool.cache.infer(key, {"input": batch[:2]})["logits"].shape == (2, 1000)
+    pool.cache.close()

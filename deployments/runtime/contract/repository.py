@@ -146,6 +146,16 @@ class ModelRepository:
         same validation as at start; on success the index serves the new entry, on failure it
         is left as it was.
 
+        Raises: as ``peek``.
+        """
+        entry = self.peek(name)
+        self._entries[name] = entry
+        return entry
+
+    def peek(self, name: str) -> ModelEntry:
+        """Read model ``name``'s folder as ``read`` does, leaving the index as it is: for a
+        caller that serves the new entry only once it is known to serve (``take``).
+
         Raises:
             ModelNotFound: no model folder ``<root>/<name>`` (``folders``; ``name`` is matched
                 against the folder names on disk, never joined to a path unchecked).
@@ -157,13 +167,11 @@ class ModelRepository:
             # the repository's path stays out: a client reads this (the load route's 404)
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
                                 f"in the model repository; folders: {self.folders()}")
-        entry = self._read(self.root / name)
-        self._entries[name] = entry
-        return entry
+        return self._read(self.root / name)
 
     def take(self, entry: ModelEntry) -> None:
-        """Serve ``entry`` from now on: one that ``read`` gave another index of the same root,
-        so that both describe the same reading of the folder."""
+        """Serve ``entry`` from now on: one that ``peek`` gave, or that ``read`` gave another
+        index of the same root, so that both describe the same reading of the folder."""
         self._entries[entry.name] = entry
 
     def names(self) -> list[str]:
