@@ -15,7 +15,7 @@ from starlette.routing import Route
 from .control import applied_everywhere, config_kept, read_as_desired, reading
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
-                                      ModelNotReady)
+                                      ModelNotReady, ServingError)
 from .runtime.contract.repository import ModelEntry
 from .states import LOADED, Status
 
@@ -129,7 +129,7 @@ class RepositoryRoutes(V2Routes):
                 entry = self._reading(name, state)
             except Exception as e:  # not what the load read: this router does not claim it
                 reason = f"this router cannot read it as its load did: {getattr(e, 'message', e)}"
-                logger.warning("model '%s': %s", name, reason)
+                logger.warning("model '%s': %s", name, reason, exc_info=not isinstance(e, ServingError))
                 self._followed[name] = generation
                 self.changing.pop(name, None)
                 self._mark_unloaded(name, reason)

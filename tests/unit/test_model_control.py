@@ -191,6 +191,7 @@ class FakeControlClient:
         self.control = Control(self.initial, store=self.store)
         self.replicas = {"r1": FakeReplica("r1", Remote(self.control), self.initial)}
         self.running = {"r1"}
+        self.routed: list[tuple[str | None, str]] = []  # (key, version) of each pool request routed
 
     @property
     def desired(self) -> Desired:
@@ -216,11 +217,11 @@ class FakeControlClient:
 
     async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
                          header_length: str | None, default_timeout_s: float):
-        """A pool model's body, answered as ``PoolDeployment.infer_body`` (labelled ``version``);
-        ``routed`` records each ``(key, version)``."""
+        """A pool model's body, answered as ``PoolDeployment.infer_body`` (labelled ``version``),
+        its ``(key, version)`` recorded in ``routed``."""
         from deployments.protocol.answer import answer_body
 
-        self.routed = [*getattr(self, "routed", []), (key, version)]
+        self.routed.append((key, version))
 
         async def run(inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
             return {"OUTPUT0": inputs["INPUT0"] + 1, "OUTPUT1": inputs["INPUT0"] - 1}
