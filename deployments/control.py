@@ -5,14 +5,23 @@ How a load or unload reaches every replica (Ray Serve handles route a call to on
 there is no broadcast): one small deployment, ``control`` (one replica, no CPU reserved), holds
 the desired state: an ``incarnation`` (a random id), a ``revision`` number and per model
 ``{"loaded", "placement", "generation"}`` (``placement``: ``pool``, ``dedicated`` or
-``pipeline``; ``generation``: the revision of its last load; ``reason``, after a load that
-failed: why). The router changes it (``POST /v2/repository/models/{m}/load|unload``); every
+``pipeline``; ``generation``: the revision of its last load; ``versions`` and ``digest``, set by
+a load: what the router that made it read in the model's folder, its served versions and a
+hash of its completed config, ``reading``; ``reason``, after a load that failed: why). The
+router changes it (``POST /v2/repository/models/{m}/load|unload``); every
 pool and dedicated replica follows it (``Follower``): every ``POLL_S`` it reads the state,
 applies what changed since the state it last applied (a load, an unload: waiting for its
 requests in flight, as an eviction does) and reports the state it applied with its models'
 outcome. The router answers once every replica Serve counts RUNNING in the model's deployment
 has reported that state, by replica id (``applied_everywhere``). A replica that starts later
 (autoscaling, a replacement) reads the current state in its constructor (``first_sync``).
+
+What a load serves is what its router read: every replica reads the folder again for exactly
+the versions the state names and checks the config's hash (``read_as_desired``), so a version
+folder added since is not served, and one gone or a config changed since fails the load; every
+other router re-reads it the same way before it describes or labels that generation
+(``repository_routes.RepositoryRoutes.follow_desired``). A generation of 0 is the build's
+reading, which every replica and router started from.
 
 A load that fails on a replica (at once or after the router's request timed out) is rolled
 back by the control deployment itself when that replica reports it (``ControlDeployment.report``):
@@ -42,7 +51,7 @@ from ray import serve
 from .loopback import replica_grpc_on_loopback
 from .runtime.contract.config import ModelConfig
 from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, ServingError
-from .runtime.contract.repository import CONFIG_FILENAME, ModelEntry
+from .runtime.contract.repository import CONFIG_FILENAME, ModelEntry, ModelRepository
 
 logger = logging.getLogger("ray.serve")
 
@@ -55,7 +64,8 @@ FIRST_SYNC_S = 15.0
 REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
 KV_NAMESPACE = "trt_serve_control"  # the GCS key-value namespace of the desired states
 
-# model -> {"loaded": bool, "placement": str, "generation": int[, "reason": str]}
+# model -> {"loaded": bool, "placement": str, "generation": int[, "versions": [int], "digest": str]
+#           [, "reason": str]}
 Desired = dict[str, dict[str, Any]]
 
 
@@ -130,11 +140,15 @@ class ControlDeployment:
         self.revision, self.models = self.revision + 1, models
         return {"incarnation": self.incarnation, "revision": self.revision}
 
-    def set(self, name: str, loaded: bool, placement: str) -> dict[str, Any]:
-        """Model ``name`` should (not) serve from ``placement``; returns the new state's
-        ``{"incarnation", "revision"}`` (what ``applied`` takes)."""
-        generation = self.revision + 1 if loaded else self.models.get(name, {}).get("generation", 0)
-        return self._change(name, {"loaded": loaded, "placement": placement, "generation": generation})
+    def set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Model ``name`` should (not) serve from ``placement``; a load serves ``read``
+        (``reading``: what the router read in its folder; None: whatever each replica reads).
+        Returns the new state's ``{"incarnation", "revision"}`` (what ``applied`` takes)."""
+        if not loaded:
+            generation = self.models.get(name, {}).get("generation", 0)
+            return self._change(name, {"loaded": False, "placement": placement, "generation": generation})
+        return self._change(name, {"loaded": True, "placement": placement, "generation": self.revision + 1,
+                                   **(read or {})})
 
     def report(self, replica: str, deployment: str, state: dict[str, Any], models: dict[str, dict[str, Any]]) -> None:
         """A replica applied ``state`` (``{"incarnation", "revision"}``); ``models``: per model of
@@ -174,6 +188,36 @@ def initial_state(placements: dict[str, str], loaded: set[str]) -> Desired:
     """The build-time desired state: every model's placement, ``loaded`` for those in ``loaded``."""
     return {name: {"loaded": name in loaded, "placement": placement, "generation": 0}
             for name, placement in placements.items()}
+
+
+def reading(entry: ModelEntry) -> dict[str, Any]:
+    """What a load read in ``entry``'s folder, as the desired state carries it (JSON-ready):
+    ``{"versions": its served versions, "digest": its completed config's hash}``."""
+    return {"versions": list(entry.served), "digest": entry.digest}
+
+
+def read_as_desired(repo: ModelRepository, name: str, state: dict[str, Any]) -> ModelEntry:
+    """Model ``name``'s folder read again (``repo.peek``) for exactly what its desired ``state``
+    names (``reading``; a state without one, the build's or a test's: as the folder is now):
+    the versions it names, whatever version folders were added since, and the config whose
+    hash it carries. A replica loads this entry and a router describes it; neither may serve
+    another reading under that generation.
+
+    Raises:
+        InvalidInput: the config changed since the load read it (400: whoever changed the
+            folder; a new load reads it again). A replica that starts later (a scale-out)
+            reads it too: its failure rolls the load back as any replica's.
+        ConfigError: a version folder it names is gone, or the folder no longer reads.
+        LoadFault, ModelNotFound: as ``ModelRepository.peek``.
+    """
+    if "versions" not in state:
+        return repo.peek(name)
+    entry = repo.peek(name, tuple(state["versions"]))
+    if entry.digest != state["digest"]:
+        raise InvalidInput(f"{entry.path / CONFIG_FILENAME} (or the model file it is completed from) changed "
+                           f"since the load of '{name}' read it (config hash {entry.digest}, the load read "
+                           f"{state['digest']}); nothing is served under that reading: load it again")
+    return entry
 
 
 def outcome(error: BaseException | None, loaded: bool, backend: str = "") -> dict[str, Any]:

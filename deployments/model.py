@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from .control import Desired, config_kept, first_sync, loaded_at_start, outcome
+from .control import Desired, config_kept, first_sync, loaded_at_start, outcome, read_as_desired
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
@@ -144,7 +144,7 @@ class ModelDeployment:
             return {}
         try:
             if state["loaded"]:
-                entry = self._take_new_version()
+                entry = self._take_new_version(state)
                 self.host.load()
                 self.repo.take(entry)  # its routes describe the version once it serves
                 self._policy = self._loaded_policy()
@@ -168,21 +168,23 @@ class ModelDeployment:
             self.host.warm(policy.pad_to)
         return policy
 
-    def _take_new_version(self) -> ModelEntry:
-        """Before a load: read the model's folder again (the validation the router did) and
-        serve its newest served version from now on, as the router reports it (a version folder
-        added since; docs/models.md, "Versions"). A loaded model changing version is unloaded first: new
-        requests answer 503 while it loads, those in flight finish on the old version, and a
-        request labelled with the old version that arrives later is refused (``infer``). The
-        config must be the one this replica started with (its batch queue was built from it;
-        the router refuses a load of a changed one before it reaches a replica, this check is
-        for a folder edited since the router read it). Returns the entry read.
+    def _take_new_version(self, state: dict[str, Any]) -> ModelEntry:
+        """Before a load: read the model's folder again for exactly what the router read
+        (``control.read_as_desired``: the versions its desired ``state`` names, a version folder
+        added since not among them) and serve the newest of them from now on, as the routers
+        report it (docs/models.md, "Versions"). A loaded model changing version is unloaded
+        first: new requests answer 503 while it loads, those in flight finish on the old
+        version, and a request labelled with the old version that arrives later is refused
+        (``infer``). The config must be the one this replica started with (its batch queue was
+        built from it; the router refuses a load of a changed one before it reaches a replica,
+        and ``read_as_desired`` one changed since). Returns the entry read.
 
         Raises:
-            ConfigError, ModelNotFound: as ``ModelRepository.read``.
+            ConfigError, InvalidInput, LoadFault, ModelNotFound: as ``control.read_as_desired``
+                (a folder changed since the router read it); nothing changed here.
             InvalidInput: the config changed (``control.config_kept``); nothing changed here.
         """
-        entry = ModelRepository(self.repo.root, [self.host.name]).get(self.host.name)  # not served before it loads
+        entry = read_as_desired(self.repo, self.host.name, state)  # not served before it loads
         config_kept(entry, self.host.config, "this dedicated model's deployment")
         if entry.latest != self.host.version:
             if self.host.ready:

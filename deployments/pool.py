@@ -17,7 +17,7 @@ import numpy as np
 from ray import serve
 
 from .client import POOL, handle, router_application
-from .control import Desired, first_sync, follow, outcome
+from .control import Desired, first_sync, follow, outcome, read_as_desired
 from .admission import Admission
 from .replica_routes import pool_routes
 from .routes import RouterOptions
@@ -158,11 +158,12 @@ class PoolDeployment:
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload the pool models in ``changed``
         in this replica's cache. A load reads the model's folder again, with the same validation
-        as at start (the router and the routes read it too): a model not served yet (added to
-        the repository after start) is added; one whose folder changed (a new version, another
-        config) is unloaded (its requests in flight finish on the engine they were labelled
-        for), takes the new entry and loads again, so that the engine, the labels, the metadata
-        and the validation all follow the same folder. Blocking."""
+        as at start, for exactly what the router read (``control.read_as_desired``: the versions
+        the state names, its config's hash; a folder changed since fails the load): a model not
+        served yet (added to the repository after start) is added; one whose folder changed (a
+        new version, another config) is unloaded (its requests in flight finish on the engine
+        they were labelled for), takes the new entry and loads again, so that the engine, the
+        labels, the metadata and the validation all follow the same reading. Blocking."""
         done = {}
         for name, state in changed.items():
             if state["placement"] != "pool":
@@ -174,7 +175,8 @@ class PoolDeployment:
                         self._unload(name)
                     done[name] = outcome(None, False)
                     continue
-                entry = self.repo.read(name)
+                entry = read_as_desired(self.repo, name, state)
+                self.repo.take(entry)
                 if entry != self.entries.get(name):
                     self._take(entry)
                 for key in self._keys_of(name):

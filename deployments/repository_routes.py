@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .control import applied_everywhere, config_kept
+from .control import applied_everywhere, config_kept, read_as_desired, reading
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
-                                      ModelNotReady)
+                                      ModelNotReady, ServingError)
 from .runtime.contract.repository import ModelEntry
 from .states import LOADED, Status
 
@@ -38,7 +38,12 @@ class RepositoryRoutes(V2Routes):
         super().__init__(*args, **kwargs)
         self.changing: dict[str, str] = {}  # model -> LOADING / UNLOADING while a load or unload goes on
         self._control_locks: dict[str, asyncio.Lock] = {}  # model -> held while it loads or unloads
-        self._pending: dict[str, ModelEntry] = {}  # model -> its folder as read by a load that outlived its request
+        # model -> its folder as read for a load not yet taken: this router's own that outlived
+        # its request, or another router's (``follow_desired``), read again for what it named
+        self._pending: dict[str, ModelEntry] = {}
+        # model -> the generation (``{"incarnation", "revision"}``) whose reading this router
+        # describes, or whose reading it could not make (UNAVAILABLE); none: the build's
+        self._followed: dict[str, dict[str, Any]] = {}
 
     def routes(self) -> list[Route]:
         return super().routes() + [
@@ -97,10 +102,14 @@ class RepositoryRoutes(V2Routes):
 
     async def follow_desired(self, desired: dict[str, Any]) -> None:
         """Take the loads and unloads that other router replicas made, and the outcome of loads
-        that outlived their request (``ControlDeployment.desired``): a model to be loaded is
-        LOADING until every running replica of its deployment applied it, then READY; one whose
-        load failed is UNAVAILABLE with the failure as its reason. A model this router is
-        loading or unloading itself is left to that request."""
+        that outlived their request (``ControlDeployment.desired``): a model loaded under a
+        generation this router does not describe yet (a new one, or a new version or config of
+        one it serves) is read again for exactly what that load read (``control.read_as_desired``),
+        and is LOADING until every running replica of its deployment applied it, then READY,
+        described, labelled and routed as read; one whose load failed, or whose folder no longer
+        reads as the load read it, is UNAVAILABLE with why (this router never describes a reading
+        its replicas do not serve). A model this router is loading or unloading itself is left
+        to that request."""
         for name, state in desired["models"].items():
             lock = self._control_locks.get(name)
             if lock is not None and lock.locked():
@@ -113,22 +122,42 @@ class RepositoryRoutes(V2Routes):
                     self.changing.pop(name, None)
                     self._mark_unloaded(name, state.get("reason"))
                 continue
-            if self.states.is_loaded(name) and name not in self.changing:  # a reload going on is not done
-                continue
-            try:
-                entry = self._pending.get(name) or (
-                    self.repo.get(name) if name in self.repo.names() else self.repo.peek(name))
-            except Exception:  # unreadable here: it stays unavailable on this router
-                logger.warning("model '%s' was loaded but this router cannot read it", name, exc_info=True)
-                continue
             generation = {"incarnation": desired["incarnation"], "revision": state["generation"]}
+            if state["generation"] == 0 or self._followed.get(name) == generation:
+                continue  # the build's reading (every replica started from it), or one taken
+            try:
+                entry = self._reading(name, state)
+            except Exception as e:  # not what the load read: this router does not claim it
+                reason = f"this router cannot read it as its load did: {getattr(e, 'message', e)}"
+                logger.warning("model '%s': %s", name, reason, exc_info=not isinstance(e, ServingError))
+                self._followed[name] = generation
+                self.changing.pop(name, None)
+                self._mark_unloaded(name, reason)
+                continue
             if not applied_everywhere(*await self.client.control_applied(name, state["placement"], generation)):
                 self.changing[name] = "LOADING"
                 continue
             self.changing.pop(name, None)
-            self._pending.pop(name, None)
-            self.repo.take(entry)
-            self._mark_loaded(entry, state["placement"], None)
+            self._take(entry, state["placement"], None, generation)
+
+    def _reading(self, name: str, state: dict[str, Any]) -> ModelEntry:
+        """Model ``name``'s folder as its load (desired ``state``) read it: the reading already
+        made for it (``_pending``) where it is that one, else read again (and kept there).
+
+        Raises:
+            as ``control.read_as_desired``.
+        """
+        entry = self._pending.get(name)
+        if entry is None or ("versions" in state and reading(entry) != {k: state[k] for k in ("versions", "digest")}):
+            entry = self._pending[name] = read_as_desired(self.repo, name, state)
+        return entry
+
+    def _take(self, entry: ModelEntry, placement: str, backend: str | None, generation: dict[str, Any]) -> None:
+        """Describe, label and route ``entry`` (the reading of ``generation``'s load) from now on."""
+        self._pending.pop(entry.name, None)
+        self._followed[entry.name] = generation
+        self.repo.take(entry)
+        self._mark_loaded(entry, placement, backend)
 
     def _control(self, request: Request, verb: str) -> str:
         """The model name of a load / unload request.
@@ -248,7 +277,7 @@ class RepositoryRoutes(V2Routes):
             self.changing[name] = "LOADING"
             going_on = False
             try:
-                state = await self.client.control_set(name, True, placement)
+                state = await self.client.control_set(name, True, placement, reading(entry))
                 reports = await self._wait_applied(name, placement, state, "load")
                 outcomes = [r["models"][name] for r in reports if name in r["models"]]
                 errors = [o["error"] for o in outcomes if o["error"] is not None]
@@ -269,9 +298,7 @@ class RepositoryRoutes(V2Routes):
                 if not going_on:
                     self.changing.pop(name, None)
             backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
-            self._pending.pop(name, None)
-            self.repo.take(entry)
-            self._mark_loaded(entry, placement, backend)
+            self._take(entry, placement, backend, state)
         return Response(status_code=200)
 
     @answers_errors

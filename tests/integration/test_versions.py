@@ -6,12 +6,15 @@ list both; a dedicated model serves its newest only.
 
 A second application ("versions", under /versions) serves a temporary repository: ``cnn``
 (pool; version 1 is tiny_cnn, version 2 the same graph with other weights, seed 5) and
-``simple_dedicated`` (Triton's ``simple`` on a dedicated deployment, versions 1 and 2 on disk).
+``simple_dedicated`` (Triton's ``simple`` on a dedicated deployment, versions 1 and 2 on disk),
+every model loaded at start under explicit model control, through two router replicas (a
+version loaded through one is listed by both: the last test).
 """
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +45,9 @@ def versions(serve_instance, tmp_path_factory):
     for version in (1, 2):
         (root / "simple_dedicated" / str(version)).mkdir()
         shutil.copy(Path(REPOSITORY) / "simple" / "1" / "model.onnx", root / "simple_dedicated" / str(version))
-    run_applications({"repository": str(root), "pool": {"max_num_models_per_replica": 2}},
-              name="versions", route_prefix=PREFIX)
+    run_applications({"repository": str(root), "pool": {"max_num_models_per_replica": 2},
+                      "model_control_mode": "explicit", "startup_models": ["*"], "router": {"num_replicas": 2}},
+                     name="versions", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
     yield url, root
@@ -106,3 +110,34 @@ def test_a_dedicated_model_serves_its_newest_version_only(versions):
     assert r.status_code == 404
     assert "served versions: [2] (a dedicated model serves its newest only)" in r.json()["error"]
     assert requests.get(f"{url}/v2/models/simple_dedicated").json()["versions"] == ["2"]
+
+
+def index_versions(url: str, model: str) -> list[str] | None:
+    """``model``'s versions in one repository index answer (None: no answer in time)."""
+    try:
+        index = requests.post(f"{url}/v2/repository/index", timeout=10).json()
+    except (requests.ConnectionError, requests.Timeout):
+        return None
+    return sorted(i["version"] for i in index if i["name"] == model)
+
+
+def test_a_version_loaded_through_one_router_replica_is_listed_by_every_one(versions):
+    """The router replica that did not take the load never read the folder of a model it knew
+    again: its index kept listing versions 1 and 2 while the pool served 1, 2 and 3. Runs last:
+    it adds version 3."""
+    url, root = versions
+    versioned_repository(root, {3: 6}, {"all": {}})
+    r = requests.post(f"{url}/v2/repository/models/cnn/load", timeout=120)
+    assert r.status_code == 200, r.text
+    r = infer(url, "cnn/versions/3")
+    expected = ort.InferenceSession(str(root / "cnn" / "3" / "model.onnx")).run(None, {"input": X})[0]
+    assert r.status_code == 200 and r.json()["model_version"] == "3", r.text
+    np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected.shape),
+                               expected, rtol=1e-4, atol=1e-5)
+    deadline, answers = time.monotonic() + 30, []
+    while time.monotonic() < deadline:  # both replicas answer among 20 (they follow within a second)
+        answers = [index_versions(url, "cnn") for _ in range(20)]
+        if all(a == ["1", "2", "3"] for a in answers):
+            break
+        time.sleep(0.5)
+    assert all(a == ["1", "2", "3"] for a in answers), answers

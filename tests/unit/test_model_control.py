@@ -191,6 +191,7 @@ class FakeControlClient:
         self.control = Control(self.initial, store=self.store)
         self.replicas = {"r1": FakeReplica("r1", Remote(self.control), self.initial)}
         self.running = {"r1"}
+        self.routed: list[tuple[str | None, str]] = []  # (key, version) of each pool request routed
 
     @property
     def desired(self) -> Desired:
@@ -204,8 +205,8 @@ class FakeControlClient:
     async def control_desired(self) -> dict[str, Any]:
         return self.control.desired()
 
-    async def control_set(self, name: str, loaded: bool, placement: str) -> dict[str, Any]:
-        return self.control.set(name, loaded, placement)
+    async def control_set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None):
+        return self.control.set(name, loaded, placement, *([read] if read is not None else []))
 
     async def control_applied(self, name: str, placement: str, state: dict[str, Any]):
         await self.poll()
@@ -213,6 +214,19 @@ class FakeControlClient:
 
     async def pool_states(self) -> dict[str, dict[str, Any]]:
         return {n: {"state": "absent", "evictions": 0, "backend": "onnxruntime"} for n in self.pool_models}
+
+    async def infer_body(self, name: str, key: str | None, version: str, batched: bool, chunks: list[bytes],
+                         header_length: str | None, default_timeout_s: float):
+        """A pool model's body, answered as ``PoolDeployment.infer_body`` (labelled ``version``),
+        its ``(key, version)`` recorded in ``routed``."""
+        from deployments.protocol.answer import answer_body
+
+        self.routed.append((key, version))
+
+        async def run(inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
+            return {"OUTPUT0": inputs["INPUT0"] + 1, "OUTPUT1": inputs["INPUT0"] - 1}
+
+        return await answer_body(name, version, batched, chunks, header_length, run, default_timeout_s)
 
 
 def router(repo: ModelRepository, explicit: bool) -> TestClient:
@@ -444,7 +458,8 @@ def test_a_load_that_times_out_and_fails_later_is_rolled_back_with_its_reason_an
     asyncio.run(app.follow_desired(fake.control.desired()))  # a poll: the replica's load fails
     asyncio.run(app.follow_desired(fake.control.desired()))
     reason = "failed to load: model 'simple' needs 9.0 MiB, more than the budget of 8.0 MiB"
-    assert fake.desired["simple"] == {"loaded": False, "placement": "pool", "generation": 1, "reason": reason}
+    assert fake.desired["simple"] == {"loaded": False, "placement": "pool", "generation": 1, "reason": reason,
+                                      "versions": [1], "digest": app.repo.get("simple").digest}
     assert http.post("/v2/repository/index").json() == [
         {"name": "simple", "version": "1", "state": "UNAVAILABLE", "reason": reason}]
     r = http.post("/v2/models/simple/infer", json={"inputs": []})
@@ -729,3 +744,114 @@ def test_a_model_new_to_the_router_is_loading_in_the_index_while_its_load_goes_o
     asyncio.run(app.follow_desired(fake.control.desired()))
     assert [i for i in http.post("/v2/repository/index").json() if i["name"] == "late"] == [
         {"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "not loaded yet; loads on first request"}]
+
+
+# --- every router and every replica serve what the load read ------------------------------------
+
+def add_version(root: Path, name: str, version: int) -> None:
+    (root / name / str(version)).mkdir()
+    shutil.copy(root / name / "1" / "model.onnx", root / name / str(version) / "model.onnx")
+
+
+def two_routers(root: Path) -> tuple[FakeControlClient, TestClient, RouterApp, TestClient]:
+    """Routers A and B (two replicas of the router) over one control deployment and its pool
+    replica, ``simple`` loaded at build; returns the fake, A's HTTP client, B and B's client."""
+    repo = ModelRepository(root)
+    fake = FakeControlClient(repo, initial_state({"simple": "pool"}, {"simple"}))
+    options = RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5)
+    a = RouterApp(repo, fake, options, initial=fake.initial)
+    b = RouterApp(ModelRepository(root), fake, options, initial=fake.initial)
+    return fake, TestClient(a.build_app(), raise_server_exceptions=False), b, TestClient(
+        b.build_app(), raise_server_exceptions=False)
+
+
+INFER_SIMPLE = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+                           for n, a in PAIR.items()]}
+
+
+def test_a_router_describes_and_labels_the_version_and_config_another_router_loaded(root):
+    """Router A loaded version 2 (then a changed config) of a pool model router B already
+    served: B never read the folder again (it skipped a model it knew), so its metadata, index
+    and config kept version 1 and the old config, and it labelled the requests it routed 1,
+    while the replicas served version 2."""
+    fake, a, b, http_b = two_routers(root)
+    asyncio.run(b.follow_desired(fake.control.desired()))
+    assert http_b.get("/v2/models/simple").json()["versions"] == ["1"]
+    add_version(root, "simple", 2)
+    assert a.post("/v2/repository/models/simple/load").status_code == 200
+    asyncio.run(b.follow_desired(fake.control.desired()))
+    assert http_b.get("/v2/models/simple").json()["versions"] == ["2"]
+    assert [(i["version"], i["state"]) for i in http_b.post("/v2/repository/index").json()] == [("2", "UNAVAILABLE")]
+    r = http_b.post("/v2/models/simple/infer", json=INFER_SIMPLE)
+    assert (r.status_code, r.json()["model_version"], fake.routed[-1]) == (200, "2", ("simple", "2")), r.text
+    assert http_b.get("/v2/models/simple/versions/1").status_code == 404
+
+    edit_config(root, "simple", max_batch_size=4)  # a reload that changes the pool model's config
+    assert a.post("/v2/repository/models/simple/load").status_code == 200
+    asyncio.run(b.follow_desired(fake.control.desired()))
+    assert http_b.get("/v2/models/simple/config").json()["max_batch_size"] == 4
+
+
+def test_a_router_that_reads_the_folder_otherwise_than_the_load_did_does_not_claim_it(root):
+    """The folder changed between router A's load and router B's next pass: B must not describe
+    or label its own reading under that load; it shows the model UNAVAILABLE with why."""
+    fake, a, b, http_b = two_routers(root)
+    add_version(root, "simple", 2)
+    assert a.post("/v2/repository/models/simple/load").status_code == 200
+    edit_config(root, "simple", max_batch_size=4)
+    asyncio.run(b.follow_desired(fake.control.desired()))
+    (item,) = http_b.post("/v2/repository/index").json()
+    assert (item["version"], item["state"]) == ("1", "UNAVAILABLE")
+    assert item["reason"].startswith(f"this router cannot read it as its load did: {root}/simple/config.yaml (or "
+                                     "the model file it is completed from) changed since the load of 'simple' read it")
+    r = http_b.post("/v2/models/simple/infer", json=INFER_SIMPLE)
+    assert r.status_code == 503 and "this router cannot read it as its load did" in r.json()["error"], r.text
+    assert a.post("/v2/repository/models/simple/load").status_code == 200  # a new load: B follows it
+    asyncio.run(b.follow_desired(fake.control.desired()))
+    assert http_b.post("/v2/models/simple/infer", json=INFER_SIMPLE).json()["model_version"] == "2"
+
+
+def test_a_replica_serves_exactly_the_versions_the_load_read_or_fails_it_with_why(tmp_path):
+    """A version folder added between the router's read and a replica's: the replica read the
+    folder itself and served version 2, which the router did not report; one gone, or a config
+    changed, in between: it served what it found. Now it loads the versions the desired state
+    names, and a folder that no longer reads as the load read it fails the load, which the
+    control deployment rolls back with why."""
+    import onnxruntime as ort
+
+    from deployments.control import reading
+
+    from .test_versions import X, replicas_of_cnn, versioned_repository
+
+    root = versioned_repository(tmp_path, {1: 0}, {"all": {}})
+    pool, dedicated = replicas_of_cnn(root)
+    initial = initial_state({"cnn": "pool"}, {"cnn"})
+    control = Control(initial, store=MemoryStore())
+    control.set("cnn", True, "pool", reading(ModelRepository(root).peek("cnn")))  # the router's read
+    versioned_repository(root, {2: 5}, {"all": {}})  # version 2 arrives before the replicas read
+    state = control.models["cnn"]
+    assert pool.apply({"cnn": state})["cnn"]["error"] is None
+    assert dedicated.apply({"cnn": {**state, "placement": "dedicated"}})["cnn"]["error"] is None
+    assert pool.keys == {"cnn": ("cnn", 1)} and pool.routes.repo.get("cnn").served == (1,)
+    assert dedicated.host.version == 1 and dedicated.routes.repo.get("cnn").served == (1,)
+    expected = ort.InferenceSession(str(root / "cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]
+    np.testing.assert_allclose(pool.cache.infer("cnn", {"input": X})["logits"], expected, rtol=1e-4, atol=1e-5)
+
+    follower = Follower(Remote(control), initial, pool.apply, replica="p1", deployment="pool")
+    read = reading(ModelRepository(root).peek("cnn"))  # the router's read: versions 1 and 2
+    edit_config(root, "cnn", max_batch_size=4)  # changed before the replica reads
+    control.set("cnn", True, "pool", read)
+    asyncio.run(follower.sync())
+    assert control.models["cnn"]["loaded"] is False
+    assert control.models["cnn"]["reason"].startswith(
+        f"failed to load: {root}/cnn/config.yaml (or the model file it is completed from) changed since the load "
+        "of 'cnn' read it (config hash ")
+    edit_config(root, "cnn", max_batch_size=32)
+    control.set("cnn", True, "pool", read)  # loaded again
+    shutil.rmtree(root / "cnn" / "2")  # gone before the replica reads
+    asyncio.run(follower.sync())
+    assert control.models["cnn"]["reason"] == (f"failed to load: {root}/cnn: version folder(s) [2] "
+                                               "(<version>/model.onnx) are gone; versions on disk: [1]")
+    assert pool.routes.states.get("cnn").reason == control.models["cnn"]["reason"]
+    pool.cache.close()
+    dedicated.host.unload()

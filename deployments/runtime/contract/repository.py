@@ -6,6 +6,8 @@ reaches the filesystem: ``../x`` or ``a%2Fb`` is simply an unknown name (``Model
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +40,13 @@ class ModelEntry:
     def latest(self) -> int:
         """The newest served version (the unversioned routes' version)."""
         return (self.served or self.versions)[-1]
+
+    @property
+    def digest(self) -> str:
+        """A hash of the completed config (hex): the identity of one reading of the folder's
+        config, equal on every process that read the same ``config.yaml`` and model files."""
+        dump = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
     def at(self, version: int) -> "ModelEntry":
         """This model served at ``version`` alone (what one engine loads)."""
@@ -115,9 +124,10 @@ class ModelRepository:
                               f"or <model>/<version>/{MODEL_FILENAME})")
         self._entries = found
 
-    def _read(self, folder: Path) -> ModelEntry:
+    def _read(self, folder: Path, served: tuple[int, ...] | None = None) -> ModelEntry:
         """One model folder's entry: its config, completed from the model file and checked
-        against it, and its version folders."""
+        against it, and its version folders; ``served``: these versions (``peek``), not the
+        ``version_policy``'s."""
         config_path = folder / CONFIG_FILENAME
         given = read_config_file(config_path)
         versions = (1,) if given.pipeline else _versions(folder)
@@ -125,10 +135,17 @@ class ModelRepository:
             raise ConfigError(
                 f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
                 "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
-        try:
-            served = given.version_policy.select(versions) if versions else ()
-        except ValueError as e:
-            raise ConfigError(f"{config_path}: {e}") from None
+        if served is None:
+            try:
+                served = given.version_policy.select(versions) if versions else ()
+            except ValueError as e:
+                raise ConfigError(f"{config_path}: {e}") from None
+        else:
+            gone = sorted(set(served) - set(versions))
+            if gone:
+                raise ConfigError(f"{folder}: version folder(s) {gone} (<version>/{MODEL_FILENAME}) are gone; "
+                                  f"versions on disk: {list(versions)}")
+            served = tuple(sorted(served))
         if given.pipeline or not served:
             config = load_model_config(config_path)
         else:
@@ -152,22 +169,24 @@ class ModelRepository:
         self._entries[name] = entry
         return entry
 
-    def peek(self, name: str) -> ModelEntry:
+    def peek(self, name: str, served: tuple[int, ...] | None = None) -> ModelEntry:
         """Read model ``name``'s folder as ``read`` does, leaving the index as it is: for a
         caller that serves the new entry only once it is known to serve (``take``).
+        ``served``: serve exactly these versions (another reading's ``served``: what a load
+        named), not those the ``version_policy`` picks from the folders on disk now.
 
         Raises:
             ModelNotFound: no model folder ``<root>/<name>`` (``folders``; ``name`` is matched
                 against the folder names on disk, never joined to a path unchecked).
-            ConfigError: a bad config (or one the model file contradicts) or no version folder;
-                names the file and field.
+            ConfigError: a bad config (or one the model file contradicts), no version folder,
+                or a version of ``served`` without one; names the file and field (or folder).
             LoadFault: the config leaves fields to complete from a model file that cannot be read.
         """
         if name not in self.folders():
             # the repository's path stays out: a client reads this (the load route's 404)
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
                                 f"in the model repository; folders: {self.folders()}")
-        return self._read(self.root / name)
+        return self._read(self.root / name, served)
 
     def take(self, entry: ModelEntry) -> None:
         """Serve ``entry`` from now on: one that ``peek`` gave, or that ``read`` gave another
