@@ -184,9 +184,9 @@ def _until(condition, timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def _get(port: int, path: str) -> tuple[int, bytes] | None:
+def _get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, bytes] | None:
     try:
-        conn = http.client.HTTPConnection(haproxy.LOOPBACK, port, timeout=5)
+        conn = http.client.HTTPConnection(haproxy.LOOPBACK, port, timeout=timeout_s)
         conn.request("GET", path)
         response = conn.getresponse()
         return response.status, response.read()
@@ -716,9 +716,10 @@ def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
                  for name, port in {**ports, "router": router, "ocr": ocr}.items()]
     processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
     try:
-        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 30)
-        _until(lambda: _get(front, "/v2/models/m0/ready") is not None, 30)
-        time.sleep(2.5)  # Ray's health checks (every 1 s, rise 2): every pool server up
+        _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 60)
+        # HAProxy's own view: every pool server UP (its health checks pass, rise 2), read from
+        # its stats page, however long a busy machine takes
+        _until(lambda: _servers_up(stats) >= set(ports), 60)
         yield front
     finally:
         for process in processes:
@@ -744,13 +745,22 @@ def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_
         assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
 
 
+def _servers_up(stats_port: int) -> set[str]:
+    """The servers HAProxy's stats page (CSV) lists UP ({} while it does not answer)."""
+    answer = _get(stats_port, "/stats;csv")
+    if answer is None or answer[0] != 200:
+        return set()
+    rows = [line.split(",") for line in answer[1].decode().splitlines() if not line.startswith("#")]
+    return {row[1] for row in rows if len(row) > 17 and row[17].startswith("UP")}
+
+
 def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
     """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
     port): the server each of ``models`` pool models' requests reach."""
     with _pool_haproxy(tmp_path, ports) as front:
         chosen = {}
         for i in range(models):
-            answer = _get(front, f"/v2/models/m{i}/ready")
+            answer = _get(front, f"/v2/models/m{i}/ready", timeout_s=60)
             assert answer is not None and answer[0] == 200, answer
             chosen[f"m{i}"] = answer[1].decode()
         return chosen
