@@ -83,6 +83,27 @@ def kill_replica(session: int, app: str, deployment: str) -> int:
     return pids[0]
 
 
+def gone_at(pid: int, timeout_s: float = 30.0) -> float:
+    """``time.monotonic()`` once process ``pid`` has exited (gone, or a zombie its parent has not
+    reaped: its sockets are closed either way). ``os.kill`` returns before a SIGKILL takes
+    effect, which on a busy machine is when the process is next scheduled: until then it still
+    accepts connections (its listen backlog included).
+
+    Raises:
+        TimeoutError: still running after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return time.monotonic()
+        if state in ("Z", "X"):
+            return time.monotonic()
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} still runs {timeout_s:g} s after its kill")
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` in bytes (``VmRSS`` of /proc/<pid>/status); 0 once gone."""
     with contextlib.suppress(OSError, ValueError):

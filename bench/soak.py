@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import random
 import re
@@ -187,6 +188,9 @@ class SoakReport:
     rss_samples: list[dict[str, Any]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)
     pool_evictions: int | None = None
+    # evictions the pool replicas counted before they were killed (``pool_evictions`` read just
+    # before each kill of the pool: a killed replica's timeline goes with it)
+    evictions_before_kills: int = 0
 
 
 def memory_growth(samples: list[dict[str, Any]], warmup_s: float, window_s: float,
@@ -235,7 +239,7 @@ def soak(base_url: str, session: int, app: str, duration_s: float, kill_every_s:
     runner.start()
     kills: list[Kill] = []
     samples: list[dict[str, Any]] = []
-    next_kill, next_sample, turn = start + kill_every_s, start, 0
+    next_kill, next_sample, turn, evicted = start + kill_every_s, start, 0, 0
     while runner.is_alive():
         now = time.monotonic()
         if now >= next_sample:
@@ -247,6 +251,9 @@ def soak(base_url: str, session: int, app: str, duration_s: float, kill_every_s:
         if now >= next_kill and now < start + duration_s - 10:
             deployment = targets[turn % len(targets)]
             turn += 1
+            if deployment == "pool":
+                with contextlib.suppress(OSError, ValueError):
+                    evicted += pool_evictions(base_url)
             try:
                 kills.append(Kill(round(now - start, 1), deployment, kill_replica(session, app, deployment)))
                 log(f"{now - start:7.1f} s: killed {deployment} (pid {kills[-1].pid}); "
@@ -255,7 +262,9 @@ def soak(base_url: str, session: int, app: str, duration_s: float, kill_every_s:
                 log(f"{now - start:7.1f} s: {e}")
             next_kill += kill_every_s
         runner.join(0.5)
-    return _report(outcomes, kills, samples, duration_s, warmup_s, window_s)
+    report = _report(outcomes, kills, samples, duration_s, warmup_s, window_s)
+    report.evictions_before_kills = evicted
+    return report
 
 
 def _report(outcomes: list[Outcome], kills: list[Kill], samples: list[dict[str, Any]], duration_s: float,

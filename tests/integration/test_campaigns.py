@@ -88,7 +88,9 @@ def test_short_soak_with_a_pool_replica_killed_loses_no_request(campaign):
     assert report.kills[0]["replaced_after_s"] is not None  # Serve replaced the killed pool replica
     # every model got requests, and the pool evicted (2 models at most, 6 in use)
     assert {"tiny_cnn", "mid_cnn", "resnet18", "simple", "ocr", "ocr_det"} <= set(report.by_model)
-    assert soak.pool_evictions(url) > 0
+    # counted by the killed pool replica before its kill and by its replacement since: a
+    # replacement that came up late on a busy machine may not have evicted yet
+    assert report.evictions_before_kills + soak.pool_evictions(url) > 0
     # RSS is read per role from the first sample on; the killed roles come back and are read again
     # (Serve notices a dead replica at its next health check, up to 10 s after the kill: the
     # run's last sample can come before the replacement of the one killed at 24 s)

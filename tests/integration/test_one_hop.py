@@ -25,7 +25,7 @@ import requests
 import yaml
 
 from bench.autoscale import start_runner
-from bench.replicas import interrupt_group, kill_replica, replica_pids
+from bench.replicas import gone_at, interrupt_group, kill_replica, replica_pids
 
 from .conftest import REPOSITORY, _free_port
 
@@ -212,7 +212,7 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
     whose servers back up the pool's backend while it has no replica), a JSON 502 / 503 with
     Retry-After from HAProxy, or the router's JSON 503 "not ready" while Serve counts no pool
     replica; then the new pool replica answers in one hop. A request in flight at the kill (sent
-    before it, answered after) may get no answer or one cut short: HAProxy closes a reused client
+    before the killed process was gone, answered after the kill was sent) may get no answer or one cut short: HAProxy closes a reused client
     connection it cannot answer on (docs/reliability.md, "Faults"), and one whose answer the
     replica was writing when killed gets it cut after its headers; every other request gets a
     full answer of those kinds."""
@@ -238,7 +238,8 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
     try:
         time.sleep(2)
         killing = time.monotonic()
-        killed, killed_at = kill_replica(proc.pid, "models", "pool"), time.monotonic()
+        killed = kill_replica(proc.pid, "models", "pool")
+        killed_at = gone_at(killed)  # the kill takes effect when the process is next scheduled
         try:
             until(lambda: set(replica_pids(proc.pid, "models", "pool")) - {killed}
                   and sum(1 for s in list(seen) if s[0] > killed_at and s[2] == 200) >= 20, "the pool serving again")
