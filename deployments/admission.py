@@ -7,7 +7,7 @@ import contextlib
 import time
 from typing import Callable, Iterator
 
-from .protocol.errors import overloaded, past_deadline
+from .protocol.errors import overloaded, past_deadline, retry_after_s
 
 
 class Admission:
@@ -65,11 +65,14 @@ class Admission:
         read and decode a body, so that shedding costs an overloaded replica almost nothing.
 
         Raises:
-            Overloaded: as ``request``.
+            Overloaded: as ``request``; its ``Retry-After`` is the time the requests held would
+                take at the replica's rate, where it has one (``protocol.errors.retry_after_s``).
         """
         waiting = self.in_flight - self.max_ongoing_requests
         if self.max_queued_requests is not None and waiting >= self.max_queued_requests:
-            raise overloaded(waiting, self.max_queued_requests)
+            rate = self.expected_rate()
+            raise overloaded(waiting, self.max_queued_requests,
+                             retry_after_s(self.in_flight / rate if rate is not None else None))
         rate = self.expected_rate() if self.timeout_s is not None and self.in_flight else None
         if rate is not None and self.in_flight / rate > self.SHED_FRACTION * self.timeout_s:
             raise past_deadline(self.in_flight, rate, self.timeout_s)

@@ -29,7 +29,7 @@ from typing import Any, Literal, Sequence, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .runtime.contract.config import _model_in, describe_validation_error
+from .runtime.contract.config import _model_in, describe_validation_error, read_yaml
 from .runtime.contract.errors import ConfigError
 
 APP_IMPORT_PATH = "deployments.app:build_app"
@@ -97,10 +97,7 @@ def _schema(path: Path) -> Any:
     """
     from ray.serve.schema import ServeDeploySchema
 
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read YAML ({e})") from None
+    raw = read_yaml(path)
     try:
         return ServeDeploySchema.model_validate(raw)
     except ValidationError as e:

@@ -149,7 +149,10 @@ class ModelClient:
 
         A replica that dies holding the request surfaces as ``ray.exceptions.RayActorError``
         (``ActorDiedError``); Serve has dropped it from routing by then, so the request is sent
-        once more, to a live or replacement replica (inference has no side effects).
+        once more, to a live or replacement replica (inference has no side effects). A caller
+        that stops waiting (cancelled: the request timed out, its client left, or a sibling step
+        call failed) cancels the call too, so that it never runs or stops where it runs; awaiting
+        a handle response alone leaves it to run.
 
         Raises:
             ModelNotFound: no deployment serves ``name``.
@@ -183,6 +186,9 @@ class ModelClient:
                 result = await response
                 self._last_done[name] = time.monotonic()
                 return raise_if_error(result)  # replica methods return their errors (errors_as_values)
+            except asyncio.CancelledError:  # the caller stopped waiting: a timeout, its client left, a sibling failed
+                response.cancel()  # Serve drops it from the queue, or cancels it at the replica that runs it
+                raise
             except RequestCancelledError:
                 if response not in self._cut:
                     raise

@@ -24,10 +24,11 @@ import fcntl
 import json
 import os
 import re
+import socket
 import sys
 import zlib
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 LOOPBACK = "127.0.0.1"
 # This file: Ray's HAProxy binary once ``deployments.loopback.local_env`` names it so.
@@ -49,6 +50,12 @@ WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
 HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6", "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": "1"}
 # Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
 HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+# The variable that sets the port of each section of ``WILDCARD_SECTIONS``, and what it serves.
+SIDE_PORTS = {"listen stats": ("RAY_SERVE_HAPROXY_STATS_PORT", "stats"),
+              "frontend prometheus": ("RAY_SERVE_HAPROXY_METRICS_PORT", "Prometheus")}
+# Beside Ray's config (``<config>.ports.json``): the side ports the wrapper bound at HAProxy's
+# first start ({variable: port}), which its reloads keep and ``deployments.run`` prints.
+PORTS_SUFFIX = ".ports.json"
 
 _SECTION = re.compile(r"^(global|defaults|frontend|backend|listen|peers|resolvers|userlist|program|"
                       r"http-errors|ring|cache|mailers)\b")
@@ -59,6 +66,30 @@ _ERRORFILE = re.compile(r"^\s+errorfile\s+(?P<status>\d+)\s")
 _BIND = re.compile(r"^(?P<indent>\s+bind\s+)(?P<host>[^\s:]*|\[[^\]]*\]):(?P<port>\d+)(?P<rest>.*)$")
 
 
+def _side_binds(lines: Sequence[str]) -> Iterator[tuple[int, str, re.Match[str]]]:
+    """``(index, section, match of _BIND)`` of each ``bind [host]:port`` line of ``lines`` (a
+    config's, line ends kept) in a section of ``WILDCARD_SECTIONS``."""
+    section = None
+    for i, line in enumerate(lines):
+        if _SECTION.match(line):
+            section = line.strip()
+        elif section in WILDCARD_SECTIONS and (match := _BIND.match(line.rstrip("\n"))):
+            yield i, section, match
+
+
+def _rebind(config: str, host: Callable[[str, str], str], port: Callable[[str, str], str]) -> tuple[str, list[str]]:
+    """``config`` with each side bind (``_side_binds``) on ``host(section, its host)``:``port(section,
+    its port)``, and the sections whose binds it rewrote (once per bind)."""
+    lines = config.splitlines(keepends=True)
+    sections = []
+    for i, section, match in list(_side_binds(lines)):
+        ending = "\n" if lines[i].endswith("\n") else ""
+        lines[i] = (f"{match['indent']}{host(section, match['host'])}:{port(section, match['port'])}"
+                    f"{match['rest']}{ending}")
+        sections.append(section)
+    return "".join(lines), sections
+
+
 def bind_loopback(config: str) -> str:
     """``config`` (an HAProxy configuration file's text) with every ``bind`` line of the
     sections in ``WILDCARD_SECTIONS`` on 127.0.0.1, other lines unchanged.
@@ -66,24 +97,69 @@ def bind_loopback(config: str) -> str:
     Raises ``ValueError`` naming the section when one of them is missing or has no ``bind`` of
     the form ``[host]:port`` (Ray's template changed: better no HAProxy than an exposed one).
     """
-    lines = config.splitlines(keepends=True)
-    section = None
-    bound: dict[str, int] = {}
-    for i, line in enumerate(lines):
-        if _SECTION.match(line):
-            section = line.strip()
-            continue
-        match = _BIND.match(line) if section in WILDCARD_SECTIONS else None
-        if match:
-            ending = "\n" if line.endswith("\n") else ""
-            rest = match["rest"].rstrip("\n")
-            lines[i] = f"{match['indent']}{LOOPBACK}:{match['port']}{rest}{ending}"
-            bound[section] = bound.get(section, 0) + 1
-    missing = [s for s in WILDCARD_SECTIONS if not bound.get(s)]
+    rewritten, sections = _rebind(config, lambda section, host: LOOPBACK, lambda section, port: port)
+    missing = [s for s in WILDCARD_SECTIONS if s not in sections]
     if missing:
         raise ValueError(f"HAProxy config has no `bind [host]:port` line in {missing}: Ray's template "
                          f"changed, so its listeners cannot be kept on {LOOPBACK}")
-    return "".join(lines)
+    return rewritten
+
+
+def port_or_free(preferred: int) -> int:
+    """``preferred`` if 127.0.0.1 can bind it now (nothing, e.g. an orphaned HAProxy of an
+    earlier run or another server, holds it on any interface), else a free loopback port."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def side_ports(config: str) -> dict[str, int]:
+    """``{variable: port}`` of the side binds of ``config`` (``SIDE_PORTS``)."""
+    return {SIDE_PORTS[section][0]: int(match["port"])
+            for _, section, match in _side_binds(config.splitlines(keepends=True))}
+
+
+def move_side_ports(config: str, ports: Mapping[str, int]) -> str:
+    """``config`` with the side bind of each section of ``SIDE_PORTS`` on ``ports[variable]``
+    (those ``ports`` does not name unchanged)."""
+    return _rebind(config, lambda section, host: host,
+                   lambda section, port: str(ports.get(SIDE_PORTS[section][0], port)))[0]
+
+
+def choose_side_ports(config: str, record: Path, reload: bool) -> str:
+    """``config`` with its side ports (``SIDE_PORTS``) as HAProxy will bind them, recorded in
+    ``record`` (JSON ``{variable: port}``). At a first start (not ``reload``) each is the port
+    Ray wrote if 127.0.0.1 can bind it now, else a free one (``port_or_free``): chosen as
+    HAProxy is about to bind, not minutes earlier when ``make serve`` started (another server
+    took 9101 in between and HAProxy died). A reload (Ray's ``-sf``: the running HAProxy holds
+    them) takes the recorded ports."""
+    if reload and record.is_file():
+        return move_side_ports(config, json.loads(record.read_text()))
+    ports = {variable: port_or_free(port) for variable, port in side_ports(config).items()}
+    record.write_text(json.dumps(ports))
+    return move_side_ports(config, ports)
+
+
+_CANNOT_BIND = re.compile(r"cannot bind socket \((?P<why>[^)]*)\) for \[(?P<address>[^\]]*):(?P<port>\d+)\]")
+
+
+def bind_failure(stderr: str, ports: Mapping[str, int]) -> str | None:
+    """The one line to print when HAProxy's ``stderr`` says it could not bind one of its side
+    ``ports`` (``{variable: port}``, ``choose_side_ports``' record), naming the port and the
+    variables that move it; None otherwise."""
+    match = _CANNOT_BIND.search(stderr)
+    names = {port: variable for variable, port in ports.items()}
+    if match is None or int(match["port"]) not in names:
+        return None
+    variable = names[int(match["port"])]
+    return (f"HAProxy could not bind {match['address']}:{match['port']} ({match['why']}): another process took "
+            f"it as HAProxy started; run again (a free port is chosen at start), or set {variable} to a free "
+            f"port ({' / '.join(v for v, _ in SIDE_PORTS.values())} move HAProxy's stats and Prometheus ports)")
 
 
 # What HAProxy does with a request whose ingress replica (the ``Router``, a dedicated model's or
@@ -484,8 +560,9 @@ def _config_path(args: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, under the lock
-    Ray writes it with), then become the real HAProxy with the same arguments. Exit status 2
+    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, then its side
+    ports ``choose_side_ports``, under the lock Ray writes it with), then become the real
+    HAProxy with the same arguments. Exit status 2
     with one line on stderr when the config cannot be kept on loopback or no real binary is
     named; one line of warning when it has no ``defaults`` section to answer from."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -500,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = Path(config)
             try:
                 text = path.read_text()
-                rewritten = rewrite_config(text)
+                rewritten = choose_side_ports(rewrite_config(text), Path(config + PORTS_SUFFIX), "-sf" in args)
                 path.write_text(rewritten)
             except (OSError, ValueError) as e:
                 print(f"trt-serve HAProxy wrapper: {config}: {e}", file=sys.stderr)

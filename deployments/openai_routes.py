@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes (router only): ``POST /v1/embeddings`` and ``GET /v1/models``.
+"""OpenAI-compatible routes (router only): ``POST /v1/embeddings``, ``GET /v1/models`` and
+``GET /v1/models/{model}``.
 
 A thin protocol edge (``protocol.openai`` parses and encodes): the texts go to an embed
 pipeline model (``pipeline: embed`` in its config, e.g. ``embed``) as its KServe v2 input ``text``,
@@ -36,12 +37,13 @@ def openai_error(exc: BaseException, param: str | None = None) -> Response:
 
 
 class OpenAIRoutes(V2Routes):
-    """``POST /v1/embeddings`` and ``GET /v1/models`` over the router's routes."""
+    """``POST /v1/embeddings``, ``GET /v1/models`` and ``GET /v1/models/{model}`` over the router's routes."""
 
     def routes(self) -> list[Route]:
         return super().routes() + [
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.openai_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.openai_model, methods=["GET"]),
         ]
 
     def embedding_models(self) -> list[ModelEntry]:
@@ -55,12 +57,23 @@ class OpenAIRoutes(V2Routes):
             raise unknown_embedding_model(name, sorted(models))
         return models[name]
 
+    @staticmethod
+    def _model_object(entry: ModelEntry) -> dict:
+        """OpenAI's model object of ``entry`` (``created``: its config file's mtime, else 0)."""
+        config = entry.path.joinpath("config.yaml")
+        return model_object(entry.name, int(config.stat().st_mtime) if config.is_file() else 0)
+
     async def openai_models(self, request: Request) -> Response:
-        """OpenAI's model list: the embedding models (``created``: their config file's mtime)."""
-        return JSONResponse(models_response(
-            model_object(e.name, int(e.path.joinpath("config.yaml").stat().st_mtime)
-                         if e.path.joinpath("config.yaml").is_file() else 0)
-            for e in self.embedding_models()))
+        """OpenAI's model list: the embedding models."""
+        return JSONResponse(models_response(self._model_object(e) for e in self.embedding_models()))
+
+    async def openai_model(self, request: Request) -> Response:
+        """OpenAI's retrieve-model route: an embedding model's object, 404 in OpenAI's shape
+        for any other name."""
+        try:
+            return JSONResponse(self._model_object(self._embedding_model(request.path_params["model"])))
+        except Exception as e:
+            return openai_error(e, "model")
 
     async def embeddings(self, request: Request) -> Response:
         """Embed ``input`` with model ``model``; errors in OpenAI's shape (module docstring).

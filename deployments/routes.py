@@ -50,7 +50,7 @@ POOL_TIMEOUT_GRACE_S = 5.0
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 _SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/repository/index (lists the "
                   "models), POST /v2/repository/models/{name}/load|unload, GET /v2/models/stats, GET /v2/memory, "
-                  "GET /metrics, POST /v1/embeddings, GET /v1/models")
+                  "GET /metrics, POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}")
 # A request body that sends nothing for this long is answered 408 (the time between two
 # chunks, as nginx's client_body_timeout: a slow upload that keeps sending is not cut). HAProxy's
 # own `timeout http-request` (deployments/haproxy.py) covers only the headers and the first
@@ -401,10 +401,7 @@ class V2Routes:
         body = b"".join(await self._read_body(request))
         if not body.strip():
             return {}
-        try:
-            value = parse_json(body)
-        except InvalidInput as e:
-            raise InvalidInput(f"the {what} request body must be a JSON object: {e.message}") from None
+        value = parse_json(body)  # its error reads as an infer body's: "request body is not valid JSON: ..."
         if not isinstance(value, dict):
             raise InvalidInput(f"the {what} request body must be a JSON object, e.g. {{\"parameters\": {{}}}}")
         if not isinstance(value.get("parameters") or {}, dict):

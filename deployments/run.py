@@ -25,6 +25,7 @@ are free): nothing this command starts listens on another interface.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -145,15 +146,85 @@ def metrics_port_taken(path: Path, environ: dict[str, str] | None = None) -> str
             f"in {path}")
 
 
-def _stay_on_loopback() -> None:
+def _stay_on_loopback() -> bool:
     """Set ``loopback.local_env`` in this process's environment (before Ray is imported: it
-    reads some of it at import) and say where HAProxy's side ports are."""
+    reads some of it at import); whether HAProxy runs through ``deployments/haproxy.py``."""
     added = loopback.local_env(os.environ)
     os.environ.update(added)
-    if "RAY_SERVE_HAPROXY_BINARY_PATH" in added:
-        print(f"HAProxy stats: http://{loopback.LOOPBACK}:{os.environ['RAY_SERVE_HAPROXY_STATS_PORT']}/stats, "
-              f"Prometheus: http://{loopback.LOOPBACK}:{os.environ['RAY_SERVE_HAPROXY_METRICS_PORT']}/metrics",
-              file=sys.stderr)
+    return "RAY_SERVE_HAPROXY_BINARY_PATH" in added
+
+
+class HAProxyWatch:
+    """What ``make serve`` says about HAProxy's side ports: where they are once HAProxy took
+    them (the wrapper's record, ``haproxy.choose_side_ports``: a port taken since start is
+    exchanged for a free one then), and the one line of a bind that failed all the same.
+
+    Args:
+        record: the wrapper's record beside Ray's HAProxy config (``<config>.ports.json``).
+        logs: the folder and file-name glob of HAProxy's stderr logs (Ray's, beside its socket).
+        since: ``time.time()`` at start; older logs are an earlier run's.
+    """
+
+    def __init__(self, record: Path, logs: tuple[Path, str], since: float) -> None:
+        self.record, self.logs, self.since = record, logs, since
+        self.announced = False
+
+    def lines(self) -> tuple[list[str], str | None]:
+        """The lines to print now (the ports, once) and the bind failure's, if HAProxy logged one."""
+        from .haproxy import HAPROXY_DEFAULT_PORTS, SIDE_PORTS, bind_failure
+
+        out = []
+        try:
+            ports = {k: int(v) for k, v in json.loads(self.record.read_text()).items()}
+        except (OSError, ValueError):
+            ports = {}
+        if ports and not self.announced:
+            self.announced = True
+            stats, metrics = (ports.get(v) for v, _ in SIDE_PORTS.values())
+            moved = [f"{os.environ.get(v, HAPROXY_DEFAULT_PORTS[v])} was taken ({v})" for v, port in ports.items()
+                     if str(port) != os.environ.get(v, str(HAPROXY_DEFAULT_PORTS[v]))]
+            out.append(f"HAProxy stats: http://{loopback.LOOPBACK}:{stats}/stats, Prometheus: "
+                       f"http://{loopback.LOOPBACK}:{metrics}/metrics" + (f" ({'; '.join(moved)})" if moved else ""))
+        folder, pattern = self.logs
+        expected = ports or {v: int(os.environ.get(v, p)) for v, p in HAPROXY_DEFAULT_PORTS.items()}
+        for log in folder.glob(pattern):
+            try:
+                if log.stat().st_mtime >= self.since and (failure := bind_failure(log.read_text(), expected)):
+                    return out, failure
+            except OSError:  # Ray removed it meanwhile
+                continue
+        return out, None
+
+
+def haproxy_watch() -> HAProxyWatch:
+    """The ``HAProxyWatch`` of the HAProxy this process's Ray will start (Ray's file locations,
+    read from the environment set by ``_stay_on_loopback``); an earlier run's record removed."""
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, RAY_SERVE_HAPROXY_SOCKET_PATH
+
+    from .haproxy import PORTS_SUFFIX
+
+    record = Path(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC + PORTS_SUFFIX)
+    try:
+        record.unlink(missing_ok=True)
+    except OSError:  # another user's: the wrapper cannot write it either, and says so
+        pass
+    socket_path = Path(RAY_SERVE_HAPROXY_SOCKET_PATH)
+    return HAProxyWatch(record, (socket_path.parent, f"{socket_path.name}.*.stderr.log"), time.time())
+
+
+def _watch_haproxy(watch: HAProxyWatch, failures: list[str]) -> None:
+    """Print ``watch``'s lines as they come; on a bind failure record it in ``failures`` and
+    send this process SIGINT (stop as Ctrl-C does)."""
+    while True:
+        time.sleep(STATUS_POLL_S)
+        lines, failure = watch.lines()
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        if failure is not None:
+            print(failure, file=sys.stderr, flush=True)
+            failures.append(failure)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
 
 
 def stop_ray() -> None:
@@ -213,7 +284,7 @@ def _watch_deploy(app_names: list[str], failures: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     path = Path(args[0] if args else "serve_config.yaml")
-    _stay_on_loopback()
+    wrapped = _stay_on_loopback()
     status = check.main([str(path)])
     if status:
         return status
@@ -233,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _delete_then_interrupt(app_names))
     failures: list[str] = []
     threading.Thread(target=_watch_deploy, args=(app_names, failures), daemon=True).start()
+    if wrapped:
+        threading.Thread(target=_watch_haproxy, args=(haproxy_watch(), failures), daemon=True).start()
     try:
         run.main([str(path)], prog_name="serve run", standalone_mode=False)
     except SystemExit:  # serve run's own exit after its shutdown

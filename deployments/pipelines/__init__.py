@@ -8,11 +8,12 @@ only when built (the OCR one pulls in OpenCV and rapidocr, the embed one tokeniz
 
 from __future__ import annotations
 
+import asyncio
 import importlib
-from typing import Any, Awaitable, Callable, Mapping, Protocol, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.contract.config import describe_validation_error
 from ..runtime.contract.errors import ConfigError, InvalidInput
@@ -29,12 +30,17 @@ PIPELINES: dict[str, str] = {
 
 
 P = TypeVar("P", bound="PipelineParameters")
+T = TypeVar("T")
+I = TypeVar("I")
 
 
 class PipelineParameters(BaseModel):
-    """A pipeline's ``parameters`` (its ``config.yaml``): frozen, unknown fields refused."""
+    """A pipeline's ``parameters`` (its ``config.yaml``): frozen, unknown fields refused.
+    ``step_calls_in_flight``: the calls one request has at a step at once (``map_bounded``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_calls_in_flight: int = Field(4, ge=1)
 
     @classmethod
     def parse(cls: type[P], raw: Mapping[str, Any], where: str) -> P:
@@ -57,6 +63,30 @@ class Pipeline(Protocol):
     async def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run on the pipeline model's inputs; returns its outputs by name (an
         ``Outputs`` where the answer carries response parameters)."""
+
+
+async def map_bounded(call: Callable[[I], Awaitable[T]], items: Sequence[I], limit: int) -> list[T]:
+    """``[await call(item) for item in items]``, at most ``limit`` calls running at once.
+
+    A step's replicas serve every request's calls from one queue: one request sending all its
+    calls at once (2,048 texts: 64 encoder calls) put every later request behind all of them,
+    so a few at a time lets other requests' calls interleave. The first call that raises
+    cancels the others (those not started never run; a running one is cancelled at its step's
+    replica, ``ModelClient``), and so does cancelling the caller (the request timed out, was
+    shed or its client left); the error is raised as the call raised it.
+    """
+    gate = asyncio.Semaphore(limit)
+
+    async def one(item: I) -> T:
+        async with gate:
+            return await call(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(item)) for item in items]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def create_pipeline(repository: ModelRepository, name: str, infer: InferFn) -> Pipeline:

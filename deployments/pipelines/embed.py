@@ -17,9 +17,9 @@ Tokenization is the ``tokenizers`` library with the encoder's ``tokenizer.json``
 ``model.onnx``), truncating at ``max_seq_length`` (sentence-transformers' ``max_seq_length``:
 256 for all-MiniLM-L6-v2; its ``tokenizer.json`` itself says 128) and without the file's padding
 (fixed to 128 in that file). Texts go to the encoder sorted by length, in calls of
-``batch_size``, all calls at once; each call pads its texts to the smallest of
-``sequence_buckets`` that holds its longest (to the longest itself past the largest bucket, or
-with no buckets), so the encoder sees a few sequence lengths, not one per request: on a GPU each
+``batch_size``, ``step_calls_in_flight`` calls at a time (``pipelines.map_bounded``); each
+call pads its texts to the smallest of ``sequence_buckets`` that holds its longest (to the
+longest itself past the largest bucket, or with no buckets), so the encoder sees a few sequence lengths, not one per request: on a GPU each
 new shape costs a plan rebuild (ONNX Runtime CUDA) or must sit in a TensorRT profile, and
 dynamic batching joins only calls of one shape. The attention mask keeps the padding out of
 attention and out of the mean, so a text's embedding depends neither on the bucket nor on the
@@ -35,7 +35,7 @@ import numpy as np
 from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
-from . import PipelineParameters
+from . import PipelineParameters, map_bounded
 from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
 from ..runtime.contract.outputs import Outputs
@@ -238,7 +238,8 @@ class EmbedPipeline:
         lengths = np.array([len(e.ids) for e in encodings], np.int64)
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
         groups = [order[i:i + self._batch] for i in range(0, len(order), self._batch)]
-        pooled = await asyncio.gather(*(self._embed([encodings[i] for i in group]) for group in groups))
+        pooled = await map_bounded(lambda group: self._embed([encodings[i] for i in group]), groups,
+                                   self.parameters.step_calls_in_flight)
         embedding = np.empty((len(encodings), pooled[0].shape[1]), np.float32)
         for group, rows in zip(groups, pooled):
             embedding[group] = rows

@@ -75,7 +75,7 @@ from rapidocr_onnxruntime.ch_ppocr_rec.utils import CTCLabelDecode
 from rapidocr_onnxruntime.main import RapidOCR
 from rapidocr_onnxruntime.utils.process_img import ResizeImgError, add_round_letterbox
 
-from . import PipelineParameters
+from . import PipelineParameters, map_bounded
 from ..runtime.contract.config import ModelConfig, TensorSpec
 from ..runtime.contract.errors import ConfigError, InvalidInput
 from ..runtime.contract.repository import ModelRepository
@@ -524,8 +524,9 @@ class OcrPipeline:
         groups = _batches(np.arange(len(pieces)), self._cls_batch)
         batches = [np.stack([self._cls_steps.resize_norm_img(pieces[j][1]) for j in g]).astype(np.float32)
                    for g in groups]
-        probs = np.concatenate(await asyncio.gather(*(
-            self._call(self.cls, self._cls_in.name, self._cls_out, b) for b in batches)))
+        probs = np.concatenate(await map_bounded(
+            lambda b: self._call(self.cls, self._cls_in.name, self._cls_out, b), batches,
+            self.parameters.step_calls_in_flight))
         owners = np.array([i for i, _ in pieces])
         crops = list(crops)
         for i in range(len(crops)):
@@ -559,8 +560,8 @@ class OcrPipeline:
         for group in groups:
             ratio = self._rec_ratio([ratios[i] for i in group])
             batches.append(np.stack([self._rec_steps.resize_norm_img(crops[i], ratio) for i in group]).astype(np.float32))
-        probs = await asyncio.gather(*(
-            self._call(self.rec, self._rec_in.name, self._rec_out, b) for b in batches))
+        probs = await map_bounded(lambda b: self._call(self.rec, self._rec_in.name, self._rec_out, b), batches,
+                                  self.parameters.step_calls_in_flight)
         results: list[tuple[str, float]] = [("", 0.0)] * len(crops)
         for group, prob in zip(groups, probs):
             for i, (text, score) in zip(group, self._ctc(prob)):

@@ -38,8 +38,19 @@ from ..runtime.contract.errors import (
 
 logger = logging.getLogger("ray.serve")  # a name only: lands in the replica's Serve log
 
-# Seconds a shed request is told to wait (``Retry-After`` of its 503).
+# Seconds a shed request is told to wait (``Retry-After`` of its 503) where the server has no
+# estimate of its queued work; where it has one (``Admission``), the estimate within these bounds.
 RETRY_AFTER_S = 1.0
+RETRY_AFTER_MAX_S = 60.0
+
+
+def retry_after_s(estimate_s: float | None) -> float:
+    """Seconds a shed request is told to wait: ``estimate_s`` (the server's estimate of the work
+    ahead of it) rounded up within [``RETRY_AFTER_S``, ``RETRY_AFTER_MAX_S``], or
+    ``RETRY_AFTER_S`` without an estimate."""
+    if estimate_s is None:
+        return RETRY_AFTER_S
+    return float(min(max(math.ceil(estimate_s), RETRY_AFTER_S), RETRY_AFTER_MAX_S))
 
 STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,
@@ -83,14 +94,14 @@ def overloaded(queued: int, limit: int, retry_after_s: float = RETRY_AFTER_S) ->
                       f"retry after {math.ceil(retry_after_s)} s", retry_after_s)
 
 
-def past_deadline(held: int, rate_per_s: float, timeout_s: float,
-                  retry_after_s: float = RETRY_AFTER_S) -> Overloaded:
+def past_deadline(held: int, rate_per_s: float, timeout_s: float) -> Overloaded:
     """The error of a request shed because the ``held`` requests ahead of it would take too
-    much of ``timeout_s`` (the application's ``request_timeout_s``) at ``rate_per_s``."""
+    much of ``timeout_s`` (the application's ``request_timeout_s``) at ``rate_per_s``; it is
+    told to come back when they would have cleared (``retry_after_s``)."""
+    wait_s = retry_after_s(held / rate_per_s)
     return Overloaded(f"server overloaded: the {held} requests ahead of this one would take about "
                       f"{held / rate_per_s:.0f} s at the {rate_per_s:.1f} requests/s this replica answers, too "
-                      f"close to request_timeout_s ({timeout_s:g} s); retry after {math.ceil(retry_after_s)} s",
-                      retry_after_s)
+                      f"close to request_timeout_s ({timeout_s:g} s); retry after {wait_s:.0f} s", wait_s)
 
 
 def retry_after_headers(exc: BaseException) -> dict[str, str]:

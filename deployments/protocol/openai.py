@@ -38,6 +38,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def json_type(value: Any) -> str:
+    """JSON's name for the type of a decoded value (``5`` -> number, ``[]`` -> array)."""
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "number", float: "number", list: "array", dict: "object"}.get(type(value), "null")
+
+
 def parse_texts(value: Any) -> list[str]:
     """``input``: a string or a list of strings -> the texts.
 
@@ -58,32 +65,43 @@ def parse_texts(value: Any) -> list[str]:
         bad = next(i for i, item in enumerate(value) if not isinstance(item, str))
         raise InvalidParameter(f"'input'[{bad}] is {json.dumps(value[bad])[:40]}; 'input' must be a string or a "
                                "list of strings", "input")
-    raise InvalidParameter(f"'input' must be a string or a list of strings, got {type(value).__name__}", "input")
+    raise InvalidParameter(f"'input' must be a string or a list of strings, got {json_type(value)}", "input")
 
 
 def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
     """A decoded JSON body -> ``EmbeddingsRequest``.
 
     Raises:
-        InvalidParameter: naming the field: ``model`` or ``input`` missing or of the wrong
-            type, an ``encoding_format`` other than float or base64, ``dimensions`` not a
-            positive integer.
+        InvalidParameter: naming the field and, for a wrong type, the JSON type sent: ``model``
+            or ``input`` missing or of the wrong type, an ``encoding_format`` other than float or
+            base64, ``dimensions`` not a positive integer, ``user`` not a string.
     """
     if not isinstance(body, dict):
         raise InvalidInput('the request body must be a JSON object, e.g. {"model": "embed", "input": "text"}')
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise InvalidParameter(f"'model' must be a string, the name of an embedding model (GET /v1/models lists "
+                               f"them), got {json_type(model)}", "model")
+    if not model:
         raise InvalidParameter("'model' is required: the name of an embedding model (GET /v1/models lists them)",
                                "model")
     if "input" not in body:
         raise InvalidParameter("'input' is required: a string or a list of strings", "input")
-    encoding = body.get("encoding_format") or "float"
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise InvalidParameter(f"'user' must be a string, got {json_type(user)}", "user")
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if not isinstance(encoding, str):
+        raise InvalidParameter(f"'encoding_format' must be a string, 'float' or 'base64', got {json_type(encoding)}",
+                               "encoding_format")
     if encoding not in ("float", "base64"):
         raise InvalidParameter(f"'encoding_format' is {json.dumps(encoding)[:40]}; allowed: 'float', 'base64'",
                                "encoding_format")
     dimensions = body.get("dimensions")
     if dimensions is not None and not (_is_int(dimensions) and dimensions > 0):
-        raise InvalidParameter(f"'dimensions' is {json.dumps(dimensions)[:40]}; it must be a positive integer",
+        raise InvalidParameter(f"'dimensions' is {json.dumps(dimensions)[:40]} (a {json_type(dimensions)}); it must be "
+                               "a positive integer",
                                "dimensions")
     return EmbeddingsRequest(model, parse_texts(body["input"]), encoding, dimensions)
 

@@ -106,3 +106,24 @@ def test_openai_bad_input_gets_a_4xx_in_openai_shape_and_the_server_keeps_servin
         assert r.status_code == status, r.text
         assert message in r.json()["error"]["message"]
     assert len(client.embeddings.create(model="embed", input="still serving").data) == 1
+
+
+def _encoder_rows(server: str) -> int:
+    [stats] = requests.get(f"{server}/v2/models/all-MiniLM-L6-v2/stats", timeout=60).json()["model_stats"]
+    return stats["inference_count"]
+
+
+def test_a_timed_out_request_leaves_no_encoder_calls_behind_to_starve_the_next(server):
+    """2,048 texts of 122 tokens: 64 encoder calls of 32 rows. Answered 504 after 2 s, they kept
+    running (all sent at once, none cancelled) and a one-word request behind them waited for
+    all 2,048 rows. Now at most the calls in flight when the 504 went out run (4 at a time,
+    ``step_calls_in_flight``), then the one word's row."""
+    before = _encoder_rows(server)
+    texts = ["word " * 120] * 2048
+    big = {"inputs": [{"name": "text", "shape": [2048], "datatype": "BYTES", "data": texts}],
+           "parameters": {"timeout": 2_000_000}}  # microseconds
+    r = requests.post(f"{server}/v2/models/embed/infer", json=big, timeout=120)
+    assert r.status_code == 504, r.text[:300]
+    assert outputs(v2_embed(server, ["hi"]))["tokens"]["data"] == [3]
+    ran = _encoder_rows(server) - before
+    assert ran <= 8 * 32 + 1, f"{ran} encoder rows ran for a request answered 504 and a one-word one"

@@ -65,8 +65,8 @@ def test_a_request_that_could_only_time_out_is_shed_at_once(timed):
             hold(admission, stack)
         assert error_status(shed.value) == (503, "server overloaded: the 11 requests ahead of this one would take "
                                                  "about 11 s at the 1.0 requests/s this replica answers, too close to "
-                                                 "request_timeout_s (10 s); retry after 1 s")
-        assert retry_after_headers(shed.value) == {"Retry-After": "1"}
+                                                 "request_timeout_s (10 s); retry after 11 s")
+        assert retry_after_headers(shed.value) == {"Retry-After": "11"}  # when those ahead would have cleared
         for request in held[19:23]:
             request.close()  # 7 held: they clear in ~7 s
         hold(admission, stack)
@@ -89,3 +89,35 @@ def test_a_burst_after_idle_is_judged_by_the_last_busy_periods_rate(timed):
             hold(admission, stack)
         with pytest.raises(Overloaded, match=r"the 8 requests ahead of this one would take about 8 s at the 1\.0 "):
             hold(admission, stack)
+
+
+
+def test_retry_after_follows_the_estimate_of_the_queued_work_within_1_to_60_s():
+    """Told 1 s while tens of seconds of work waited, shed clients came back into the same
+    queue: a full queue at a known rate says when the requests held would have cleared."""
+    clock = Clock()
+    admission = Admission(1, 2, clock=clock)
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):
+            hold(admission, stack)
+        with pytest.raises(Overloaded, match=r"retry after 1 s") as shed:
+            hold(admission, stack)
+        assert retry_after_headers(shed.value) == {"Retry-After": "1"}  # no rate yet: no estimate
+    with contextlib.ExitStack() as stack:
+        held = [hold(admission, stack), hold(admission, stack)]
+        for _ in range(Admission.RATE_MIN_DONE):  # 1 request/s, within its bounds
+            clock.now += 1.0
+            held.pop(0).close()
+            held.append(hold(admission, stack))
+        hold(admission, stack)
+        with pytest.raises(Overloaded, match=r"2 requests already wait for this model \(limit 2\); retry after 3 s"):
+            hold(admission, stack)
+    clock = Clock()
+    admission = Admission(512, None, timeout_s=100.0, clock=clock)
+    with contextlib.ExitStack() as stack:
+        answer_one_a_second([hold(admission, stack) for _ in range(20)], clock)
+        for _ in range(76):  # 76 s of work at 1/s, over 3/4 of the 100 s timeout
+            hold(admission, stack)
+        with pytest.raises(Overloaded, match=r"would take about 76 s .*; retry after 60 s") as shed:
+            hold(admission, stack)
+        assert retry_after_headers(shed.value) == {"Retry-After": "60"}

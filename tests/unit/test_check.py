@@ -91,6 +91,19 @@ def test_a_misspelled_model_field_exits_2_with_one_line_naming_file_field_and_al
     assert "unknown field" in line and "max_batch_size" in line.split("allowed:")[1], line
 
 
+@pytest.mark.parametrize("which", ["model", "serve"])
+def test_a_yaml_syntax_error_exits_2_with_one_line_naming_the_files_line_and_column(repository, tmp_path, which):
+    """A model's config.yaml and serve_config.yaml alike (PyYAML's detail said ``"<unicode string>", line 1``)."""
+    served = serve_config(tmp_path, repository)
+    path = repository / "tiny_cnn" / "config.yaml" if which == "model" else served
+    path.write_text(path.read_text() + "oops: [1\n")
+    lines = path.read_text().count("\n")
+    result = run_check(served)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"config error: {path}:{lines + 1}:1: cannot read YAML: expected ',' or "
+                                          f"']', but got '<stream end>' (while parsing a flow sequence at line {lines})"]
+
+
 def test_a_datatype_the_model_file_contradicts_exits_2_naming_config_field_and_model_file(repository, tmp_path):
     # Seen by a tester: a datatype other than the ONNX file's passed the check; every request got 500.
     config_path = repository / "tiny_cnn" / "config.yaml"

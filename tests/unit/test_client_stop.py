@@ -98,3 +98,40 @@ def test_the_clients_calls_fit_the_signatures_of_the_deployments_they_call():
     for method, args in sent:
         inspect.signature(getattr(PoolDeployment.func_or_class, method)).bind(None, *args)  # raises TypeError if not
     assert [m for m, _ in sent] == ["infer", "infer_body"]
+
+
+class Tracked(Response):
+    """A ``Response`` that records whether the client called ``cancel()``; as Serve's, awaiting
+    it in a task that is cancelled raises ``CancelledError`` unless ``cancel()`` was called."""
+
+    def __init__(self, assigned: bool) -> None:
+        super().__init__(assigned)
+        self.cancel_called = False
+
+    def cancel(self) -> None:
+        self.cancel_called = True
+        super().cancel()
+
+    def __await__(self):
+        try:
+            return (yield from self.answer.__await__())
+        except asyncio.CancelledError:
+            if self.cancel_called:
+                raise RequestCancelledError("r1") from None
+            raise
+
+
+@pytest.mark.parametrize("assigned", [False, True])
+def test_a_call_whose_caller_stops_waiting_is_cancelled_at_serve_queued_or_running(assigned):
+    """A request that timed out (or was shed, or whose client left) cancels its model call:
+    awaiting a handle response alone leaves the call queued, then running, after the answer."""
+    async def scenario():
+        handle = Handle(assigned)
+        handle.remote = lambda inputs, outputs: handle.responses.append(Tracked(assigned)) or handle.responses[-1]
+        client = ModelClient({"all-MiniLM-L6-v2": handle}, None, [])
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.infer("all-MiniLM-L6-v2", {"x": np.zeros((1, 3), np.float32)}), 0.01)
+        assert [r.cancel_called for r in handle.responses] == [True]
+        assert client._waiting == {"all-MiniLM-L6-v2": set()}
+
+    asyncio.run(scenario())

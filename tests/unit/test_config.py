@@ -69,6 +69,19 @@ def test_name_must_match_folder_and_yaml_must_parse(tmp_path):
         load_model_config(write(tmp_path, "inputs: [\n"))
 
 
+@pytest.mark.parametrize("text, where, problem", [
+    ("max_batch_size: 8\n backend: auto\n", "2:9", "mapping values are not allowed here"),
+    ("inputs:\n  - name: x\n    dims: [1, 2\n", "4:1", "expected ',' or ']', but got '<stream end>' (while "
+                                                      "parsing a flow sequence at line 3)"),
+])
+def test_a_yaml_syntax_error_names_the_files_own_line_and_column_in_one_line(tmp_path, text, where, problem):
+    """It named the file, then PyYAML's ``"<unicode string>", line 1`` over several lines."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_model_config(path)
+    assert err.value.message == f"{path}:{where}: cannot read YAML: {problem}"
+
+
 def test_repository_without_model_file_says_how_to_prepare(tmp_path):
     write(tmp_path, GOOD)
     with pytest.raises(ConfigError, match="make models"):

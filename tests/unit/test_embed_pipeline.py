@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from deployments.pipelines import create_pipeline
 from deployments.pipelines.embed import EmbedPipeline, load_tokenizer
-from deployments.runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, Overloaded, PayloadTooLarge
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.tools import prepare as prep
 from deployments.runtime.tools.bert import load_safetensors
@@ -209,6 +209,44 @@ def test_2048_texts_are_split_into_encoder_calls_of_its_max_batch_size(pipeline,
     assert len(recording.shapes) == 64 and max(s[0] for s in recording.shapes) == 32
     # rows come back in request order
     np.testing.assert_allclose(out["embedding"][1234], embed(pipeline, items[1234])["embedding"][0], atol=1e-5)
+
+
+class CountingEncoder(RecordingEncoder):
+    """A ``RecordingEncoder`` that counts the calls running at once and refuses the third call
+    with ``Overloaded`` (as a step's replica sheds) when ``refuse`` is set."""
+
+    def __init__(self, host: ModelHost, refuse: bool) -> None:
+        super().__init__(host)
+        self.refuse, self.running, self.most = refuse, 0, 0
+
+    async def __call__(self, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            if self.refuse and len(self.shapes) == 2:
+                self.shapes.append(inputs["input_ids"].shape)
+                raise Overloaded("server overloaded: 22 requests already wait for this model (limit 22)", 1.0)
+            return await super().__call__(name, inputs)
+        finally:
+            self.running -= 1
+
+
+def test_a_request_has_at_most_step_calls_in_flight_encoder_calls_running_at_once(model_repository, encoder):
+    """One request's 64 encoder calls go a few at a time, so other requests' calls interleave
+    at the encoder (all at once, a one-word request waited behind all 64)."""
+    counting = CountingEncoder(encoder, refuse=False)
+    pipeline = create_pipeline(model_repository, "embed", counting)
+    out = asyncio.run(pipeline.infer(texts(*[f"text {i}" for i in range(2048)])))
+    assert out["embedding"].shape == (2048, 384) and len(counting.shapes) == 64
+    assert pipeline.parameters.step_calls_in_flight == 4 and counting.most == 4
+
+
+def test_a_refused_encoder_call_stops_the_requests_other_calls_from_running(model_repository, encoder):
+    counting = CountingEncoder(encoder, refuse=True)
+    pipeline = create_pipeline(model_repository, "embed", counting)
+    with pytest.raises(Overloaded, match="22 requests already wait"):
+        asyncio.run(pipeline.infer(texts(*[f"text {i}" for i in range(2048)])))
+    assert len(counting.shapes) <= 3 + 4  # the refused one, those before it, and those already running
 
 
 @pytest.mark.parametrize("inputs, error, message", [

@@ -92,6 +92,73 @@ def test_the_wrapper_exits_2_naming_what_is_missing(tmp_path):
     assert done.returncode == 2 and haproxy.REAL_BINARY_ENV in done.stderr
 
 
+def test_a_side_port_taken_after_make_serve_started_is_exchanged_for_a_free_one_as_haproxy_starts(tmp_path):
+    """``make serve`` found 9101 free at start; another server took it before Ray started
+    HAProxy (minutes later), which died "cannot bind socket" with a 40-line traceback. The
+    wrapper chooses the side ports as HAProxy starts, records them, and a reload keeps them."""
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1")
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(), "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+    path.write_text(haproxy.move_side_ports(path.read_text(), ports))
+    record = Path(str(path) + haproxy.PORTS_SUFFIX)
+    env = dict(os.environ, **{haproxy.REAL_BINARY_ENV: _real_haproxy()})
+    with socket.socket() as held:
+        held.bind((haproxy.LOOPBACK, ports["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+        held.listen()
+        process = subprocess.Popen([str(WRAPPER), "-db", "-f", str(path)], env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            _until(lambda: process.poll() is not None or (record.is_file() and _get(
+                json.loads(record.read_text())["RAY_SERVE_HAPROXY_METRICS_PORT"], "/metrics") is not None))
+            assert process.poll() is None, process.stderr.read()
+            chosen = json.loads(record.read_text())
+            assert chosen["RAY_SERVE_HAPROXY_STATS_PORT"] == ports["RAY_SERVE_HAPROXY_STATS_PORT"]  # free: kept
+            assert chosen["RAY_SERVE_HAPROXY_METRICS_PORT"] != ports["RAY_SERVE_HAPROXY_METRICS_PORT"]
+            assert _get(chosen["RAY_SERVE_HAPROXY_METRICS_PORT"], "/metrics")[0] == 200
+            assert _get(chosen["RAY_SERVE_HAPROXY_STATS_PORT"], "/stats")[0] == 200
+            # a reload (Ray's -sf, the running HAProxy holding the ports) binds the recorded ones again
+            rendered = haproxy.move_side_ports(haproxy.rewrite_config(path.read_text()), ports)
+            reloaded = haproxy.choose_side_ports(rendered, record, reload=True)
+            assert haproxy.side_ports(reloaded) == chosen
+        finally:
+            process.send_signal(signal.SIGUSR1)  # HAProxy's soft stop
+            process.wait(timeout=30)
+
+
+def test_haproxys_bind_failure_is_one_line_naming_the_port_and_the_variables(tmp_path, monkeypatch):
+    """Should another process take the chosen port in the moment before HAProxy binds it,
+    ``make serve`` says so in one line (from HAProxy's own stderr, read here from the real
+    HAProxy refused the port)."""
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1")
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(), "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+    path.write_text(haproxy.move_side_ports(haproxy.rewrite_config(path.read_text()), ports))
+    with socket.socket() as held:
+        held.bind((haproxy.LOOPBACK, ports["RAY_SERVE_HAPROXY_METRICS_PORT"]))
+        held.listen()
+        done = subprocess.run([_real_haproxy(), "-db", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    line = haproxy.bind_failure(done.stderr, ports)
+    port = ports["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    assert line == (f"HAProxy could not bind 127.0.0.1:{port} (Address already in use): another process took it as "
+                    f"HAProxy started; run again (a free port is chosen at start), or set "
+                    f"RAY_SERVE_HAPROXY_METRICS_PORT to a free port (RAY_SERVE_HAPROXY_STATS_PORT / "
+                    f"RAY_SERVE_HAPROXY_METRICS_PORT move HAProxy's stats and Prometheus ports)")
+    assert haproxy.bind_failure(done.stderr, {"RAY_SERVE_HAPROXY_STATS_PORT": ports["RAY_SERVE_HAPROXY_STATS_PORT"]}) is None
+    # what `make serve` (deployments.run) prints: the ports as recorded, then that line, from Ray's stderr log
+    from deployments.run import HAProxyWatch
+
+    for variable in haproxy.HAPROXY_DEFAULT_PORTS:  # Ray's defaults asked for; the record says where they went
+        monkeypatch.delenv(variable, raising=False)
+    record = Path(str(path) + haproxy.PORTS_SUFFIX)
+    record.write_text(json.dumps(ports))
+    (tmp_path / "admin.sock.1.0.stderr.log").write_text(done.stderr)
+    watch = HAProxyWatch(record, (tmp_path, "admin.sock.*.stderr.log"), since=0.0)
+    announced, failure = watch.lines()
+    assert announced == [f"HAProxy stats: http://127.0.0.1:{ports['RAY_SERVE_HAPROXY_STATS_PORT']}/stats, Prometheus: "
+                         f"http://127.0.0.1:{port}/metrics (8404 was taken (RAY_SERVE_HAPROXY_STATS_PORT); 9101 was "
+                         f"taken (RAY_SERVE_HAPROXY_METRICS_PORT))"] and failure == line
+    assert watch.lines() == ([], line)  # the ports once
+
+
 def _defaults_of(config: str) -> list[str]:
     lines = config.splitlines()
     start = lines.index("defaults")

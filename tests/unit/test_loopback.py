@@ -36,7 +36,7 @@ def test_a_port_held_on_any_interface_gives_way_to_a_free_one():
         held.bind(("0.0.0.0", 0))
         held.listen()
         taken = held.getsockname()[1]
-        chosen = loopback._port_or_free(taken)
+        chosen = haproxy.port_or_free(taken)
     assert chosen != taken and chosen > 0
 
 

@@ -347,6 +347,7 @@ def test_repository_parameters_that_are_not_an_object_are_400(root, route, param
 
 @pytest.mark.parametrize("route", ["models/simple/load", "models/simple/unload", "index"])
 @pytest.mark.parametrize(("body", "why"), [
+    (b"{", "Expecting property name enclosed in double quotes"),  # said "must be a JSON object"
     (b"[" * 5000, "nested too deeply"),  # was a 500 (RecursionError) on all three: bench.fuzz's body routes
     (b'{"a": ' * 3000 + b"1" + b"}" * 3000, "nested too deeply"),
     (b'{"ready": NaN}', "NaN"),
@@ -356,8 +357,7 @@ def test_repository_bodies_that_are_not_json_are_400_naming_why(root, route, bod
     client = router(ModelRepository(root), explicit=True)
     r = client.post(f"/v2/repository/{route}", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
-    verb = route.rsplit("/", 1)[-1]
-    assert r.json()["error"].startswith(f"the {verb} request body must be a JSON object: request body is not valid JSON")
+    assert r.json()["error"].startswith("request body is not valid JSON: ")  # as an infer body's
     assert why in r.json()["error"]
     r = client.post(f"/v2/repository/{route}", content=zlib.compress(body), headers={"Content-Encoding": "deflate"})
     assert r.status_code == 400 and why in r.json()["error"], r.text  # compressed, the same answer

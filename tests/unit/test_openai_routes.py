@@ -1,4 +1,4 @@
-"""``POST /v1/embeddings`` and ``GET /v1/models`` under Starlette's TestClient, without Ray.
+"""``POST /v1/embeddings``, ``GET /v1/models`` and ``GET /v1/models/{model}`` under Starlette's TestClient, without Ray.
 
 The router runs over the real repository; its model client runs ``embed`` through the real
 embed pipeline and encoder (ModelHost, ONNX Runtime), as the pipeline's replica would, and
@@ -89,6 +89,17 @@ def test_models_lists_the_embedding_models(served):
     assert r.json()["object"] == "list" and isinstance(r.json()["data"][0]["created"], int)
 
 
+def test_retrieve_model_gives_an_embedding_models_object_and_404_in_openai_shape_for_another(served):
+    """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``), which was a 404 route."""
+    router, _ = served
+    r = router.get("/v1/models/embed")
+    assert r.status_code == 200 and r.json() == router.get("/v1/models").json()["data"][0]
+    for model in ("text-embedding-3-small", "resnet18", "org/model"):
+        message = _error(router.get(f"/v1/models/{model}"), 404, "model", "model_not_found")
+        assert message.startswith(f"The model '{model}' does not exist or is not an embedding model; embedding "
+                                  "models: ['embed']")
+
+
 def _error(r, status: int, param: str | None, code: str | None = None) -> str:
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -117,7 +128,16 @@ def test_an_unknown_model_is_a_404_in_openai_shape_naming_the_embedding_models(s
 @pytest.mark.parametrize("body, status, param, message", [
     ({"input": "x"}, 400, "model", "'model' is required"),
     ({"model": "embed"}, 400, "input", "'input' is required: a string or a list of strings"),
-    ({"model": "embed", "input": {"text": "x"}}, 400, "input", "'input' must be a string or a list of strings, got dict"),
+    ({"model": 5, "input": "x"}, 400, "model", "'model' must be a string, the name of an embedding model (GET "
+                                               "/v1/models lists them), got number"),  # said "'model' is required"
+    ({"model": "embed", "input": {"text": "x"}}, 400, "input", "'input' must be a string or a list of strings, got object"),
+    ({"model": "embed", "input": 5}, 400, "input", "'input' must be a string or a list of strings, got number"),
+    ({"model": "embed", "input": "x", "encoding_format": 5}, 400, "encoding_format",
+     "'encoding_format' must be a string, 'float' or 'base64', got number"),
+    ({"model": "embed", "input": "x", "encoding_format": False}, 400, "encoding_format", "got boolean"),
+    ({"model": "embed", "input": "x", "dimensions": "384"}, 400, "dimensions",
+     "'dimensions' is \"384\" (a string); it must be a positive integer"),
+    ({"model": "embed", "input": "x", "user": 7}, 400, "user", "'user' must be a string, got number"),
     ({"model": "embed", "input": ["ok", 3.5]}, 400, "input", "'input'[1] is 3.5; 'input' must be a string or a list"),
     ({"model": "embed", "input": "x", "encoding_format": "int8"}, 400, "encoding_format", "allowed: 'float', 'base64'"),
     ({"model": "embed", "input": "x", "dimensions": 256}, 400, "dimensions", "gives embeddings of 384 dimensions only"),

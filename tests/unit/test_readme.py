@@ -112,3 +112,13 @@ def test_every_module_and_flag_of_a_python_command_in_the_docs_exists():
         source = module.read_text()
         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2)):
             assert f'"{flag}"' in source, f"{page}: python -m {m.group(1)} has no flag {flag}"
+
+
+def test_the_shipped_models_table_gives_each_models_placement_as_its_config_says(prepared_engines):
+    """docs/models.md's table of the models ``make models`` writes: placement ``pipeline`` for a
+    pipeline model, else its ``deployment.mode`` (``pool`` or ``dedicated``)."""
+    table = (ROOT / "docs" / "models.md").read_text().split("| model | placement |", 1)[1].split("\n\n", 1)[0]
+    shown = dict(re.findall(r"^\| `([^`]+)` \| (\w+) \|", table, re.M))
+    repository = ModelRepository(prepared_engines)
+    assert shown == {e.name: "pipeline" if e.config.pipeline else e.config.deployment.mode
+                     for e in repository.entries()}

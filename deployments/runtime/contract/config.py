@@ -505,12 +505,31 @@ def completed_config(given: ModelConfigFile, fields: dict[str, Any], path: Path)
     return _validated(ModelConfig, {**given.model_dump(exclude_unset=True), "name": given.name, **fields}, path)
 
 
+def read_yaml(path: Path) -> Any:
+    """The value of the YAML file at ``path``.
+
+    Raises:
+        ConfigError: unreadable, or not YAML: one line naming the file's own line and column
+            (``path:3:7: cannot read YAML: ...``), not PyYAML's ``"<unicode string>", line 1``.
+    """
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read YAML ({e.strerror or e})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        context = f" ({e.context} at line {e.context_mark.line + 1})" if e.context and e.context_mark else ""
+        raise ConfigError(f"{where}: cannot read YAML: {e.problem or e.context}{context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: cannot read YAML: {' '.join(str(e).split())}") from None
+
+
 def _raw(path: Path) -> dict[str, Any]:
     """The mapping in the YAML file at ``path``, ``name`` defaulting to its folder's name."""
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: cannot read YAML ({e})") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     raw.setdefault("name", path.parent.name)
