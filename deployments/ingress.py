@@ -42,7 +42,7 @@ from .readiness import ReadinessWatch
 from .openai_routes import OpenAIRoutes
 from .repository_routes import RepositoryRoutes
 from .routes import RouterOptions, router_observer
-from .runtime.contract.repository import ModelRepository
+from .runtime.contract.repository import ModelEntry, ModelRepository
 from .states import Status
 
 

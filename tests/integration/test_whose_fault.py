@@ -11,7 +11,6 @@ An application ("faults", under /faults) serves a small repository with explicit
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest

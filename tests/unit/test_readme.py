@@ -16,7 +16,7 @@ from starlette.routing import Match
 
 from deployments.app import AppArgs
 from deployments.check import reference
-from deployments.runtime.contract.config import ModelConfig, ModelConfigFile
+from deployments.runtime.contract.config import ModelConfigFile
 from deployments.runtime.contract.repository import ModelRepository
 from tests.unit.test_links import PAGES, ROOT
 from tests.unit.test_router_routes import make_router
