@@ -28,7 +28,7 @@ from .observe.deployment import observe_replica_infer, replica_recorder
 from .protocol.errors import errors_as_values
 from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
 from .runtime.backends.gpu_memory import process_gpu_bytes
-from .runtime.contract.errors import ModelNotReady
+from .runtime.contract.errors import replaced_version
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.gate import Gate
 from .runtime.residency.host import ModelHost
@@ -117,9 +117,7 @@ class ModelDeployment:
         """
         with self.admission.request(), self.gate.request():  # an unload waits for the requests inside
             if version is not None and version != self.host.version:
-                raise ModelNotReady(f"model '{self.host.name}' version {version} is no longer served by this "
-                                    f"replica: a load replaced it with version {self.host.version}; "
-                                    "send the request again")
+                raise replaced_version(self.host.name, version, f"version {self.host.version}")
             return await self._infer(inputs, outputs)
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:

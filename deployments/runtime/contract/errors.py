@@ -136,6 +136,14 @@ def unloaded_model(name: str, reason: str | None = None) -> ModelNotReady:
                          f"POST /v2/repository/models/{name}/load loads it")
 
 
+def replaced_version(name: str, asked: int, served: str) -> ModelNotReady:
+    """``ModelNotReady`` for a request labelled with version ``asked`` of model ``name`` that
+    reaches a replica where a load replaced that version (``served``: what serves now, e.g.
+    "version 2"); never run on another version's engine."""
+    return ModelNotReady(f"model '{name}' version {asked} is no longer served by this replica: a load replaced "
+                         f"it with {served}; send the request again")
+
+
 def unreadable_model_file(name: str, reader: str, error: BaseException) -> LoadFault:
     """``LoadFault`` (500: the server's fault, not the client's) for a model file that
     ``reader`` (``"ONNX Runtime"``, ``"onnx"``) could not read: missing, truncated, damaged.

@@ -86,7 +86,8 @@ from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
 from ..contract.config import CacheOptions
-from ..contract.errors import ConfigError, ModelNotReady, OverBudget, ServingError, unknown_model, unloaded_model
+from ..contract.errors import (ConfigError, ModelNotReady, OverBudget, ServingError, replaced_version, unknown_model,
+                               unloaded_model)
 from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
@@ -331,9 +332,7 @@ class ModelCache:
         if host is not expected or (version is not None and host.version != version):
             self._release(name)
             served = f"version {host.version}" if host is expected else "a new reading of its folder"
-            raise ModelNotReady(f"model '{name}' version {version if version is not None else expected.version} is "
-                                f"no longer served by this replica: a load replaced it with {served}; "
-                                "send the request again")
+            raise replaced_version(name, version if version is not None else expected.version, served)
         loop = asyncio.get_running_loop()
 
         def run() -> dict[str, np.ndarray]:
