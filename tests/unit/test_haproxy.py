@@ -784,9 +784,9 @@ def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
     processes.append(subprocess.Popen([_real_haproxy(), "-db", "-f", str(tmp_path / "pool.cfg")]))
     try:
         _until(lambda: all(_get(port, "/") is not None for port in ports.values()), 60)
-        # HAProxy's own view: every pool server UP (its health checks pass, rise 2), read from
-        # its stats page, however long a busy machine takes
-        _until(lambda: _servers_up(stats) >= set(ports), 60)
+        # HAProxy's own view: every server of the lab UP (its health checks pass, rise 2), the
+        # pool's, the router's and ocr's, read from its stats page, however long a busy machine takes
+        _until(lambda: _all_servers_up(stats) and _servers_up(stats) >= set(ports), 60)
         yield front
     finally:
         for process in processes:
@@ -812,13 +812,25 @@ def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_
         assert _get(front, "/v2/models/ocr/ready") == (200, b"ocr")
 
 
-def _servers_up(stats_port: int) -> set[str]:
-    """The servers HAProxy's stats page (CSV) lists UP ({} while it does not answer)."""
+def _server_states(stats_port: int) -> dict[tuple[str, str], str]:
+    """(backend, server) -> status of every server HAProxy's stats page (CSV) lists ({} while it
+    does not answer)."""
     answer = _get(stats_port, "/stats;csv")
     if answer is None or answer[0] != 200:
-        return set()
+        return {}
     rows = [line.split(",") for line in answer[1].decode().splitlines() if not line.startswith("#")]
-    return {row[1] for row in rows if len(row) > 17 and row[17].startswith("UP")}
+    return {(row[0], row[1]): row[17] for row in rows if len(row) > 17 and row[1] not in ("FRONTEND", "BACKEND")}
+
+
+def _servers_up(stats_port: int) -> set[str]:
+    """The names of the servers HAProxy lists UP."""
+    return {server for (_, server), status in _server_states(stats_port).items() if status.startswith("UP")}
+
+
+def _all_servers_up(stats_port: int) -> bool:
+    """Whether HAProxy lists servers and every one is UP."""
+    states = _server_states(stats_port)
+    return bool(states) and all(status.startswith("UP") for status in states.values())
 
 
 def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
