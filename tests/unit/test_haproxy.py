@@ -769,10 +769,10 @@ def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, pr
 
 
 @contextlib.contextmanager
-def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
+def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[tuple[int, int]]:
     """The real HAProxy on the rewritten config of a pool with servers ``ports`` (name -> port),
-    a router and ``ocr``, each a small server answering with its name; yields the front port
-    once every pool server is up."""
+    a router and ``ocr``, each a small server answering with its name; yields the front and the
+    stats ports once every server is up."""
     router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
     config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
     config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
@@ -787,7 +787,7 @@ def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[int]:
         # HAProxy's own view: every server of the lab UP (its health checks pass, rise 2), the
         # pool's, the router's and ocr's, read from its stats page, however long a busy machine takes
         _until(lambda: _all_servers_up(stats) and _servers_up(stats) >= set(ports), 60)
-        yield front
+        yield front, stats
     finally:
         for process in processes:
             process.kill()
@@ -798,7 +798,7 @@ def test_haproxy_sends_each_pool_models_requests_to_one_replica_and_spreads_the_
     """On the real HAProxy with the rewritten config: every request for one pool model (its
     routes, any version) reaches the same pool replica, and 16 models spread over the three."""
     ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
-    with _pool_haproxy(tmp_path, ports) as front:
+    with _pool_haproxy(tmp_path, ports) as (front, _):
         chosen = {}
         for i in range(16):
             paths = [f"/v2/models/m{i}/ready", f"/v2/models/m{i}", f"/v2/models/m{i}/versions/2/ready"] * 3
@@ -836,13 +836,23 @@ def _all_servers_up(stats_port: int) -> bool:
 def _pool_models_replicas(tmp_path: Path, ports: dict[str, int], models: int) -> dict[str, str]:
     """On the real HAProxy with the rewritten config of a pool with servers ``ports`` (name ->
     port): the server each of ``models`` pool models' requests reach."""
-    with _pool_haproxy(tmp_path, ports) as front:
-        chosen = {}
-        for i in range(models):
-            answer = _get(front, f"/v2/models/m{i}/ready", timeout_s=60)
-            assert answer is not None and answer[0] == 200, answer
-            chosen[f"m{i}"] = answer[1].decode()
-        return chosen
+    with _pool_haproxy(tmp_path, ports) as (front, stats):
+        def read() -> dict[str, str]:
+            chosen = {}
+            for i in range(models):
+                answer = _get(front, f"/v2/models/m{i}/ready", timeout_s=60)
+                assert answer is not None and answer[0] == 200, answer
+                chosen[f"m{i}"] = answer[1].decode()
+            return chosen
+
+        # the ring of the servers all UP: a reading during which HAProxy marked a server down (a
+        # health check or a request that failed on a loaded machine) is taken again
+        for _ in range(5):
+            _until(lambda: _all_servers_up(stats), 60)
+            chosen = read()
+            if _all_servers_up(stats) and read() == chosen:
+                return chosen
+        raise AssertionError("HAProxy's servers did not stay UP through one reading of the models")
 
 
 def test_a_pool_replica_that_goes_moves_only_its_own_models(tmp_path):
