@@ -21,6 +21,8 @@ import functools
 import json
 from typing import Any
 
+import numpy as np
+
 from ray import serve
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -33,6 +35,13 @@ from deployments.protocol.binary import HEADER_LENGTH
 APP_NAME = "echo"
 ROUTE_PREFIX = "/echo"
 OUTPUT = b"\x00\x00\x00\x00"  # one FP32 zero
+
+
+def expected():
+    """What every echo answer holds (``bench.loadgen.Expected``): ``echo``, FP32 [1], zero."""
+    from bench.loadgen import Expected
+
+    return Expected.of({"echo": np.zeros(1, np.float32)}, {"echo": "FP32"})
 
 
 @functools.lru_cache(maxsize=256)

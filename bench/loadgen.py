@@ -11,6 +11,14 @@ errors are counted apart by status: ``503`` is a request shed as it should be, w
 ``Retry-After`` and a ``{"error": ...}`` body, after which the worker waits ``Retry-After``
 seconds as a polite client does; a bare 503 is counted apart).
 
+A workload that carries an ``Expected`` has its answers checked, not only their status: every
+200 is parsed (``tritonclient.http.InferResult``, JSON or binary) and each expected output's
+datatype, shape and byte count checked; every ``sample_every``-th answer of a worker also has
+its values compared with a reference computed apart (``expected_from_onnx``: the model file
+run in-process by ONNX Runtime). A 200 that fails a check counts as an error
+(``wrong answer: ...``), never as a success: a server answering 200 with empty outputs
+scores zero.
+
 Several workloads can run at once (``run``), e.g. two models together; ``processes > 1``
 splits every workload's workers across that many client processes (one event loop each) so
 the client is not the bottleneck on a many-core machine.
@@ -27,6 +35,7 @@ import json
 import multiprocessing
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -37,32 +46,109 @@ SWEEP = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
+class Expected:
+    """What every answer to a workload must hold.
+
+    ``outputs``: name -> (KServe v2 datatype, shape) of each output the answer must carry;
+    ``values``: name -> the reference array a sampled answer's output must equal (within
+    ``rtol`` / ``atol``; BYTES exactly); ``sample_every``: one answer in this many per worker
+    has its values compared (the first one included).
+    """
+
+    outputs: dict[str, tuple[str, tuple[int, ...]]]
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    rtol: float = 1e-4
+    atol: float = 1e-4
+    sample_every: int = 16
+
+    @classmethod
+    def of(cls, values: dict[str, np.ndarray], datatypes: dict[str, str], **kwargs) -> "Expected":
+        """Every output of ``values`` expected with its shape, and compared when sampled."""
+        return cls({n: (datatypes[n], tuple(v.shape)) for n, v in values.items()}, values, **kwargs)
+
+    def problem(self, body: bytes, headers, compare: bool) -> str | None:
+        """What is wrong with a 200 answer's ``body`` (None: nothing); ``compare``: check the
+        values too."""
+        from tritonclient.http import InferResult
+        from tritonclient.utils import triton_to_np_dtype
+
+        length = headers.get(HEADER_LENGTH)
+        try:
+            result = InferResult.from_response_body(body, header_length=int(length) if length else None)
+            described = {o["name"]: o for o in result.get_response().get("outputs", [])}
+            for name, (datatype, shape) in self.outputs.items():
+                out = described.get(name)
+                if out is None:
+                    return f"no output {name!r} (answered: {sorted(described)})"
+                if out.get("datatype") != datatype or tuple(out.get("shape", ())) != shape:
+                    return (f"output {name!r} is {out.get('datatype')} {out.get('shape')}, "
+                            f"expected {datatype} {list(shape)}")
+                size = (out.get("parameters") or {}).get("binary_data_size")
+                if datatype != "BYTES" and size is not None:
+                    want = int(np.prod(shape)) * np.dtype(triton_to_np_dtype(datatype)).itemsize
+                    if size != want:
+                        return f"output {name!r} carries {size} bytes, expected {want}"
+                array = result.as_numpy(name)
+                if array is None or array.shape != shape:
+                    got = None if array is None else list(array.shape)
+                    return f"output {name!r} carries data of shape {got}, expected {list(shape)}"
+                reference = self.values.get(name)
+                if compare and reference is not None:
+                    if datatype == "BYTES":
+                        same = [bytes(a) for a in array.ravel()] == [bytes(b) for b in reference.ravel()]
+                    else:
+                        same = np.allclose(array, reference, rtol=self.rtol, atol=self.atol)
+                    if not same:
+                        return f"output {name!r} differs from the reference"
+        except Exception as e:  # an answer the client cannot parse is a wrong answer
+            return f"unparseable answer ({type(e).__name__}: {e})"
+        return None
+
+
+def expected_from_onnx(model_file: str, inputs: dict[str, np.ndarray] | np.ndarray, **kwargs) -> Expected:
+    """The reference answer for ``inputs`` (one array: the model's first input):
+    ``model_file`` run in-process by ONNX Runtime on the CPU, every output expected (its
+    datatype from the array)."""
+    import onnxruntime
+    from tritonclient.utils import np_to_triton_dtype
+
+    session = onnxruntime.InferenceSession(model_file, providers=["CPUExecutionProvider"])
+    if isinstance(inputs, np.ndarray):
+        inputs = {session.get_inputs()[0].name: inputs}
+    names = [o.name for o in session.get_outputs()]
+    values = dict(zip(names, session.run(names, inputs)))
+    return Expected.of(values, {n: np_to_triton_dtype(v.dtype) for n, v in values.items()}, **kwargs)
+
+
+@dataclass(frozen=True)
 class Workload:
-    """One endpoint and the request replayed against it (body built once)."""
+    """One endpoint and the request replayed against it (body built once); ``expected``: what
+    its answers must hold (None: only the status is checked)."""
 
     label: str
     url: str
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
+    expected: Expected | None = None
 
 
 def make_workload(label: str, base_url: str, model: str, input_name: str, x: np.ndarray,
-                  binary: bool = False, datatype: str = "FP32") -> Workload:
+                  binary: bool = False, datatype: str = "FP32", expected: Expected | None = None) -> Workload:
     """A KServe v2 infer request for one input tensor ``x``.
 
     ``binary``: input and outputs as Triton binary tensor data (``Inference-Header-Content-Length``);
-    else JSON ``data`` in and out.
+    else JSON ``data`` in and out. ``expected``: what its answers must hold.
     """
     url = f"{base_url.rstrip('/')}/v2/models/{model}/infer"
     tensor = {"name": input_name, "shape": list(x.shape), "datatype": datatype}
     if not binary:
         body = json.dumps({"inputs": [{**tensor, "data": x.ravel().tolist()}]}).encode()
-        return Workload(label, url, body, {"Content-Type": "application/json"})
+        return Workload(label, url, body, {"Content-Type": "application/json"}, expected)
     raw = np.ascontiguousarray(x).tobytes()
     head = json.dumps({"inputs": [{**tensor, "parameters": {"binary_data_size": len(raw)}}],
                        "parameters": {"binary_data_output": True}}).encode()
     return Workload(label, url, head + raw,
-                    {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))})
+                    {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(head))}, expected)
 
 
 @dataclass
@@ -98,6 +184,8 @@ class _Samples:
 async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples) -> None:
     import aiohttp
 
+    expected = workload.expected
+    answers = 0
     while True:
         retry_after_s = None
         sent = time.perf_counter()
@@ -111,6 +199,11 @@ async def _worker(session, workload: Workload, start: float, stop: float, sample
                     retry_after_s = float(response.headers["Retry-After"])
                 elif status == "503":
                     status = "503 without Retry-After or error body"
+                elif status == "200" and expected is not None:
+                    problem = expected.problem(body, response.headers, answers % expected.sample_every == 0)
+                    answers += 1
+                    if problem is not None:
+                        status = f"wrong answer: {problem}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             status = type(e).__name__
         done = time.perf_counter()
@@ -227,13 +320,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--processes", type=int, default=1, help="client processes")
+    parser.add_argument("--reference", default="auto",
+                        help="ONNX file whose in-process output every answer is checked against (shape and size "
+                             "of each, values of a sample); auto: engines/<model>/1/model.onnx if there; none: "
+                             "status only")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
 
     shape = tuple(int(d) for d in args.shape.split(","))
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     name = args.input_name or _input_name(args.url, args.model)
-    workload = make_workload(args.model, args.url, args.model, name, x, args.binary)
+    reference = args.reference
+    if reference == "auto":
+        candidate = Path(__file__).resolve().parents[1] / "engines" / args.model / "1" / "model.onnx"
+        reference = str(candidate) if candidate.exists() else "none"
+    expected = None if reference == "none" else expected_from_onnx(reference, {name: x})
+    workload = make_workload(args.model, args.url, args.model, name, x, args.binary, expected=expected)
     levels = [int(c) for c in args.concurrency.split(",")]
     results = sweep(workload, levels, args.duration_s, args.warmup_s, args.processes)
     print(f"{'concurrency':>11} {'QPS':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'errors':>6}")

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-from bench.loadgen import Result, make_workload, run
+from bench.loadgen import Result, expected_from_onnx, make_workload, run
 from bench.throughput import ROOT, SHAPES, Server, _wait_ready, free_port
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -119,11 +119,12 @@ def sweep_all(servers: dict[str, Any], models: Sequence[str], repository: Path, 
     """Every model at every level, each level on every server in turn."""
     rows = []
     for model in models:
-        name, _, _ = _model_inputs(repository, model)
+        name, onnx_path, _ = _model_inputs(repository, model)
         x = np.random.default_rng(0).random(SHAPES[model], dtype=np.float32)
+        expected = expected_from_onnx(str(onnx_path), {name: x})  # answers checked, not only statuses
         for c in levels:
             for server, s in servers.items():
-                workload = make_workload(f"{server}:{model}", s.url, model, name, x, binary=True)
+                workload = make_workload(f"{server}:{model}", s.url, model, name, x, binary=True, expected=expected)
                 r = run([(workload, c)], duration_s, warmup_s, processes)[0]
                 rows.append({"server": server, "model": model, **r.__dict__})
                 print(f"{server:>7} {model:>9} c={c:<4} {r.qps:8.1f} QPS  p50 {r.p50_ms or 0:8.1f} ms  "

@@ -83,7 +83,7 @@ import numpy as np
 import yaml
 
 from bench import batch_trace, echo, gpu_standin
-from bench.loadgen import Result, Workload, make_workload, run, split_clients, sweep
+from bench.loadgen import Expected, Result, Workload, expected_from_onnx, make_workload, run, split_clients, sweep
 from bench.replicas import CpuSampler, cpu_seconds, replica_pids
 from deployments import loopback
 
@@ -98,6 +98,7 @@ SHAPES = {
 }
 # The OCR pipeline's input: a real PNG (3 lines of text), sent as JSON base64 BYTES.
 OCR_IMAGE = ROOT / "tests" / "data" / "ocr_sample.png"
+OCR_LINES = ("Hello World 2026", "The quick brown fox")  # drawn into OCR_IMAGE by tests/data/make_ocr_sample.py
 BATCHED_SUFFIX = "_batched"
 PADDED_SUFFIX = "_padded"  # batched, padded to the preferred sizes (pad_to_preferred: true)
 RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
@@ -411,12 +412,16 @@ class Server:
 
 
 def ocr_workload(label: str, base_url: str) -> Workload:
-    """The OCR pipeline on ``OCR_IMAGE``: one PNG per request (JSON, base64 BYTES), text out."""
+    """The OCR pipeline on ``OCR_IMAGE``: one PNG per request (JSON, base64 BYTES), text out;
+    every answer must read the image's lines (``OCR_LINES``)."""
     data = base64.b64encode(OCR_IMAGE.read_bytes()).decode()
     body = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
                                    "parameters": {"content_type": "base64"}, "data": [data]}],
                        "outputs": [{"name": "text"}]}).encode()
-    return Workload(label, f"{base_url.rstrip('/')}/v2/models/ocr/infer", body, {"Content-Type": "application/json"})
+    lines = np.array([line.encode() for line in OCR_LINES], dtype=object)
+    expected = Expected.of({"text": lines}, {"text": "BYTES"}, sample_every=1)
+    return Workload(label, f"{base_url.rstrip('/')}/v2/models/ocr/infer", body,
+                    {"Content-Type": "application/json"}, expected)
 
 
 # --- scenarios -------------------------------------------------------------------------------
@@ -431,6 +436,7 @@ class Bench:
         self.input_names = {m: c["inputs"][0]["name"] for m, c in configs.items()}
         self.pipelines = {m for m, c in configs.items() if c.get("pipeline")}
         self.backend = args.backend
+        self._expected: dict[str, Expected] = {}
 
     def workload(self, server: Server | Endpoint, model: str, binary: bool = True, prefix: str = "",
                  label: str | None = None) -> Workload:
@@ -438,7 +444,19 @@ class Bench:
         if base == "ocr":
             return ocr_workload(label or f"{server.kind}:{model}", server.url + prefix)
         return make_workload(label or f"{server.kind}:{model}", server.url + prefix, model,
-                             self.input_names[model], self.inputs[base], binary)
+                             self.input_names[model], self.inputs[base], binary, expected=self.expected(server, base))
+
+    def expected(self, server: Server | Endpoint, base: str) -> Expected:
+        """What each answer of ``base``'s workload must hold: the echo's fixed answer, else the
+        model file's own output for ``self.inputs[base]`` (``loadgen.expected_from_onnx``;
+        GPU answers within TF32's tolerance)."""
+        if server.kind == "echo":
+            return echo.expected()
+        if base not in self._expected:
+            tolerance = 1e-2 if self.backend != "onnxruntime" else 1e-4
+            model_file = ROOT / "engines" / base / "1" / "model.onnx"
+            self._expected[base] = expected_from_onnx(str(model_file), self.inputs[base], rtol=tolerance, atol=tolerance)
+        return self._expected[base]
 
     def measure(self, plan: list[tuple[Workload, int]], duration_s: float | None = None) -> list[Result]:
         a = self.args
@@ -668,12 +686,14 @@ class Bench:
             for one_hop in (False, True):
                 with Server("ray", repo, a.ray_config, replicas=r, backend=self.backend, app_args=app_args,
                             echo=not one_hop, one_hop=one_hop) as server:
-                    pooled = [make_workload(f"pool:{c}", server.url, c, name, x, True) for c in copies]
+                    expected = self.expected(server, model)
+                    pooled = [make_workload(f"pool:{c}", server.url, c, name, x, True, expected=expected) for c in copies]
                     self._place_copies(pooled)
-                    dedicated = [make_workload("model", server.url, model, name, x, True)]
+                    dedicated = [make_workload("model", server.url, model, name, x, True, expected=expected)]
                     paths = {"pool_one_hop": (pooled, "pool"), "one_hop": (dedicated, f"model-{model}")} if one_hop else {
                         "pool": (pooled, "pool"), "two_hop": (dedicated, f"model-{model}"),
-                        "echo": ([make_workload("echo", server.echo_endpoint.url, model, name, x, True)], None)}
+                        "echo": ([make_workload("echo", server.echo_endpoint.url, model, name, x, True,
+                                                  expected=echo.expected())], None)}
                     for c in a.pool_concurrency:
                         for path, (workloads, backend) in paths.items():
                             row = self._pool_point(server, path, workloads, backend, r, c)
