@@ -123,13 +123,20 @@ def expected_from_onnx(model_file: str, inputs: dict[str, np.ndarray] | np.ndarr
 @dataclass(frozen=True)
 class Workload:
     """One endpoint and the request replayed against it (body built once); ``expected``: what
-    its answers must hold (None: only the status is checked)."""
+    its answers must hold (None: only the status is checked). ``alternatives``: more
+    ``(body, expected)`` requests to the same URL; each worker then cycles through all of them,
+    from its own starting point (a mix of requests, e.g. short and long texts)."""
 
     label: str
     url: str
     body: bytes
     headers: dict[str, str] = field(default_factory=dict)
     expected: Expected | None = None
+    alternatives: tuple[tuple[bytes, Expected | None], ...] = ()
+
+    def requests(self) -> list[tuple[bytes, Expected | None]]:
+        """Every ``(body, expected)`` this workload sends."""
+        return [(self.body, self.expected), *self.alternatives]
 
 
 def make_workload(label: str, base_url: str, model: str, input_name: str, x: np.ndarray,
@@ -181,31 +188,34 @@ class _Samples:
     errors: dict[str, int] = field(default_factory=dict)
 
 
-async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples) -> None:
+async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples,
+                  first: int = 0) -> None:
     import aiohttp
 
-    expected = workload.expected
+    requests = workload.requests()
     answers = 0
     while True:
         retry_after_s = None
+        body, expected = requests[(first + answers) % len(requests)]
         sent = time.perf_counter()
         if sent >= stop:
             return
         try:
-            async with session.post(workload.url, data=workload.body, headers=workload.headers) as response:
-                body = await response.read()
+            async with session.post(workload.url, data=body, headers=workload.headers) as response:
+                answer = await response.read()
                 status = str(response.status)
-                if status == "503" and is_shed(response.headers, body):
+                if status == "503" and is_shed(response.headers, answer):
                     retry_after_s = float(response.headers["Retry-After"])
                 elif status == "503":
                     status = "503 without Retry-After or error body"
                 elif status == "200" and expected is not None:
-                    problem = expected.problem(body, response.headers, answers % expected.sample_every == 0)
-                    answers += 1
+                    sampled = answers // len(requests) % expected.sample_every == 0
+                    problem = expected.problem(answer, response.headers, sampled)
                     if problem is not None:
                         status = f"wrong answer: {problem}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             status = type(e).__name__
+        answers += 1
         done = time.perf_counter()
         if start <= done <= stop:  # completed in the window (sent before it, too, under a long queue)
             if status == "200":
@@ -231,9 +241,9 @@ async def _closed_loop(plan: Sequence[tuple[Workload, int]], warmup_s: float,
     samples = [_Samples() for _ in plan]
     try:
         await asyncio.gather(*(
-            _worker(session, workload, start, stop, s)
+            _worker(session, workload, start, stop, s, first)
             for (workload, concurrency), session, s in zip(plan, sessions, samples)
-            for _ in range(concurrency)))
+            for first in range(concurrency)))
     finally:
         for session in sessions:
             await session.close()
