@@ -30,6 +30,7 @@ import binascii
 import json
 import mmap
 import os
+import stat
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -178,17 +179,23 @@ def system_region(name: str, body: Any) -> Region:
 
 
 def _object_size(path: Path, key: str) -> int:
-    """The size of the shared-memory object at ``path``.
+    """The size of the shared-memory object at ``path``, a regular file (a symbolic link is not
+    followed, as glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a link in ``/dev/shm`` must not
+    lead the server to read or write another file).
 
     Raises:
         SharedMemoryError: it cannot be opened here (Triton's words, then why).
     """
     try:
-        return path.stat().st_size
+        status = path.lstat()
     except OSError:
         raise SharedMemoryError(
             f"Unable to open shared memory region: '{key}'; {path} does not exist on this node: create it "
             "first (tritonclient.utils.shared_memory.create_shared_memory_region), on the server's host") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise SharedMemoryError(f"Unable to open shared memory region: '{key}'; {path} is not a shared-memory "
+                                "object (a symbolic link or a folder)")
+    return status.st_size
 
 
 def cuda_region(name: str, body: Any) -> Region:
@@ -305,7 +312,7 @@ class _Mapping:
     def __init__(self, region: Region) -> None:
         path = key_path(region.name, region.key)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             raise SharedMemoryError(
                 f"Unable to open shared memory region: '{region.key}'; region '{region.name}' is registered, but "

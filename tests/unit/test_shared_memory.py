@@ -112,6 +112,22 @@ def test_a_key_outside_dev_shm_or_absent_is_refused_with_tritons_words(memory, b
     assert memory.registry.status(SYSTEM) == []
 
 
+def test_a_symbolic_link_in_dev_shm_is_not_followed(memory, key, tmp_path):
+    target = tmp_path / "secret"
+    target.write_bytes(bytes(64))
+    link = key_path("r", key).with_name(f"{key_path('r', key).name}_link")
+    link.symlink_to(target)
+    try:
+        with pytest.raises(SharedMemoryError, match=f"^Unable to open shared memory region: '/{link.name}'; {link} is "
+                                                    "not a shared-memory object"):
+            memory.registry.register(SYSTEM, "r", {"key": f"/{link.name}", "byte_size": 8})
+        memory.store.add(Region("r", SYSTEM, 8, key=f"/{link.name}"))  # were it registered: not opened either
+        with pytest.raises(SharedMemoryError, match="^Unable to open shared memory region"):
+            decode_request(request([shm_input("A", "r", 8, datatype="INT8", shape=(8,))]), None, memory)
+    finally:
+        link.unlink()
+
+
 @pytest.mark.parametrize("body, words", [
     ({"offset": 0, "byte_size": 8}, "Shared memory register request has no 'key' field"),
     ({"key": "K"}, "Shared memory register request has no 'byte_size' field"),
