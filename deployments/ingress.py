@@ -8,6 +8,7 @@ Routes (Open Inference Protocol, plus Triton's repository index), by the module 
     POST /v2/repository/index, /v2/repository/models/{name}/load|unload           ``repository_routes`` (router only)
     GET  /v2/memory                                                               ``repository_routes`` (router only)
     POST /v1/embeddings, GET /v1/models[/{model}] (OpenAI-compatible)             ``openai_routes`` (router only)
+    GET|POST /v2/systemsharedmemory|cudasharedmemory/...  (Triton's shared memory) ``shared_memory_routes`` (router only)
 Infer speaks JSON and Triton's binary tensor data extension (``protocol.binary``); request
 bodies may be gzip/deflate compressed and responses are, as Accept-Encoding asks (``protocol.compression``).
 Every error answers ``{"error": "..."}`` with the status from ``protocol.errors``.
@@ -40,16 +41,19 @@ from .loopback import replica_grpc_on_loopback
 from .logs import ready_line, ready_logger, show_on_terminal
 from .readiness import ReadinessWatch
 from .openai_routes import OpenAIRoutes
+from .regions import process_shared_memory
 from .repository_routes import RepositoryRoutes
 from .routes import RouterOptions, router_observer
+from .shared_memory_routes import SharedMemoryRoutes
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .states import Status
 
 
-class RouterApp(OpenAIRoutes, RepositoryRoutes, ReadinessWatch):
+class RouterApp(SharedMemoryRoutes, OpenAIRoutes, RepositoryRoutes, ReadinessWatch):
     """The router's routes without Ray: the KServe v2 route table (``routes.V2Routes``, whose
     arguments it takes), the repository and model-control routes (``RepositoryRoutes``), the
-    OpenAI-compatible embeddings routes (``OpenAIRoutes``) and readiness watching
+    OpenAI-compatible embeddings routes (``OpenAIRoutes``), Triton's shared-memory routes
+    (``SharedMemoryRoutes``, over ``shared_memory``) and readiness watching
     (``ReadinessWatch``), over a model repository and a ``ModelClient``."""
 
 
@@ -89,6 +93,7 @@ class Router(RouterApp):
         super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()
         replica_grpc_on_loopback()
+        self.shared_memory = process_shared_memory()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._announce_when_ready())
         self._watcher = loop.create_task(self.watch_replicas())

@@ -150,7 +150,8 @@ class PoolDeployment:
         """
         run = functools.partial(self._run, serve.get_multiplexed_model_id() if key is None else key,
                                 version=int(version))
-        return await answer_body(model, version, batched, chunks, header_length, run, default_timeout_s)
+        return await answer_body(model, version, batched, chunks, header_length, run, default_timeout_s,
+                                 self.routes.shared_memory)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

@@ -13,6 +13,7 @@ from .adapters import PoolAdapter, ReplicaAdapter
 from .client import handle, model_application, router_application
 from .control import Desired, Follower, follow
 from .observe.router import RouterObserver
+from .regions import process_shared_memory
 from .routes import RouterOptions, V2Routes, router_observer
 from .runtime.contract.errors import ConfigError, LoadFault, ModelNotFound, ModelNotReady, ServingError
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -130,10 +131,12 @@ def pool_routes(repo: ModelRepository, pool_models: Iterable[str], infer_body: C
                 metrics: dict[str, Any] | None, initial: Desired | None, router_app: str) -> PoolRoutes:
     """In a pool replica: the ``PoolRoutes`` of ``repo`` (every served model) for ``pool_models``,
     run by ``infer_body`` (``PoolDeployment.infer_body``) and described by ``states``
-    (``PoolDeployment.models``), beside router application ``router_app``."""
+    (``PoolDeployment.models``), beside router application ``router_app``, with this process's
+    ``SharedMemory`` (``regions.process_shared_memory``)."""
     routes = PoolRoutes(repo, PoolAdapter(pool_models, infer_body, states), options,
                         router_observer(repo, metrics), initial)
     routes.router_app = router_app
+    routes.shared_memory = process_shared_memory()
     return routes
 
 
@@ -142,8 +145,10 @@ def own_routes(entry: ModelEntry, repo: ModelRepository, infer: Callable[..., Aw
                backend: str | None, apply: Callable[[Desired], dict[str, dict[str, Any]]]) -> ModelRoutes:
     """In a dedicated model's (or pipeline's) replica: its ``ModelRoutes``, marked loaded with
     ``backend`` (None: not loaded at start), following explicit model control through the
-    router application's control deployment with ``apply`` (``deployments.control.follow``)."""
+    router application's control deployment with ``apply`` (``deployments.control.follow``), with
+    this process's ``SharedMemory`` (``regions.process_shared_memory``)."""
     routes = ModelRoutes(entry, repo, infer, options, router_observer(repo, metrics), initial)
+    routes.shared_memory = process_shared_memory()
     if backend is not None:
         routes.model_loaded(backend)
     if initial is not None:

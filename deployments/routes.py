@@ -34,6 +34,7 @@ from .protocol.answer import answer, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import detached, error_status, retry_after_headers
+from .protocol.shared_memory import SharedMemory
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata, parse_json
 from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady,
@@ -43,14 +44,16 @@ from .states import LOADED, ModelStates, Status
 
 SERVER_NAME = "trt-serve"
 EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "classification",
-              "statistics"]
+              "statistics", "system_shared_memory", "cuda_shared_memory"]
 # A pool replica bounds a request's run itself (it decodes the request, so only it knows the
 # request's own parameters.timeout); the router's bound waits this much longer, as a backstop.
 POOL_TIMEOUT_GRACE_S = 5.0
 _MODEL_ROUTES = "/v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]"
 _SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/repository/index (lists the "
                   "models), POST /v2/repository/models/{name}/load|unload, GET /v2/models/stats, GET /v2/memory, "
-                  "GET /metrics, POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}")
+                  "GET /metrics, GET /v2/systemsharedmemory|cudasharedmemory[/region/{name}]/status, POST "
+                  "/v2/systemsharedmemory|cudasharedmemory[/region/{name}]/register|unregister, POST /v1/embeddings, "
+                  "GET /v1/models, GET /v1/models/{model}")
 # A request body that sends nothing for this long is answered 408 (the time between two
 # chunks, as nginx's client_body_timeout: a slow upload that keeps sending is not cut). HAProxy's
 # own `timeout http-request` (deployments/haproxy.py) covers only the headers and the first
@@ -111,10 +114,13 @@ class V2Routes:
     admits). ``follower``: there, under explicit model control, the replica's ``Follower``: its
     requests answer 503 until it has applied the desired state once (``Follower.synced``; the
     constructor awaits it, ``Follower.first_sync``, so only where the control replica was out of reach).
+    ``shared_memory``: this process's ``SharedMemory`` (``deployments.regions``), through which
+    the infer requests it decodes read and write tensors in shared memory (None: refused).
     """
 
     admission: Admission | None = None
     follower: Follower | None = None
+    shared_memory: SharedMemory | None = None
 
     def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
                  observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
@@ -458,7 +464,7 @@ class V2Routes:
                 return await self._call_model(entry.name, infer_request.inputs, infer_request.outputs,
                                               infer_request.timeout_s, entry.key(version), version)
 
-            done = await answer(entry.name, str(version), batched, chunks, header_length, run)
+            done = await answer(entry.name, str(version), batched, chunks, header_length, run, self.shared_memory)
         add_phases(request, done.compute_input_s, done.compute_output_s)
         return Response(done.content, headers=done.headers)
 

@@ -19,6 +19,7 @@ from ..runtime.contract.errors import InferenceTimeout
 from ..runtime.contract.outputs import parameters_of
 from .binary import decode_body, encode_response
 from .parameters import apply_classification
+from .shared_memory import SharedMemory
 from .v2 import InferRequest
 
 
@@ -34,38 +35,41 @@ class Answer:
 
 
 async def answer(model: str, version: str, batched: bool, chunks: list[bytes], header_length: str | None,
-                 run: Callable[[InferRequest], Awaitable[dict[str, np.ndarray]]]) -> Answer:
+                 run: Callable[[InferRequest], Awaitable[dict[str, np.ndarray]]],
+                 shm: SharedMemory | None = None) -> Answer:
     """Decode ``chunks`` (with the ``Inference-Header-Content-Length`` value ``header_length``),
     ``run`` the decoded request (its outputs by name), and encode the answer for model
     ``model`` at ``version``; ``batched``: the model's first dimension is the batch
-    (``max_batch_size > 0``), for ``classification``.
+    (``max_batch_size > 0``), for ``classification``. Inputs and outputs in shared memory are
+    read and written through ``shm`` (this process's; None: refused).
 
     Raises:
         InvalidInput: a malformed body or classification parameter (400).
+        SharedMemoryError: as ``SharedMemory.read_input`` and ``write_outputs`` (400).
         Exception: what ``run`` raises.
     """
     start = time.perf_counter()
-    request = decode_body(chunks, header_length)
+    request = decode_body(chunks, header_length, shm)
     decoded = time.perf_counter()
     outputs = await run(request)
     ran = time.perf_counter()
     parameters = parameters_of(outputs)  # the answer's own response parameters, if any
     outputs = apply_classification(model, batched, request.output_parameters, outputs)
-    content, headers = encode_response(model, version, request, outputs, parameters)
+    content, headers = encode_response(model, version, request, outputs, parameters, shm)
     return Answer(content, headers, decoded - start, time.perf_counter() - ran)
 
 
 async def answer_body(model: str, version: str, batched: bool, chunks: list[bytes], header_length: str | None,
                       infer: Callable[[dict[str, np.ndarray], list[str] | None], Awaitable[dict[str, np.ndarray]]],
-                      default_timeout_s: float) -> Answer:
+                      default_timeout_s: float, shm: SharedMemory | None = None) -> Answer:
     """``answer`` where the model runs: ``infer(inputs, outputs)`` within the request's own
     ``parameters.timeout`` where shorter than ``default_timeout_s``, else within
-    ``default_timeout_s`` (``within_timeout``)."""
+    ``default_timeout_s`` (``within_timeout``); ``shm`` as ``answer``'s."""
     async def run(request: InferRequest) -> dict[str, np.ndarray]:
         return await within_timeout(model, infer(request.inputs, request.outputs), request.timeout_s,
                                     default_timeout_s)
 
-    return await answer(model, version, batched, chunks, header_length, run)
+    return await answer(model, version, batched, chunks, header_length, run, shm)
 
 
 def request_bound(timeout_s: float | None, default_s: float) -> tuple[float, bool]:

@@ -26,12 +26,13 @@ import json
 import math
 import re
 import struct
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 import numpy as np
 
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.errors import InvalidInput
+from .parameters import SHARED_MEMORY_PARAMETERS
 from .v2 import (
     InferRequest,
     check_finite,
@@ -90,43 +91,73 @@ def join_body(chunks: list[bytes], header_length: int | None) -> Body:
     return memoryview(raw[start:pos]).cast("B")
 
 
-def decode_body(chunks: list[bytes], header_value: str | None) -> InferRequest:
+def decode_body(chunks: list[bytes], header_value: str | None, shm: TensorReader | None = None) -> InferRequest:
     """A request body as it arrived (its chunks) -> ``InferRequest``: the
     ``Inference-Header-Content-Length`` header is parsed once, then the chunks are joined
-    (``join_body``) and decoded (``decode_request``).
+    (``join_body``) and decoded (``decode_request``, inputs in shared memory read by ``shm``).
 
     Raises:
         InvalidInput: a malformed header length, or a body that does not follow the protocol.
     """
     length = parse_header_length(header_value, sum(len(c) for c in chunks))
-    return decode_request(join_body(chunks, length), length)
+    return decode_request(join_body(chunks, length), length, shm)
+
+
+class TensorReader(Protocol):
+    """Reads an input that lives in shared memory (``protocol.shared_memory.SharedMemory``)."""
+
+    def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
+                   params: Mapping[str, Any]) -> np.ndarray: ...
+
+
+_SOURCES = ("data", "binary_data_size", "shared_memory_region")
+
+
+def _one_source(obj: dict, params: Mapping[str, Any]) -> None:
+    """Raises InvalidInput unless an input gives exactly one of ``data``,
+    ``parameters.binary_data_size`` and ``parameters.shared_memory_region`` (Triton's words,
+    ``ValidateInputContentType``)."""
+    given = [s for s in _SOURCES if (s in obj if s == "data" else s in params)]
+    if len(given) != 1:
+        raise InvalidInput(
+            "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+            "'shared_memory_region' in 'parameters'. But " + (
+                "no field is set" if not given else "set " + " ".join(f"'{s}'" for s in given)))
 
 
 class _BinarySection:
-    """Reads input tensors from the binary section of a body, in order."""
+    """Reads input tensors from the binary section of a body, in order, or from shared memory
+    (``shm``; None: an input in shared memory is refused)."""
 
-    def __init__(self, data: memoryview, has_header: bool) -> None:
+    def __init__(self, data: memoryview, has_header: bool, shm: TensorReader | None = None) -> None:
         self.data = data
         self.offset = 0
         self.has_header = has_header
+        self.shm = shm
 
     def decode(self, obj: Any, index: int) -> tuple[str, np.ndarray]:
         """``inputs[index]`` -> (name, array): from the binary section when it has
-        ``parameters.binary_data_size``, else from its JSON ``data``.
+        ``parameters.binary_data_size``, from shared memory when it has
+        ``parameters.shared_memory_region``, else from its JSON ``data``.
 
         Raises:
-            InvalidInput: the size is not a non-negative integer, runs past the body or
-                disagrees with shape x datatype (the message gives both byte counts).
+            InvalidInput: more or less than one of them; the size is not a non-negative
+                integer, runs past the body or disagrees with shape x datatype (the message
+                gives both byte counts); as ``SharedMemory.read_input``.
         """
         params = obj.get("parameters") if isinstance(obj, dict) else None
-        if not isinstance(params, dict) or "binary_data_size" not in params:
+        if not isinstance(params, dict) or not ("binary_data_size" in params
+                                                or any(p in params for p in SHARED_MEMORY_PARAMETERS)):
             return decode_tensor(obj, index)
         name, where, datatype, shape, params = tensor_header(obj, index)
+        _one_source(obj, params)
+        if any(p in params for p in SHARED_MEMORY_PARAMETERS):
+            if self.shm is None:
+                raise InvalidInput(f"{where}: shared memory is not available on this path; send the data in the body")
+            return name, self.shm.read_input(where, datatype, shape, params).reshape(shape)
         size = params["binary_data_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer, got {size!r}"[:200])
-        if "data" in obj:
-            raise InvalidInput(f"{where}: give either 'data' or parameters.binary_data_size, not both")
         remaining = len(self.data) - self.offset
         if size > remaining:
             if not self.has_header:
@@ -138,12 +169,7 @@ class _BinarySection:
                 "data remain in the body")
         raw = self.data[self.offset:self.offset + size]
         self.offset += size
-        count = math.prod(shape)
-        if datatype == "BYTES":
-            array = _decode_bytes(where, raw, count)
-        else:
-            array = _decode_fixed(where, raw, datatype, shape, count)
-        return name, array.reshape(shape)
+        return name, tensor_from_bytes(where, raw, datatype, shape, "binary_data_size")
 
     def finish(self) -> None:
         """Raises InvalidInput when bytes are left over after the last binary input."""
@@ -154,13 +180,32 @@ class _BinarySection:
                 f"({self.offset} bytes declared by binary_data_size)")
 
 
-def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, ...], count: int) -> np.ndarray:
+def tensor_from_bytes(where: str, raw: memoryview, datatype: str, shape: tuple[int, ...], source: str) -> np.ndarray:
+    """A tensor of ``datatype`` and ``shape`` from its raw bytes (the binary tensor data
+    extension's layout; shared memory's is the same): a view of ``raw`` for a numeric datatype
+    (copied only when misaligned). ``source`` names the parameter that gave the bytes' size,
+    for messages.
+
+    Raises:
+        InvalidInput: the byte count is not shape x datatype, a BOOL byte is not 0 or 1, BYTES
+            lengths overrun.
+    """
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        array = _decode_bytes(where, raw, count, source)
+    else:
+        array = _decode_fixed(where, raw, datatype, shape, count, source)
+    return array.reshape(shape)
+
+
+def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, ...], count: int,
+                  source: str) -> np.ndarray:
     dtype = NUMPY_BY_DATATYPE[datatype].newbyteorder("<")
     expected = count * dtype.itemsize
     if len(raw) != expected:
         raise InvalidInput(
             f"input byte size mismatch for {where}. Expected {expected}, got {len(raw)}; {where}: shape "
-            f"{list(shape)} x {datatype} needs {expected} bytes, binary_data_size gives {len(raw)} bytes")
+            f"{list(shape)} x {datatype} needs {expected} bytes, {source} gives {len(raw)} bytes")
     if datatype == "BOOL":
         _check_bool_bytes(where, raw)
     array = np.frombuffer(raw, dtype=dtype, count=count)
@@ -179,48 +224,49 @@ def _check_bool_bytes(where: str, raw: memoryview) -> None:
             "tensor data extension allows only 0 (false) and 1 (true)")
 
 
-def _decode_bytes(where: str, raw: memoryview, count: int) -> np.ndarray:
+def _decode_bytes(where: str, raw: memoryview, count: int, source: str) -> np.ndarray:
     if count > len(raw) // _LENGTH_PREFIX.size:  # checked before allocating ``count`` slots
         raise InvalidInput(
             f"{where}: {count} BYTES elements need at least {count * _LENGTH_PREFIX.size} bytes "
-            f"(a 4-byte length each), binary_data_size gives {len(raw)} bytes")
+            f"(a 4-byte length each), {source} gives {len(raw)} bytes")
     out = np.empty(count, dtype=object)
     pos, end = 0, len(raw)
     for i in range(count):
         if pos + 4 > end:
             raise InvalidInput(
                 f"{where}: BYTES element {i} of {count} starts at byte {pos}, past the "
-                f"{end} bytes given by binary_data_size (each element is a 4-byte length, then its bytes)")
+                f"{end} bytes given by {source} (each element is a 4-byte length, then its bytes)")
         (length,) = _LENGTH_PREFIX.unpack_from(raw, pos)
         pos += 4
         if pos + length > end:
             raise InvalidInput(
                 f"{where}: BYTES element {i} says {length} bytes but only {end - pos} bytes remain "
-                f"of binary_data_size {end}")
+                f"of {source} {end}")
         out[i] = bytes(raw[pos:pos + length])
         pos += length
     if pos != end:
         raise InvalidInput(
-            f"{where}: {count} BYTES elements take {pos} bytes, binary_data_size gives {end} bytes")
+            f"{where}: {count} BYTES elements take {pos} bytes, {source} gives {end} bytes")
     return out
 
 
-def decode_request(body: Body, header_length: int | None) -> InferRequest:
+def decode_request(body: Body, header_length: int | None, shm: TensorReader | None = None) -> InferRequest:
     """An infer request body, JSON or binary, -> ``InferRequest``.
 
     Args:
         body: the whole request body (``join_body``'s result or plain bytes).
         header_length: the JSON header's length in bytes (``parse_header_length`` of the
             ``Inference-Header-Content-Length`` header), or None for plain JSON.
+        shm: reads the inputs in shared memory (None: such an input is refused).
 
     Raises:
         InvalidInput: the JSON or the binary section does not follow the protocol.
     """
     view = memoryview(body).cast("B")
     if header_length is None:
-        header, section = view, _BinarySection(view[:0], has_header=False)
+        header, section = view, _BinarySection(view[:0], has_header=False, shm=shm)
     else:
-        header, section = view[:header_length], _BinarySection(view[header_length:], has_header=True)
+        header, section = view[:header_length], _BinarySection(view[header_length:], has_header=True, shm=shm)
     try:
         parsed = parse_json(bytes(header))
     except InvalidInput as e:
@@ -262,7 +308,9 @@ def binary_outputs(request: InferRequest, names: Iterable[str]) -> set[str]:
     return chosen
 
 
-def _raw_bytes(array: np.ndarray) -> bytes | memoryview:
+def raw_bytes(array: np.ndarray) -> bytes | memoryview:
+    """An array's bytes as the binary tensor data extension lays them out (and shared memory):
+    row-major little-endian; BYTES as a 4-byte little-endian length then the bytes, per element."""
     if datatype_of(array) == "BYTES":
         parts = []
         for x in array.reshape(-1):
@@ -274,21 +322,47 @@ def _raw_bytes(array: np.ndarray) -> bytes | memoryview:
     return memoryview(little).cast("B")
 
 
+class OutputWriter(Protocol):
+    """Writes outputs into shared memory (``protocol.shared_memory.SharedMemory``)."""
+
+    def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]],
+                      outputs: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]: ...
+
+
+def _in_shared_memory(request: InferRequest, outputs: Mapping[str, np.ndarray],
+                      shm: OutputWriter | None) -> dict[str, dict[str, Any]]:
+    """The outputs written to shared memory by ``shm`` (output name -> the parameters its answer
+    echoes).
+
+    Raises:
+        InvalidInput: an output asks for shared memory where there is none (``shm`` None).
+        SharedMemoryError: as ``SharedMemory.write_outputs``.
+    """
+    if shm is not None:
+        return shm.write_outputs(request.output_parameters, outputs)
+    for name in outputs:
+        if "shared_memory_region" in request.output_parameters.get(name, {}):
+            raise InvalidInput(f"output '{name}': shared memory is not available on this path; ask for it in the body")
+    return {}
+
+
 def encode_response(model_name: str, model_version: str, request: InferRequest,
-                    outputs: Mapping[str, np.ndarray],
-                    parameters: Mapping[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
-    """Outputs -> (response body, response headers), binary where the request asks;
-    ``parameters``: the response's own (none when empty).
+                    outputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any] | None = None,
+                    shm: OutputWriter | None = None) -> tuple[bytes, dict[str, str]]:
+    """Outputs -> (response body, response headers), binary where the request asks, written to
+    shared memory where the request asks (``shm``: listed without data, their shared-memory
+    parameters echoed); ``parameters``: the response's own (none when empty).
 
     Raises:
         InvalidInput: a binary flag is not a boolean, or a JSON output holds NaN or Infinity
-            (binary outputs may; ``v2.check_finite``).
+            (binary and shared-memory outputs may; ``v2.check_finite``); as ``_in_shared_memory``.
     """
-    binary = binary_outputs(request, outputs)
-    if not binary:
+    in_shm = _in_shared_memory(request, outputs, shm)
+    binary = binary_outputs(request, [n for n in outputs if n not in in_shm])
+    if not binary and not in_shm:
         return encode_infer_response(model_name, model_version, request.id, outputs, parameters), {
             "content-type": JSON_MEDIA_TYPE}
-    check_finite(model_name, {n: a for n, a in outputs.items() if n not in binary})
+    check_finite(model_name, {n: a for n, a in outputs.items() if n not in binary and n not in in_shm})
     header: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
     if request.id is not None:
         header["id"] = request.id
@@ -296,8 +370,11 @@ def encode_response(model_name: str, model_version: str, request: InferRequest,
         header["parameters"] = dict(parameters)
     tensors, buffers = [], []
     for name, array in outputs.items():
-        if name in binary:
-            raw = _raw_bytes(array)
+        if name in in_shm:
+            tensors.append({"name": name, "datatype": datatype_of(array), "shape": list(array.shape),
+                            "parameters": in_shm[name]})
+        elif name in binary:
+            raw = raw_bytes(array)
             tensors.append({"name": name, "datatype": datatype_of(array), "shape": list(array.shape),
                             "parameters": {"binary_data_size": len(raw)}})
             buffers.append(raw)
@@ -305,4 +382,6 @@ def encode_response(model_name: str, model_version: str, request: InferRequest,
             tensors.append(encode_tensor(name, array))
     header["outputs"] = tensors
     head = json.dumps(header, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+    if not buffers:
+        return head, {"content-type": JSON_MEDIA_TYPE}
     return b"".join([head, *buffers]), {"content-type": BINARY_MEDIA_TYPE, HEADER_LENGTH: str(len(head))}

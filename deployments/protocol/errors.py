@@ -31,8 +31,10 @@ from ..runtime.contract.errors import (
     OverBudget,
     Overloaded,
     PayloadTooLarge,
+    RegionNotFound,
     RequestTimeout,
     ServingError,
+    SharedMemoryError,
     UnsupportedMediaType,
 )
 
@@ -54,7 +56,9 @@ def retry_after_s(estimate_s: float | None) -> float:
 
 STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InvalidInput: 400,
+    SharedMemoryError: 400,
     ModelNotFound: 404,
+    RegionNotFound: 404,
     MethodNotAllowed: 405,
     RequestTimeout: 408,
     PayloadTooLarge: 413,

@@ -9,11 +9,12 @@ extension_shared_memory.md (``shared_memory_region``, ``shared_memory_byte_size`
 ``sequence_end``), extension_schedule_policy.md (``priority``, ``timeout``); MLServer's
 ``content_type``.
 
-A parameter that would change the answer and that this server does not implement (shared memory,
-sequences) is refused with 400 naming it, never ignored; so is a parameter no one defines (it
+A parameter that would change the answer and that this server does not implement (sequences) is
+refused with 400 naming it, never ignored; so is a parameter no one defines (it
 can only be a mistake or a feature this server lacks). ``priority`` is accepted and has no
 effect: requests are served in arrival order, which changes no answer. ``timeout`` (microseconds)
-shortens the router's wait for the model (``InferRequest.timeout_s``).
+shortens the router's wait for the model (``InferRequest.timeout_s``). The shared-memory
+parameters are read where the tensors are (``protocol.binary``, ``protocol.shared_memory``).
 """
 
 from __future__ import annotations
@@ -24,17 +25,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..runtime.contract.datatypes import datatype_of
-from ..runtime.contract.errors import InvalidInput
+from ..runtime.contract.errors import InvalidInput, SharedMemoryError
 
 REQUEST_PARAMETERS = ("binary_data_output", "priority", "timeout")
-INPUT_PARAMETERS = ("binary_data_size", "content_type")
-OUTPUT_PARAMETERS = ("binary_data", "classification")
+SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+INPUT_PARAMETERS = ("binary_data_size", "content_type", *SHARED_MEMORY_PARAMETERS)
+OUTPUT_PARAMETERS = ("binary_data", "classification", *SHARED_MEMORY_PARAMETERS)
 
 _NOT_IMPLEMENTED = {
-    "shared_memory_region": "the shared-memory extension is not supported: send the data in the body "
-                            "(JSON 'data' or binary_data_size)",
-    "shared_memory_byte_size": "the shared-memory extension is not supported",
-    "shared_memory_offset": "the shared-memory extension is not supported",
     "sequence_id": "the sequence extension is not supported: models here are stateless",
     "sequence_start": "the sequence extension is not supported: models here are stateless",
     "sequence_end": "the sequence extension is not supported: models here are stateless",
@@ -54,6 +52,21 @@ def check_parameters(where: str, params: Mapping[str, Any], allowed: tuple[str, 
             continue
         reason = _NOT_IMPLEMENTED.get(key, "not a parameter this server knows")
         raise InvalidInput(f"{where}: parameters.{json.dumps(key)[:60]}: {reason}; allowed here: {list(allowed)}")
+
+
+def check_shared_memory_output(where: str, params: Mapping[str, Any]) -> None:
+    """An output in shared memory asks for neither ``classification`` nor ``binary_data``: true
+    (Triton's words, ``ValidateOutputParameter``).
+
+    Raises:
+        SharedMemoryError: it does.
+    """
+    if "shared_memory_region" not in params:
+        return
+    if "classification" in params:
+        raise SharedMemoryError(f"Output can't set both 'shared_memory_region' and 'classification'; {where}")
+    if params.get("binary_data") is True:
+        raise SharedMemoryError(f"Output can't set both 'shared_memory_region' and 'binary_data'; {where}")
 
 
 def _int_at_least(value: Any, requirement: str, least: int = 1) -> int | None:

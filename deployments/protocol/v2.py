@@ -21,8 +21,8 @@ import numpy as np
 from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.errors import InvalidInput
-from .parameters import (INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, check_parameters, check_priority,
-                         class_count, timeout_s)
+from .parameters import (INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, SHARED_MEMORY_PARAMETERS,
+                         check_parameters, check_priority, check_shared_memory_output, class_count, timeout_s)
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -200,6 +200,8 @@ def decode_tensor(obj: Any, index: int) -> tuple[str, np.ndarray]:
         InvalidInput: a missing field, an unknown datatype, a bad shape, element count or value.
     """
     name, where, datatype, shape, params = tensor_header(obj, index)
+    if any(p in params for p in SHARED_MEMORY_PARAMETERS):  # ``protocol.binary`` reads them where it can
+        raise InvalidInput(f"{where}: shared memory is not available on this path; send the data in the body")
     if "data" not in obj:
         raise InvalidInput(f"{where}: 'data' is missing")
     flat = _flatten(where, obj["data"], shape)
@@ -260,6 +262,7 @@ def decode_infer_request(payload: Any,
             if o["name"] in output_parameters:
                 raise InvalidInput(f"output '{o['name']}' is requested twice")
             class_count(f"output '{o['name']}'", params)
+            check_shared_memory_output(f"output '{o['name']}'", params)
             outputs.append(_text(f"outputs[{i}] name", o["name"]))
             output_parameters[o["name"]] = params
         outputs = outputs or None  # an empty list requests no output in particular: all of them (Triton)

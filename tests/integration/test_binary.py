@@ -111,8 +111,8 @@ def test_tritonclient_class_count_gives_the_top_k_as_triton_does_and_the_extensi
     assert "classification" in requests.get(f"{server}/v2").json()["extensions"]
 
 
-def test_shared_memory_parameters_are_400_naming_the_parameter(server):
+def test_an_input_in_an_unregistered_shared_memory_region_is_400_naming_it(server):
     body = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
                         "parameters": {"shared_memory_region": "in0", "shared_memory_byte_size": 602112}}]}
     r = requests.post(f"{server}/v2/models/tiny_cnn/infer", json=body)
-    assert r.status_code == 400 and "shared_memory_region" in r.json()["error"]
+    assert r.status_code == 400 and r.json()["error"].startswith("Unable to find shared memory region: 'in0'; ")

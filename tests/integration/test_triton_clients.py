@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,3 +187,18 @@ def test_a_known_model_with_a_route_this_server_lacks_is_an_unknown_route_not_an
     assert r.status_code == 404
     assert r.json()["error"] == ("no route GET /v2/models/simple/no_such_route; "
                                 "model routes: /v2/models/{name}[/versions/{version}][/ready|/config|/infer|/stats]")
+
+
+# Triton's own example clients, run unmodified where a checkout of its client repository's
+# src/python/examples is named by TRITON_CLIENT_EXAMPLES (they are not copied into this one).
+EXAMPLES = os.environ.get("TRITON_CLIENT_EXAMPLES", "")
+
+
+@pytest.mark.skipif(not EXAMPLES or not Path(EXAMPLES).is_dir(),
+                    reason="TRITON_CLIENT_EXAMPLES names no checkout of Triton's client examples")
+@pytest.mark.parametrize("example", ["simple_http_shm_client.py", "simple_http_shm_string_client.py",
+                                     "reuse_infer_objects_client.py"])  # the last one's HTTP part (its default)
+def test_tritons_shared_memory_examples_exit_0(url, example):
+    done = subprocess.run([sys.executable, example, "-u", url], cwd=EXAMPLES, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -176,7 +176,8 @@ def test_binary_input_without_the_header_is_400_naming_the_header():
 
 @pytest.mark.parametrize("tensor_json,message", [
     ({"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0], "parameters": {"binary_data_size": 4}},
-     "either 'data' or parameters.binary_data_size"),
+     "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+     "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size'"),
     ({"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": -4}},
      "non-negative integer"),
     ({"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": True}},

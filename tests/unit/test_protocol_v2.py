@@ -217,13 +217,16 @@ def test_classification_of_a_bytes_output_is_400():
 
 @pytest.mark.parametrize("request_json,message", [
     ({"inputs": [{**X, "parameters": {"shared_memory_region": "r"}}]},
-     "input 'x': parameters.\"shared_memory_region\": the shared-memory extension is not supported"),
-    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},
-     "output 'y': parameters.\"shared_memory_region\": the shared-memory extension is not supported"),
+     "input 'x': shared memory is not available on this path; send the data in the body"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r", "classification": 2}}]},
+     "Output can't set both 'shared_memory_region' and 'classification'; output 'y'"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r", "binary_data": True}}]},
+     "Output can't set both 'shared_memory_region' and 'binary_data'; output 'y'"),
     ({"inputs": [X], "parameters": {"sequence_id": 7}},
      "request: parameters.\"sequence_id\": the sequence extension is not supported"),
     ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"top_k": 3}}]},
-     "output 'y': parameters.\"top_k\": not a parameter this server knows; allowed here: ['binary_data', 'classification']"),
+     "output 'y': parameters.\"top_k\": not a parameter this server knows; allowed here: ['binary_data', 'classification', "
+     "'shared_memory_region', 'shared_memory_byte_size', 'shared_memory_offset']"),
     ({"inputs": [{**X, "parameters": {"scale": 2}}]}, "input 'x': parameters.\"scale\": not a parameter this server knows"),
     ({"inputs": [X], "parameters": {"temperature": 0.1}}, "request: parameters.\"temperature\": not a parameter"),
     ({"inputs": [X], "parameters": {"timeout": -5}}, "parameters.timeout must be a positive integer of microseconds"),

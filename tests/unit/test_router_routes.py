@@ -132,7 +132,9 @@ def test_live_ready_and_server_metadata(router):
     assert router.get("/v2/health/live").json() == {"live": True}
     assert router.get("/v2/health/ready").json() == {"ready": True}
     meta = router.get("/v2").json()
-    assert meta["name"] == "trt-serve" and meta["extensions"] == ["model_repository", "model_configuration", "binary_tensor_data", "classification", "statistics"]
+    assert meta["name"] == "trt-serve" and meta["extensions"] == [
+        "model_repository", "model_configuration", "binary_tensor_data", "classification", "statistics",
+        "system_shared_memory", "cuda_shared_memory"]
 
 
 def test_model_metadata_names_tensors_and_the_platform_a_replica_reported(router):

@@ -35,6 +35,19 @@ class InvalidParameter(InvalidInput):
         return (type(self), (self.message, self.param))
 
 
+class SharedMemoryError(InvalidInput):
+    """A request's use of a shared-memory region (Triton's system and CUDA shared-memory
+    extensions) is invalid: an unregistered region, an offset or size outside it, a key that is
+    not in this node's ``/dev/shm``, a byte size that does not fit the tensor, a CUDA region
+    where the model runs on the CPU; or a registration that cannot be made (HTTP 400, as
+    Triton answers them)."""
+
+
+class RegionNotFound(ServingError):
+    """The status of a shared-memory region that is not registered (HTTP 404, Triton's
+    NOT_FOUND)."""
+
+
 class ModelNotFound(ServingError):
     """Unknown model or version (HTTP 404)."""
 

@@ -1,0 +1,475 @@
+"""Triton's system and CUDA shared-memory extensions, free of HTTP and Ray: the registration of a
+region (``Registry``: register, status, unregister over a ``RegionStore``) and an infer request's
+use of one (``SharedMemory``: inputs read from a region, outputs written into one).
+
+Source: Triton Inference Server, docs/protocol/extension_shared_memory.md; error texts from
+src/shared_memory_manager.cc, src/common.cc (``ValidateSharedMemoryKey``) and src/http_server.cc.
+
+A region is registered by name, in one namespace for system and CUDA regions. A system region is
+``byte_size`` bytes at ``offset`` of the POSIX shared-memory object ``key`` (the file
+``/dev/shm/<key without its leading '/'>`` on Linux, where ``shm_open`` puts it); a CUDA region
+is a ``cudaIpcMemHandle_t`` (base64) on GPU ``device_id``. An input whose ``parameters`` carry
+``shared_memory_region``, ``shared_memory_byte_size`` (and optionally ``shared_memory_offset``,
+within the region) has no data in the body: it is read from the region; an output whose
+parameters carry them is written into the region and answered without data, those parameters
+echoed.
+
+Where registrations live is the ``RegionStore``'s business (``deployments.regions``: Ray's GCS
+key-value store, read by every replica of the cluster when a request names a region); each process
+maps a region's bytes once, on first use (``Mappings``: by key, offset and size) and unmaps them
+once the region is unregistered (``SharedMemory.sweep``).
+
+The server's host is the client's: a key names a file of this node's ``/dev/shm`` directly (no
+``/`` after its leading ones, not ``.`` or ``..``), so no request reaches another file.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import mmap
+import os
+import stat
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+import numpy as np
+
+from ..runtime.contract.datatypes import datatype_of
+from ..runtime.contract.errors import RegionNotFound, SharedMemoryError
+from .parameters import SHARED_MEMORY_PARAMETERS
+
+SHM_ROOT = Path("/dev/shm")
+SYSTEM, CUDA = "system", "cuda"
+KINDS = {SYSTEM: "system shared memory", CUDA: "CUDA shared memory"}
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+RESERVED_PREFIX = "triton_python_backend_shm_region_"  # Triton's kTritonSharedMemoryRegionPrefix
+MAX_NAME_CHARS = 255  # a region name or key: NAME_MAX of the file a key names
+REGION, BYTE_SIZE, OFFSET = PARAMETERS = SHARED_MEMORY_PARAMETERS
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered region. ``kind``: ``system`` or ``cuda``; ``key`` and ``offset`` (bytes into
+    the key's object) for a system region, ``device_id`` and ``raw_handle`` (base64 of the
+    ``cudaIpcMemHandle_t``) for a CUDA one; ``byte_size``: its size in bytes."""
+
+    name: str
+    kind: str
+    byte_size: int
+    key: str = ""
+    offset: int = 0
+    device_id: int = 0
+    raw_handle: str = ""
+
+    def status(self) -> dict[str, Any]:
+        """Triton's status object: ``{"name", "key", "offset", "byte_size"}`` for a system
+        region, ``{"name", "device_id", "byte_size"}`` for a CUDA one."""
+        if self.kind == SYSTEM:
+            return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Region":
+        return cls(**json.loads(raw))
+
+
+class RegionStore(Protocol):
+    """Where the registered regions live, shared by every process that serves requests."""
+
+    def get(self, name: str) -> Region | None: ...
+
+    def add(self, region: Region) -> bool:
+        """Store ``region`` unless its name is taken; returns whether it was stored."""
+        ...
+
+    def remove(self, name: str) -> None: ...
+
+    def regions(self) -> list[Region]: ...
+
+
+def check_region_name(name: str) -> str:
+    """``name`` if it can name a region: non-empty, at most ``MAX_NAME_CHARS``, no ``/`` or NUL.
+
+    Raises:
+        SharedMemoryError: another name.
+    """
+    if not name or len(name) > MAX_NAME_CHARS or "/" in name or "\x00" in name:
+        raise SharedMemoryError(f"invalid shared memory region name {json.dumps(name)[:80]}: a region name is "
+                                f"1 to {MAX_NAME_CHARS} characters, without '/' or NUL")
+    return name
+
+
+def key_path(name: str, key: str) -> Path:
+    """The file of ``/dev/shm`` that ``key`` (``shm_open``'s name: leading ``/`` optional) names,
+    for a region ``name`` (messages).
+
+    Raises:
+        SharedMemoryError: a key that is all slashes (Triton's words), that would name a file
+            outside ``/dev/shm`` (a ``/`` after its leading ones, ``.`` or ``..``, NUL), or that
+            holds Triton's reserved prefix (Triton's words).
+    """
+    stripped = key.lstrip("/")
+    if not stripped or stripped in (".", "..") or "/" in stripped or "\x00" in stripped \
+            or len(stripped) > MAX_NAME_CHARS:
+        raise SharedMemoryError(
+            f"cannot register shared memory region '{name}' - invalid shm key '{key[:MAX_NAME_CHARS]}'; a key names "
+            f"an object directly in {SHM_ROOT} ('/name' or 'name'): no '/' after its leading ones, not '.' or "
+            f"'..', at most {MAX_NAME_CHARS} characters")
+    if stripped.startswith(RESERVED_PREFIX):
+        raise SharedMemoryError(f"cannot register shared memory region '{name}' with key '{key}' as the key "
+                                f"contains the reserved prefix '{RESERVED_PREFIX}'")
+    return SHM_ROOT / stripped
+
+
+def _uint(where: str, body: Mapping[str, Any], field: str, default: int | None = None) -> int:
+    """``body[field]``, a non-negative integer (``default`` when absent; None: required)."""
+    if field not in body and default is not None:
+        return default
+    if field not in body:
+        raise SharedMemoryError(f"Shared memory register request has no '{field}' field; {where} needs "
+                                f"{{\"key\", \"offset\", \"byte_size\"}} (system) or "
+                                f"{{\"raw_handle\": {{\"b64\"}}, \"device_id\", \"byte_size\"}} (CUDA)")
+    value = body[field]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SharedMemoryError(f"{where}: '{field}' must be a non-negative integer, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _register_body(name: str, body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise SharedMemoryError(f"the register request of shared memory region '{name}' must be a JSON object")
+    return body
+
+
+def system_region(name: str, body: Any) -> Region:
+    """A system region from its register request ``{"key", "offset" (optional, 0), "byte_size"}``,
+    checked as Triton checks it: the key names an object of this node's ``/dev/shm`` that holds
+    ``offset + byte_size`` bytes.
+
+    Raises:
+        SharedMemoryError: a missing or malformed field, a bad key (``key_path``), an object that
+            cannot be opened or is too small (Triton's words, then ours).
+    """
+    check_region_name(name)
+    body = _register_body(name, body)
+    where = f"the register request of shared memory region '{name}'"
+    key = body.get("key")
+    if "key" not in body:
+        raise SharedMemoryError("Shared memory register request has no 'key' field")
+    if not isinstance(key, str):
+        raise SharedMemoryError(f"{where}: 'key' must be a string, got {json.dumps(key)[:40]}")
+    offset, byte_size = _uint(where, body, "offset", 0), _uint(where, body, "byte_size")
+    if byte_size == 0:
+        raise SharedMemoryError(f"failed to register shared memory region '{name}': invalid args; byte_size is 0, "
+                                "a region holds at least one byte")
+    path = key_path(name, key)
+    size = _object_size(path, key)
+    if offset + byte_size > size:
+        raise SharedMemoryError(
+            f"failed to register shared memory region '{name}': invalid args; offset {offset} + byte_size "
+            f"{byte_size} = {offset + byte_size} bytes, and the object of key '{key}' holds {size} bytes")
+    return Region(name, SYSTEM, byte_size, key=key, offset=offset)
+
+
+def _object_size(path: Path, key: str) -> int:
+    """The size of the shared-memory object at ``path``, a regular file (a symbolic link is not
+    followed, as glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a link in ``/dev/shm`` must not
+    lead the server to read or write another file).
+
+    Raises:
+        SharedMemoryError: it cannot be opened here (Triton's words, then why).
+    """
+    try:
+        status = path.lstat()
+    except OSError:
+        raise SharedMemoryError(
+            f"Unable to open shared memory region: '{key}'; {path} does not exist on this node: create it "
+            "first (tritonclient.utils.shared_memory.create_shared_memory_region), on the server's host") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise SharedMemoryError(f"Unable to open shared memory region: '{key}'; {path} is not a shared-memory "
+                                "object (a symbolic link or a folder)")
+    return status.st_size
+
+
+def cuda_region(name: str, body: Any) -> Region:
+    """A CUDA region from its register request ``{"raw_handle": {"b64": ...}, "device_id",
+    "byte_size"}``. The handle is opened where a model uses it (a replica that runs the model on
+    that GPU), not here: this checks its form (a base64 ``cudaIpcMemHandle_t`` of 64 bytes).
+
+    Raises:
+        SharedMemoryError: a missing or malformed field (Triton's words where it has them).
+    """
+    check_region_name(name)
+    body = _register_body(name, body)
+    where = f"the register request of CUDA shared memory region '{name}'"
+    if "raw_handle" not in body:
+        raise SharedMemoryError("Shared memory register request has no 'raw_handle' field")
+    raw = body["raw_handle"]
+    b64 = raw.get("b64") if isinstance(raw, dict) else None
+    try:
+        handle = base64.b64decode(b64, validate=True) if isinstance(b64, str) else b""
+    except (binascii.Error, ValueError):
+        handle = b""
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        raise SharedMemoryError(f"'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t; {where}: "
+                                f"raw_handle is {{\"b64\": <base64 of the {CUDA_IPC_HANDLE_BYTES}-byte handle>}}")
+    device_id, byte_size = _uint(where, body, "device_id"), _uint(where, body, "byte_size")
+    return Region(name, CUDA, byte_size, device_id=device_id, raw_handle=b64)
+
+
+class Registry:
+    """Triton's register, status and unregister over a ``RegionStore``; ``forget(region)`` is
+    told of each region unregistered here (this process's ``SharedMemory.forget``: unmap it)."""
+
+    def __init__(self, store: RegionStore, forget: Callable[[Region], None] | None = None) -> None:
+        self.store = store
+        self.forget = forget
+
+    def register(self, kind: str, name: str, body: Any) -> None:
+        """Register region ``name`` of ``kind`` from its register request ``body`` (parsed JSON).
+
+        Raises:
+            SharedMemoryError: as ``system_region`` / ``cuda_region``; the name is taken
+                (Triton's words).
+        """
+        region = system_region(name, body) if kind == SYSTEM else cuda_region(name, body)
+        if not self.store.add(region):
+            raise SharedMemoryError(f"shared memory region '{name}' already in manager; unregister it first "
+                                    f"(POST /v2/{_route(kind)}/region/{name}/unregister)")
+
+    def unregister(self, kind: str, name: str | None = None) -> None:
+        """Unregister region ``name`` of ``kind``, or every region of ``kind`` (None). A name not
+        registered, or registered as the other kind, is left as it is without error (Triton)."""
+        for region in self.store.regions() if name is None else [self.store.get(name)]:
+            if region is not None and region.kind == kind:
+                self.store.remove(region.name)
+                if self.forget is not None:
+                    self.forget(region)
+
+    def status(self, kind: str, name: str | None = None) -> list[dict[str, Any]]:
+        """Triton's status: every region of ``kind`` (``name`` None), or region ``name``.
+
+        Raises:
+            RegionNotFound: ``name`` is not registered, or is of the other kind (Triton's words).
+        """
+        if name is None:
+            return [r.status() for r in sorted(self.store.regions(), key=lambda r: r.name) if r.kind == kind]
+        region = self.store.get(name)
+        if region is None:
+            raise RegionNotFound(f"Unable to find {kind} shared memory region: '{name}'")
+        if region.kind != kind:
+            raise RegionNotFound(f"The region named '{name}' is registered as {KINDS[region.kind]}, not {KINDS[kind]}")
+        return [region.status()]
+
+
+def _route(kind: str) -> str:
+    return "systemsharedmemory" if kind == SYSTEM else "cudasharedmemory"
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a tensor lives: ``byte_size`` bytes at ``offset`` of region ``region``."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def tensor_ref(where: str, params: Mapping[str, Any]) -> TensorRef | None:
+    """The shared-memory parameters of an input or output (None: it has none).
+
+    Raises:
+        SharedMemoryError: one without ``shared_memory_region`` or ``shared_memory_byte_size``
+            (both are required), or a value of the wrong type (Triton's words, then ours).
+    """
+    if not any(p in params for p in PARAMETERS):
+        return None
+    region = params.get(REGION)
+    if not isinstance(region, str) or not region:
+        raise SharedMemoryError(f"Unable to parse 'shared_memory_region'; {where}: parameters.shared_memory_region "
+                                f"must name a registered region, got {json.dumps(region)[:40]}")
+    values = []
+    for key, default in ((BYTE_SIZE, None), (OFFSET, 0)):
+        value = params.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SharedMemoryError(f"Unable to parse '{key}'; {where}: parameters.{key} must be a non-negative "
+                                    f"integer of bytes{' (required with shared_memory_region)' if default is None else ''}"
+                                    f", got {json.dumps(value)[:40]}")
+        values.append(value)
+    return TensorRef(region, values[0], values[1])
+
+
+class _Mapping:
+    """One mapped region: ``view`` is its ``byte_size`` bytes (a writable ``memoryview``)."""
+
+    def __init__(self, region: Region) -> None:
+        path = key_path(region.name, region.key)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            raise SharedMemoryError(
+                f"Unable to open shared memory region: '{region.key}'; region '{region.name}' is registered, but "
+                f"{path} does not exist on the node of the replica that runs this request: the request reached "
+                "another node than the client's (shared memory works only on the server's host), or the client "
+                "removed the object; register it again or send the tensor in the body") from None
+        try:
+            size = os.fstat(fd).st_size
+            end = region.offset + region.byte_size
+            if end > size:
+                raise SharedMemoryError(
+                    f"Invalid shared memory region: '{region.key}'; region '{region.name}' needs {end} bytes of "
+                    f"it and it holds {size} now (it shrank since it was registered); register it again")
+            start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+            self.map = mmap.mmap(fd, end - start, offset=start)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self.map)[region.offset - start:]
+
+    def close(self) -> bool:
+        """Unmap; False while a request still holds a view of it (closed at a later ``sweep``)."""
+        try:
+            self.view.release()
+            self.map.close()
+            return True
+        except BufferError:
+            return False
+
+
+class SharedMemory:
+    """This process's use of the registered regions: ``read_input`` and ``write_outputs`` for an
+    infer request (any protocol), each region's bytes mapped once, on first use, and kept by
+    (key, offset, byte_size) until the region is unregistered (``forget``, ``sweep``).
+
+    Args:
+        store: the registered regions (read when a request names one: a region registered or
+            unregistered a moment ago, by any router, is seen at once).
+    """
+
+    def __init__(self, store: RegionStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[str, int, int], _Mapping] = {}
+        self.registry = Registry(store, self.forget)
+
+    @property
+    def mapped(self) -> int:
+        """How many regions this process has mapped."""
+        return len(self._maps)
+
+    def _region(self, where: str, ref: TensorRef) -> Region:
+        """The region ``ref`` names, with ``ref`` inside it (Triton's ``GetMemoryInfo`` checks).
+
+        Raises:
+            SharedMemoryError: not registered, or an offset and size outside it (Triton's words).
+        """
+        region = self.store.get(ref.region)
+        if region is None:
+            raise SharedMemoryError(f"Unable to find shared memory region: '{ref.region}'; {where} names it, and it "
+                                    "is not registered (POST /v2/systemsharedmemory/region/{name}/register)")
+        if ref.offset >= region.byte_size:
+            raise SharedMemoryError(f"Invalid offset for shared memory region: '{ref.region}'; {where}: offset "
+                                    f"{ref.offset}, the region holds {region.byte_size} bytes")
+        if ref.offset + ref.byte_size > region.byte_size:
+            raise SharedMemoryError(f"Invalid offset + byte size for shared memory region: '{ref.region}'; {where}: "
+                                    f"offset {ref.offset} + byte size {ref.byte_size} = {ref.offset + ref.byte_size} "
+                                    f"bytes, the region holds {region.byte_size}")
+        if region.kind == CUDA:
+            raise SharedMemoryError(
+                f"{where}: shared memory region '{ref.region}' is CUDA shared memory, and this server reads and "
+                "writes CUDA shared memory only in a replica that runs the model on a GPU; this model runs on the "
+                "CPU here (backend onnxruntime): put the tensor in system shared memory (/v2/systemsharedmemory) "
+                "or in the request body")
+        return region
+
+    def _bytes(self, region: Region, ref: TensorRef) -> memoryview:
+        """``ref``'s bytes of system region ``region``, mapped on first use."""
+        with self._lock:
+            mapping = self._maps.get((region.key, region.offset, region.byte_size))
+            if mapping is None:
+                mapping = self._maps[(region.key, region.offset, region.byte_size)] = _Mapping(region)
+        return mapping.view[ref.offset:ref.offset + ref.byte_size]
+
+    def read_input(self, where: str, datatype: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> np.ndarray:
+        """Input ``where`` (``datatype``, ``shape``) from the region its ``params`` name: a view of
+        the region's bytes for a numeric datatype (no copy), decoded for BYTES (4-byte length
+        then bytes, per element).
+
+        Raises:
+            SharedMemoryError: as ``tensor_ref`` and ``_region``; the object is gone from this
+                node; ``shared_memory_byte_size`` is not shape x datatype (Triton's words).
+            InvalidInput: the bytes are not a valid tensor (BOOL bytes other than 0 and 1,
+                BYTES lengths that overrun).
+        """
+        from .binary import tensor_from_bytes  # binary reads inputs through this class
+
+        ref = tensor_ref(where, params)
+        assert ref is not None  # the caller dispatched on shared_memory_region
+        raw = self._bytes(self._region(where, ref), ref)
+        return tensor_from_bytes(where, raw, datatype, shape, "shared_memory_byte_size")
+
+    def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]],
+                      outputs: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        """Write each output whose parameters (``request_params``: output name -> its request
+        parameters) name a region into it (row-major, little-endian; BYTES as 4-byte length then
+        bytes per element). Returns, per output written, the parameters its answer echoes.
+
+        Raises:
+            SharedMemoryError: as ``tensor_ref`` and ``_region``; the output is larger than
+                ``shared_memory_byte_size`` (Triton's words).
+        """
+        from .binary import raw_bytes
+
+        written: dict[str, dict[str, Any]] = {}
+        for name, array in outputs.items():
+            params = request_params.get(name) or {}
+            where = f"output '{name}'"
+            ref = tensor_ref(where, params)
+            if ref is None:
+                continue
+            raw = raw_bytes(array)
+            size = len(raw)
+            if size > ref.byte_size:
+                raise SharedMemoryError(
+                    f"shared memory size specified with the request for output '{name}' ({ref.byte_size} bytes) "
+                    f"should be at least {size} bytes to hold the results; it is {datatype_of(array)} "
+                    f"{list(array.shape)}")
+            target = self._bytes(self._region(where, ref), ref)
+            target[:size] = raw
+            written[name] = {k: params[k] for k in PARAMETERS if k in params}
+        return written
+
+    def forget(self, region: Region) -> None:
+        """Unmap ``region`` here (it was unregistered), unless another registered region maps
+        the same bytes or a request still reads them (then ``sweep`` does it later)."""
+        with self._lock:
+            key = (region.key, region.offset, region.byte_size)
+            mapping = self._maps.get(key)
+            if mapping is not None and mapping.close():
+                del self._maps[key]
+
+    def sweep(self) -> int:
+        """Unmap every mapping that no registered region names any more (unregistered through
+        another router, or registered again elsewhere); returns how many stay mapped. Reads the
+        store only when something is mapped."""
+        if not self._maps:
+            return 0
+        live = {(r.key, r.offset, r.byte_size) for r in self.store.regions() if r.kind == SYSTEM}
+        with self._lock:
+            for key in [k for k in self._maps if k not in live]:
+                if self._maps[key].close():
+                    del self._maps[key]
+            return len(self._maps)
+
+    def close(self) -> None:
+        """Unmap everything (the process stops serving)."""
+        with self._lock:
+            for key in list(self._maps):
+                if self._maps[key].close():
+                    del self._maps[key]

@@ -1,0 +1,83 @@
+"""Where the registered shared-memory regions live: Ray's GCS key-value store, one key per region.
+
+Register and unregister reach every replica of the cluster this way, the router, dedicated model
+and pool replicas alike, one started later included: a replica reads a region's key when a
+request names it (``GcsRegionStore.get``, one GCS read per region a request names), so a region
+registered a moment ago through any router is usable at once, and one unregistered is refused
+at once. Model control's desired state (``deployments.control``) is followed by polling instead,
+because a load must wait for every replica to apply it; a region needs no work from a replica
+before its first use (it is mapped then), so reading it on use makes register and unregister
+take effect everywhere when they answer, as Triton's do, with no replica to wait for.
+
+A name is registered once across the cluster: ``add`` stores its key only if absent (the GCS's own
+check), so two routers cannot both register it. Each process unmaps what it mapped of a region
+unregistered through another router within ``SWEEP_S`` (``SharedMemory.sweep``, only while it
+has something mapped). Regions live as long as the cluster's GCS: a ``serve deploy`` keeps them
+(Triton forgets them when it restarts); ``POST /v2/systemsharedmemory/unregister`` clears them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .protocol.shared_memory import Region, SharedMemory
+
+logger = logging.getLogger("ray.serve")
+
+KV_NAMESPACE = "trt_serve_shared_memory"
+_PREFIX = b"region/"
+SWEEP_S = 2.0  # how often a process with regions mapped unmaps those unregistered elsewhere
+
+
+class GcsRegionStore:
+    """The regions in Ray's GCS key-value store (``ray.experimental.internal_kv``), key
+    ``region/<name>``, value the region as JSON (``Region.to_json``)."""
+
+    def __init__(self) -> None:
+        from ray.experimental import internal_kv
+
+        self._kv = internal_kv
+
+    def get(self, name: str) -> Region | None:
+        raw = self._kv._internal_kv_get(_PREFIX + name.encode(), namespace=KV_NAMESPACE)
+        return None if raw is None else Region.from_json(raw)
+
+    def add(self, region: Region) -> bool:
+        exists = self._kv._internal_kv_put(_PREFIX + region.name.encode(), region.to_json(), overwrite=False,
+                                           namespace=KV_NAMESPACE)
+        return not exists
+
+    def remove(self, name: str) -> None:
+        self._kv._internal_kv_del(_PREFIX + name.encode(), namespace=KV_NAMESPACE)
+
+    def regions(self) -> list[Region]:
+        keys = self._kv._internal_kv_list(_PREFIX, namespace=KV_NAMESPACE)
+        found = (self._kv._internal_kv_get(key, namespace=KV_NAMESPACE) for key in keys)
+        return [Region.from_json(raw) for raw in found if raw is not None]
+
+
+_PROCESS: SharedMemory | None = None
+
+
+def process_shared_memory() -> SharedMemory:
+    """In a replica's constructor: this process's ``SharedMemory`` over the GCS store, one per
+    process (a region is mapped once in it), its ``sweep`` run every ``SWEEP_S`` on the event
+    loop that runs the constructor (a replica's; none in a unit test that builds routes alone)."""
+    global _PROCESS
+    if _PROCESS is None:
+        _PROCESS = SharedMemory(GcsRegionStore())
+        try:
+            asyncio.get_running_loop().create_task(_sweep_forever(_PROCESS))
+        except RuntimeError:  # no event loop: nothing is served here
+            pass
+    return _PROCESS
+
+
+async def _sweep_forever(shm: SharedMemory) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_S)
+        try:
+            await asyncio.to_thread(shm.sweep)
+        except Exception:  # the GCS is restarting: try again
+            logger.warning("shared memory: the registered regions are unavailable", exc_info=True)

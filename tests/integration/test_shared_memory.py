@@ -1,0 +1,223 @@
+"""Triton's system shared-memory extension against the real server, with tritonclient.http and
+tritonclient.utils.shared_memory unmodified: regions registered through the router and used by a
+pool replica and a dedicated model's replica (other processes), and by a process started after
+the registration; every fault 400 (status 404) in Triton's words, the server serving after each;
+shared-memory requests counted by the statistics as any other."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import requests
+
+from deployments.observe.metrics import FLUSH_INTERVAL_S
+
+from .conftest import REPOSITORY
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def client(server):
+    import tritonclient.http as httpclient
+
+    triton = httpclient.InferenceServerClient(server.removeprefix("http://"), network_timeout=120)
+    triton.unregister_system_shared_memory()
+    triton.unregister_cuda_shared_memory()
+    yield triton
+    triton.unregister_system_shared_memory()
+    triton.unregister_cuda_shared_memory()
+
+
+@pytest.fixture
+def regions():
+    """Create regions in /dev/shm (``make(name, byte_size)`` -> (handle, key)); destroyed after."""
+    import tritonclient.utils.shared_memory as shm
+
+    made = []
+
+    def make(name: str, byte_size: int):
+        key = f"/trt_serve_it_{name}_{uuid.uuid4().hex[:8]}"
+        made.append(shm.create_shared_memory_region(name, key, byte_size))
+        return made[-1], key
+
+    yield make
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+def simple_through_regions(client, regions, in_name="in", out_name="out"):
+    """Triton's simple_http_shm_client: INPUT0, INPUT1 in one region, OUTPUT0, OUTPUT1 in another."""
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+
+    a, b = np.arange(16, dtype=np.int32), np.full(16, 5, np.int32)
+    out_handle, out_key = regions(out_name, 128)
+    in_handle, in_key = regions(in_name, 128)
+    shm.set_shared_memory_region(in_handle, [a])
+    shm.set_shared_memory_region(in_handle, [b], offset=64)
+    client.register_system_shared_memory(out_name, out_key, 128)
+    client.register_system_shared_memory(in_name, in_key, 128)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_shared_memory(in_name, 64)
+    inputs[1].set_shared_memory(in_name, 64, offset=64)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
+               httpclient.InferRequestedOutput("OUTPUT1", binary_data=True)]
+    outputs[0].set_shared_memory(out_name, 64)
+    outputs[1].set_shared_memory(out_name, 64, offset=64)
+    return a, b, out_handle, in_key, out_key, inputs, outputs
+
+
+def test_simple_reads_its_inputs_from_a_region_and_writes_its_outputs_into_one(client, regions):
+    import tritonclient.utils.shared_memory as shm
+
+    a, b, out_handle, in_key, out_key, inputs, outputs = simple_through_regions(client, regions)
+    result = client.infer("simple", inputs, outputs=outputs)
+    assert result.get_output("OUTPUT0") == {"name": "OUTPUT0", "datatype": "INT32", "shape": [1, 16], "parameters": {
+        "shared_memory_region": "out", "shared_memory_byte_size": 64}}
+    assert all("data" not in output for output in result.get_response()["outputs"])  # no data in the answer
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [1, 16]), [a + b])
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=64), [a - b])
+    assert client.get_system_shared_memory_status() == [
+        {"name": "in", "key": in_key, "offset": 0, "byte_size": 128},
+        {"name": "out", "key": out_key, "offset": 0, "byte_size": 128}]
+    client.unregister_system_shared_memory("in")
+    assert [r["name"] for r in client.get_system_shared_memory_status()] == ["out"]
+
+
+def reference(model: str, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(f"{REPOSITORY}/{model}/1/model.onnx", providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+@pytest.mark.parametrize("model, input_name, output_name, shape, classes", [
+    ("tiny_cnn", "input", "logits", (2, 3, 224, 224), 1000),  # a pool replica
+    ("ocr_cls", "x", "save_infer_model/scale_0.tmp_1", (2, 3, 48, 192), 2),  # a dedicated model's replica
+])
+def test_fp32_models_through_regions_equal_onnxruntime(client, regions, model, input_name, output_name, shape,
+                                                       classes):
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+
+    x = np.random.default_rng(3).standard_normal(shape, dtype=np.float32)
+    out_bytes = shape[0] * classes * 4
+    handle, key = regions("tensors", 64 + x.nbytes + out_bytes)
+    shm.set_shared_memory_region(handle, [x], offset=64)
+    client.register_system_shared_memory("tensors", key, x.nbytes + out_bytes, offset=64)  # at an offset of the key
+    tensor = httpclient.InferInput(input_name, list(shape), "FP32").set_shared_memory("tensors", x.nbytes)
+    wanted = httpclient.InferRequestedOutput(output_name)
+    wanted.set_shared_memory("tensors", out_bytes, offset=x.nbytes)
+    client.infer(model, [tensor], outputs=[wanted])
+    got = shm.get_contents_as_numpy(handle, np.float32, [shape[0], classes], offset=64 + x.nbytes)
+    np.testing.assert_allclose(got, reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_process_started_after_the_registration_uses_the_region(client, regions):
+    """Every replica reads a region from Ray's GCS when a request names it: here a Ray worker
+    started after the registration decodes a request naming it through the server's code."""
+    import ray
+    import tritonclient.utils.shared_memory as shm
+
+    handle, key = regions("later", 64)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    client.register_system_shared_memory("later", key, 64)
+
+    @ray.remote(num_cpus=0)
+    def decode_in_a_new_process() -> list:
+        import json
+
+        from deployments.protocol.binary import decode_request
+        from deployments.protocol.shared_memory import SharedMemory
+        from deployments.regions import GcsRegionStore
+
+        body = json.dumps({"inputs": [{"name": "A", "datatype": "INT32", "shape": [16], "parameters": {
+            "shared_memory_region": "later", "shared_memory_byte_size": 64}}]}).encode()
+        return decode_request(body, None, SharedMemory(GcsRegionStore())).inputs["A"].tolist()
+
+    assert ray.get(decode_in_a_new_process.options(runtime_env={"working_dir": None}).remote()) == list(range(16))
+
+
+def post(server: str, path: str, body=None) -> requests.Response:
+    return requests.post(f"{server}{path}", json=body, timeout=60)
+
+
+def shm_input(region: str, size: int, offset: int = 0) -> dict:
+    return {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "parameters": {
+        "shared_memory_region": region, "shared_memory_byte_size": size, "shared_memory_offset": offset}}
+
+
+JSON_INPUT1 = {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+
+
+def test_every_fault_is_answered_in_tritons_words_and_the_server_keeps_serving(server, client, regions):
+    _, key = regions("faults", 128)
+    assert post(server, "/v2/systemsharedmemory/region/faults/register", {"key": key, "byte_size": 64}).status_code == 200
+    cuda = {"raw_handle": {"b64": "A" * 86 + "=="}, "device_id": 0, "byte_size": 64}
+    assert post(server, "/v2/cudasharedmemory/region/gpu/register", cuda).status_code == 200
+    cases = [
+        ("/v2/systemsharedmemory/region/faults/register", {"key": key, "byte_size": 8}, 400,
+         "shared memory region 'faults' already in manager"),
+        ("/v2/systemsharedmemory/region/evil/register", {"key": "/../etc/passwd", "byte_size": 8}, 400,
+         "cannot register shared memory region 'evil' - invalid shm key '/../etc/passwd'"),
+        ("/v2/systemsharedmemory/region/gone/register", {"key": "/no_such_key_here", "byte_size": 8}, 400,
+         "Unable to open shared memory region: '/no_such_key_here'"),
+        ("/v2/systemsharedmemory/region/big/register", {"key": key, "offset": 64, "byte_size": 128}, 400,
+         "failed to register shared memory region 'big': invalid args"),
+        ("/v2/models/simple/infer", {"inputs": [shm_input("nope", 64), JSON_INPUT1]}, 400,
+         "Unable to find shared memory region: 'nope'"),
+        ("/v2/models/simple/infer", {"inputs": [shm_input("faults", 64, offset=64), JSON_INPUT1]}, 400,
+         "Invalid offset for shared memory region: 'faults'"),
+        ("/v2/models/simple/infer", {"inputs": [shm_input("faults", 64, offset=32), JSON_INPUT1]}, 400,
+         "Invalid offset + byte size for shared memory region: 'faults'"),
+        ("/v2/models/simple/infer", {"inputs": [shm_input("faults", 32), JSON_INPUT1]}, 400,
+         "input byte size mismatch for input 'INPUT0'. Expected 64, got 32"),
+        ("/v2/models/simple/infer", {"inputs": [shm_input("gpu", 64), JSON_INPUT1]}, 400,
+         "input 'INPUT0': shared memory region 'gpu' is CUDA shared memory, and this server reads and writes CUDA "
+         "shared memory only in a replica that runs the model on a GPU; this model runs on the CPU here"),
+        ("/v2/models/simple/infer", {"inputs": [{**JSON_INPUT1, "name": "INPUT0"}, JSON_INPUT1], "outputs": [
+            {"name": "OUTPUT0", "parameters": {"shared_memory_region": "faults", "shared_memory_byte_size": 32}}]},
+         400, "shared memory size specified with the request for output 'OUTPUT0' (32 bytes) should be at least "
+              "64 bytes to hold the results"),
+    ]
+    for path, body, status, words in cases:
+        r = post(server, path, body)
+        assert (r.status_code, words in r.json()["error"]) == (status, True), (path, r.text)
+        ok = post(server, "/v2/models/simple/infer", {"inputs": [{**JSON_INPUT1, "name": "INPUT0"}, JSON_INPUT1]})
+        assert ok.status_code == 200
+    r = requests.get(f"{server}/v2/systemsharedmemory/region/gpu/status", timeout=60)
+    assert (r.status_code, r.json()) == (404, {"error": "The region named 'gpu' is registered as CUDA shared memory, "
+                                                        "not system shared memory"})
+    r = requests.get(f"{server}/v2/cudasharedmemory/region/nope/status", timeout=60)
+    assert (r.status_code, r.json()) == (404, {"error": "Unable to find cuda shared memory region: 'nope'"})
+    assert client.get_cuda_shared_memory_status() == [{"name": "gpu", "device_id": 0, "byte_size": 64}]
+
+
+def success_count(server: str, model: str) -> int:
+    stats = requests.get(f"{server}/v2/models/{model}/stats", timeout=60).json()
+    return stats["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def settled_count(server: str, model: str, expected: int | None = None, timeout_s: float = 30.0) -> int:
+    """The success count once the replicas have written theirs (they flush every
+    ``FLUSH_INTERVAL_S``): ``expected`` once it reads so, else the same value read twice a
+    flush interval and more apart; the last reading at the deadline."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        count = success_count(server, model)
+        if count == expected or (expected is None and count == last):
+            return count
+        last = count
+        time.sleep(5 * FLUSH_INTERVAL_S)
+    return count
+
+
+def test_shared_memory_requests_count_in_the_statistics_as_any_other(server, client, regions):
+    _, _, _, _, _, inputs, outputs = simple_through_regions(client, regions, "count_in", "count_out")
+    before = settled_count(server, "simple")
+    for _ in range(3):
+        client.infer("simple", inputs, outputs=outputs)
+    assert settled_count(server, "simple", before + 3) == before + 3
