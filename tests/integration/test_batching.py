@@ -150,10 +150,12 @@ def test_padded_batches_answer_each_request_with_its_own_rows_only(batching_serv
         assert request_id == f"pad-{i}" and got.shape == (x.shape[0], 2)
         np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
     after = counters("ocr_cls_padded")
-    # every call ran 4 or 8 rows: the 4 real ones plus the padding make a multiple of 4,
-    # whether the three arrived in one batch or in several
+    # every call ran 1, 4 or 8 rows (1: a one-row request alone), however the three arrived
     assert after["requests"] - before["requests"] == 3 and after["retried_alone"] == 0
-    assert (4 + after["padded_rows"] - before["padded_rows"]) % 4 == 0
+    calls = {rows: n - before["calls_by_rows"].get(rows, 0) for rows, n in after["calls_by_rows"].items()}
+    padding = sum(n * (next(size for size in (1, 4, 8) if size >= rows) - rows) for rows, n in calls.items())
+    assert sum(rows * n for rows, n in calls.items()) == 4
+    assert after["padded_rows"] - before["padded_rows"] == padding
     (x,) = inputs[:1]
     request_id, got = output(post(batching_server, "ocr_cls_padded", "pad-alone", x, binary=True))
     np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
