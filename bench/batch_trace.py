@@ -4,11 +4,10 @@ Installed in every Ray worker process as Ray's ``worker_process_setup_hook`` (``
 ``BENCH_BATCH_TRACE`` names a folder; it wraps, in that process only:
 
 - ``BatchItem.of`` (the request reached ``ModelDeployment.infer``: **arrive**),
-- Ray's ``_BatchQueue.put`` (**enqueue** in ``@serve.batch``) and a done-callback on the
-  request's future (**done**: the loop ran the callback, i.e. the caller can resume),
-- ``_BatchQueue.wait_for_batch`` returning (**formed**),
-- ``_BatchQueue._process_batch_inner`` starting (**exec**: past ``max_concurrent_batches``'
-  semaphore) and ending,
+- ``BatchScheduler.submit`` (**enqueue**) and a done-callback on the request's future
+  (**done**: the loop ran the callback, i.e. the caller can resume),
+- ``BatchScheduler._start`` (**formed**: a context took the batch) and ``_run`` starting
+  (**exec**) and ending,
 - ``ModelClient.infer`` in the router (the handle call, from send to answer),
 - ``ModelHost.run`` (**engine start / end**, in the worker thread; the batch it belongs to comes
   through the context variable that ``asyncio.to_thread`` carries into the thread),
@@ -65,13 +64,11 @@ def _now() -> float:
 
 
 def _install_trace(folder: Path) -> None:
-    from ray.serve import batching as ray_batching
-
     from deployments import batching
     from deployments.runtime.residency.host import ModelHost
 
     folder.mkdir(parents=True, exist_ok=True)
-    queue_cls = ray_batching._BatchQueue
+    scheduler_cls = batching.BatchScheduler
     counter = iter(range(1 << 62))
 
     real_of = batching.BatchItem.of.__func__
@@ -84,49 +81,47 @@ def _install_trace(folder: Path) -> None:
 
     batching.BatchItem.of = classmethod(of)
 
-    real_put = queue_cls.put
+    real_submit = scheduler_cls.submit
 
-    def put(self, request):
+    def submit(self, item):
         record = {"enqueue": _now()}
-        item = request.flattened_args[1] if len(request.flattened_args) > 1 else None
         record["arrive"] = getattr(item, "_bench_arrive", record["enqueue"])
-        request._bench = record
-        request.future.add_done_callback(lambda _f: record.__setitem__("done", _now()))
+        object.__setattr__(item, "_bench", record)
+        future = real_submit(self, item)
+        future.add_done_callback(lambda _f: record.__setitem__("done", _now()))
         with _lock:
             _requests.append(record)
         _start_lag_monitor()
-        return real_put(self, request)
+        return future
 
-    queue_cls.put = put
+    scheduler_cls.submit = submit
 
-    real_wait = queue_cls.wait_for_batch
+    real_start = scheduler_cls._start
 
-    async def wait_for_batch(self):
-        batch, size = await real_wait(self)
+    def start_batch(self, batch):
         formed = _now()
-        for request in batch:
-            request._bench["formed"] = formed
-        return batch, size
+        for waiting in batch:
+            waiting.item._bench["formed"] = formed
+        return real_start(self, batch)
 
-    queue_cls.wait_for_batch = wait_for_batch
+    scheduler_cls._start = start_batch
 
-    real_inner = queue_cls._process_batch_inner
+    real_inner = scheduler_cls._run
 
-    async def process_batch_inner(self, func, batch):
+    async def run_batch(self, batch):
         start = _now()
         batch_id = next(counter)
-        for request in batch:
-            request._bench["exec"] = start
-            request._bench["batch"] = batch_id
-        token = _BATCH.set(batch_id)
+        for waiting in batch:
+            waiting.item._bench["exec"] = start
+            waiting.item._bench["batch"] = batch_id
+        _BATCH.set(batch_id)  # the batch's task has a context of its own
         try:
-            return await real_inner(self, func, batch)
+            return await real_inner(self, batch)
         finally:
-            _BATCH.reset(token)
             with _lock:
                 _batches.append({"id": batch_id, "size": len(batch), "exec": start, "end": _now()})
 
-    queue_cls._process_batch_inner = process_batch_inner
+    scheduler_cls._run = run_batch
 
     real_run = ModelHost.run
 

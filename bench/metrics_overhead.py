@@ -5,7 +5,7 @@ One Ray cluster in Ray's fast configuration (HAProxy ingress, throughput-optimiz
 (the default) and ``/off`` with ``metrics: {enabled: false}``, same models, each with its own
 replicas. The models (``--models``): ``tiny_cnn`` (the multiplexed pool), ``ocr_cls``
 (dedicated, unbatched as shipped) and ``ocr_cls_batched`` (a copy with a 2 ms dynamic batching
-window: the ``@serve.batch`` path).
+window: the batch scheduler's path).
 
 Three figures, all from this one run:
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
 from .protocol.errors import errors_as_values
-from .batching import BatchItem, BatchPolicy, BatchStats, run_batch, total_rows
+from .batching import BatchItem, BatchPolicy, BatchRun, BatchScheduler, BatchStats, run_batch
 from .runtime.backends.gpu_memory import process_gpu_bytes
 from .runtime.contract.errors import replaced_version
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -53,10 +52,10 @@ class ModelDeployment:
         models: the model's entry as read at build (``ModelRepository``'s ``entries``); None:
             its folder is read now.
 
-    With ``dynamic_batching`` in the model's config, concurrent requests are batched through
-    ``@serve.batch`` (see ``deployments.batching``), up to ``instances`` batches at once. When
-    batches are padded to preferred sizes (``BatchPolicy.pad_to``), every context first runs
-    once at one of those sizes (``ModelHost.warm``), so no request pays a size's first run.
+    With ``dynamic_batching`` in the model's config, concurrent requests are batched by a
+    ``BatchScheduler`` (see ``deployments.batching``), up to ``instances`` batches at once.
+    The shapes batches run at (padded sizes, sequence buckets on a GPU) run once at load
+    (``BatchPolicy.warm_shapes``, ``ModelHost.warm``), so no request pays a shape's first run.
     """
 
     async def __init__(self, repository: str, name: str, backend: str, routes: RouterOptions,
@@ -78,26 +77,14 @@ class ModelDeployment:
         self.recorder = replica_recorder(metrics)
         if self.recorder is not None:
             self.host.on_execution = self.recorder.on_execution
-        self.batch_stats = BatchStats()
         # Its padding depends on the backend, known once loaded (``_loaded_policy``, again at each
         # load); the batch queue's size and delay do not. A model not loaded at start (explicit
         # model control) has no backend yet: asking the host for it failed the constructor.
         self._policy = self._loaded_policy() if loaded else BatchPolicy.of(self.host.config)
         policy = self._policy
-        self._batched = None
-        self._max_rows = 0 if policy is None else policy.max_rows
-        if policy is not None:
-            async def run(items: list[BatchItem]) -> list:
-                start = time.perf_counter()
-                done = await asyncio.to_thread(run_batch, self.host, items, self._policy)
-                self.batch_stats.record(items, done)
-                if self.recorder is not None:
-                    self.recorder.batch_ran(items, time.perf_counter() - start)
-                return done.results
-
-            self._batched = serve.batch(
-                max_batch_size=policy.max_rows, batch_wait_timeout_s=policy.wait_s,
-                max_concurrent_batches=self.host.config.instances, batch_size_fn=total_rows)(run)
+        self._batched = None if policy is None else BatchScheduler(
+            lambda items: run_batch(self.host, items, self._policy), policy.max_rows, policy.wait_s,
+            self.host.config.instances, self._batch_ran)
         await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     @errors_as_values
@@ -123,15 +110,17 @@ class ModelDeployment:
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
         if self._batched is None:
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
-        item = BatchItem.of(self.host.config, inputs, outputs)
-        if item.rows > self._max_rows:  # a request over the batch size runs alone
-            return await asyncio.to_thread(self.host.run, item.inputs, item.outputs)
+        item = BatchItem.of(self.host.config, inputs, outputs, self._policy.sequence)
+        if item.rows > self._batched.max_rows:  # a request over the batch size runs alone
+            return item.own(await asyncio.to_thread(self.host.run, item.inputs, item.outputs))
         if self.recorder is not None:
             self.recorder.batch_member(item)
-        result = await self._batched(item)
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return await self._batched.infer(item)
+
+    def _batch_ran(self, items: list[BatchItem], run: BatchRun, seconds: float) -> None:
+        if self.recorder is not None:
+            self.recorder.batch_ran(items, seconds)
+            self.recorder.batch_padding(self.host.name, self.host.version, run)
 
     def apply(self, changed: Desired) -> dict[str, dict[str, Any]]:
         """Model control (``deployments.control``): load or unload this replica's model when it
@@ -160,10 +149,11 @@ class ModelDeployment:
 
     def _loaded_policy(self) -> BatchPolicy | None:
         """The batch policy for the loaded model's backend, its padded sizes warmed
-        (``BatchPolicy.pad_to``, ``ModelHost.warm``). Blocking."""
-        policy = BatchPolicy.of(self.host.config, self.host.backend)
-        if policy is not None and policy.pad_to:
-            self.host.warm(policy.pad_to)
+        (``BatchPolicy.warm_shapes``, ``ModelHost.warm``). Blocking."""
+        policy = BatchPolicy.of(self.host.config, self.host.backend, self.host.entry.onnx_path(self.host.version))
+        shapes = policy.warm_shapes(self.host.config, self.host.backend) if policy is not None else []
+        if shapes:
+            self.host.warm(shapes)
         return policy
 
     def _take_new_version(self, state: dict[str, Any]) -> ModelEntry:
@@ -198,7 +188,8 @@ class ModelDeployment:
 
     def batching(self) -> dict:
         """This replica's batch counters (``BatchStats.as_dict``); empty batches when off."""
-        return {"enabled": self._batched is not None, **self.batch_stats.as_dict()}
+        stats = self._batched.stats if self._batched is not None else BatchStats()
+        return {"enabled": self._batched is not None, **stats.as_dict()}
 
     def backend(self) -> str:
         """The backend serving the model: ``onnxruntime``, ``onnxruntime_cuda`` or ``tensorrt``.

@@ -158,6 +158,10 @@ class _Families:
         mvb = mv + ["batch_size"]
         self.batch_exec = Counter(PREFIX + "batch_exec_count", "Model executions by batch size (rows)", mvb, registry=None)
         self.batch_infer_us = Counter(PREFIX + "batch_compute_infer_duration_us", "Cumulative model execution duration by batch size, microseconds", mvb, registry=None)
+        self.batch_rows = Counter(PREFIX + "batch_rows", "Dynamic batching: rows of requests run in batches", mv, registry=None)
+        self.batch_padded_rows = Counter(PREFIX + "batch_padded_rows", "Dynamic batching: zero rows added to reach a padded batch size", mv, registry=None)
+        self.batch_positions = Counter(PREFIX + "batch_positions", "Dynamic batching: sequence positions (rows x length) of requests run in batches", mv, registry=None)
+        self.batch_padded_positions = Counter(PREFIX + "batch_padded_positions", "Dynamic batching: sequence positions run beyond the requests' own (sequence buckets and padded rows)", mv, registry=None)
         self.cache_loads = Counter(PREFIX + "cache_loads", "Pool cache: first loads of a model", ["model", "replica"], registry=None)
         self.cache_reloads = Counter(PREFIX + "cache_reloads", "Pool cache: loads of a model after its eviction", ["model", "replica"], registry=None)
         self.cache_evictions = Counter(PREFIX + "cache_evictions", "Pool cache: evictions of a model", ["model", "replica"], registry=None)
@@ -427,6 +431,7 @@ class ReplicaRecorder:
         self._exec: dict[tuple[str, int, int], tuple[_CounterCell, ...]] = {}
         self._req: dict[tuple[str, int], tuple[Any, ...]] = {}
         self._members: dict[int, RunHolder] = {}
+        self._padding: dict[tuple[str, int], tuple[_CounterCell, ...]] = {}
 
     def on_execution(self, model: str, version: int, rows: int, run_s: float) -> None:
         """One successful model run of ``rows`` rows taking ``run_s`` seconds."""
@@ -461,6 +466,21 @@ class ReplicaRecorder:
             holder = self._members.pop(id(item), None)
             if holder is not None:
                 holder.run_s = run_s
+
+    def batch_padding(self, model: str, version: int, run: Any) -> None:
+        """A batch's real and padded work (``batching.BatchRun``: ``rows`` from its calls,
+        ``padded_rows``, ``positions``, ``padded_positions``)."""
+        key = (model, version)
+        cells = self._padding.get(key)
+        if cells is None:
+            v, f = str(version), self._f
+            cells = self._padding[key] = tuple(self._buffer.counter(family.labels(model, v)) for family in (
+                f.batch_rows, f.batch_padded_rows, f.batch_positions, f.batch_padded_positions))
+        values = (sum(rows for _, rows in run.calls), run.padded_rows, run.positions, run.padded_positions)
+        with self._buffer.lock:
+            for cell, value in zip(cells, values):
+                if value:
+                    cell.add(value)
 
     def request(self, model: str, version: int) -> "_ReplicaRequest":
         """``with recorder.request(m, v) as holder:`` around one request at the replica: pending

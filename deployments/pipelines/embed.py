@@ -18,12 +18,12 @@ Tokenization is the ``tokenizers`` library with the encoder's ``tokenizer.json``
 256 for all-MiniLM-L6-v2; its ``tokenizer.json`` itself says 128) and without the file's padding
 (fixed to 128 in that file). Texts go to the encoder sorted by length, in calls of
 ``batch_size``, ``step_calls_in_flight`` calls at a time (``pipelines.map_bounded``); each
-call pads its texts to the smallest of ``sequence_buckets`` that holds its longest (to the
-longest itself past the largest bucket, or with no buckets), so the encoder sees a few sequence lengths, not one per request: on a GPU each
-new shape costs a plan rebuild (ONNX Runtime CUDA) or must sit in a TensorRT profile, and
-dynamic batching joins only calls of one shape. The attention mask keeps the padding out of
-attention and out of the mean, so a text's embedding depends neither on the bucket nor on the
-other texts of its request.
+call pads its texts to its longest. The encoder's own dynamic batching pads each call further
+to a sequence bucket (its ``dynamic_batching.sequence_buckets``, ``deployments.batching``), so
+calls of different lengths join and the encoder sees a few sequence lengths: on a GPU each new
+shape costs a plan rebuild (ONNX Runtime CUDA) or must sit in a TensorRT profile. The attention
+mask keeps the padding out of attention and out of the mean, so a text's embedding depends
+neither on its padding nor on the other texts of its request.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Literal, Mapping, Optional, Sequence
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field
 from tokenizers import Tokenizer
 
 from . import PipelineParameters, map_bounded
@@ -59,17 +59,6 @@ class EmbedParameters(PipelineParameters):
     on_overlength: Literal["truncate", "reject"] = "truncate"  # reject: 413
     max_texts: int = Field(2048, ge=1)  # texts per request; more: 413
     batch_size: Optional[int] = Field(None, ge=1)  # texts per encoder call; None: its max_batch_size
-    # sequence lengths each encoder call is padded up to (ascending; [] pads to the longest text)
-    sequence_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
-
-    @model_validator(mode="after")
-    def _buckets(self) -> "EmbedParameters":
-        buckets = list(self.sequence_buckets)
-        if buckets != sorted(set(buckets)) or any(b < 2 or b > self.max_seq_length for b in buckets):
-            raise ValueError(f"sequence_buckets must ascend, each in [2, max_seq_length {self.max_seq_length}]; "
-                             f"got {buckets}")
-        return self
-
 
 
 def load_tokenizer(path: str, max_seq_length: int) -> Tokenizer:
@@ -246,14 +235,9 @@ class EmbedPipeline:
         parameters = {"truncated": cut, "max_seq_length": limit} if cut else {}
         return Outputs({"embedding": embedding, "tokens": lengths}, parameters)
 
-    def padded_length(self, longest: int) -> int:
-        """The sequence length of an encoder call whose longest text has ``longest`` tokens: the
-        smallest ``sequence_buckets`` entry that holds it, else ``longest``."""
-        return next((b for b in self.parameters.sequence_buckets if b >= longest), longest)
-
     async def _embed(self, encodings: Sequence[Any]) -> np.ndarray:
-        """One encoder call for ``encodings`` padded to ``padded_length``; returns ``(B, H)`` rows."""
-        width = self.padded_length(max(len(e.ids) for e in encodings))
+        """One encoder call for ``encodings`` padded to the longest; returns ``(B, H)`` rows."""
+        width = max(len(e.ids) for e in encodings)
         arrays = {n: np.zeros((len(encodings), width), np.int64) for n in self._inputs}
         for row, e in enumerate(encodings):
             n = len(e.ids)

@@ -1,9 +1,10 @@
 """Dynamic batching over real HTTP: concurrent requests share model calls, each keeps its own answer.
 
 A second application ("batching", under /batching) serves copies of ocr_cls and ocr_rec with a
-wide batching window (``max_queue_delay_ms: 500``), so requests sent together land in one
-batch, and ``ocr_cls_padded``, batches padded to preferred sizes 4 and 8 (forced: on CPU
-``auto`` does not pad); the replica's own counters (``ModelDeployment.batching``) say what it ran.
+wide batching window (``max_queue_delay_ms: 500``), so requests that arrive while the model is
+busy land in one batch, ``ocr_cls_padded``, batches padded to preferred sizes 4 and 8 (forced:
+on CPU ``auto`` does not pad), and ``encoder``, all-MiniLM-L6-v2 with sequence buckets; the
+replica's own counters (``ModelDeployment.batching``) say what it ran.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .conftest import REPOSITORY, send_together, wait_ready
 pytestmark = pytest.mark.integration
 
 MODELS = ("ocr_cls", "ocr_rec")
+ENCODER = "all-MiniLM-L6-v2"
 PREFIX = "/batching"
 
 
@@ -34,7 +36,9 @@ def batching_server(serve_instance, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("batching-repo")
     padded = {"preferred_batch_size": [4, 8], "pad_to_preferred": True}
-    for name, base, extra in [(m, m, {}) for m in MODELS] + [("ocr_cls_padded", "ocr_cls", padded)]:
+    buckets = {"sequence_buckets": [16, 32, 64]}
+    for name, base, extra in [(m, m, {}) for m in MODELS] + [("ocr_cls_padded", "ocr_cls", padded),
+                                                             ("encoder", ENCODER, buckets)]:
         raw = yaml.safe_load((Path(REPOSITORY) / base / "config.yaml").read_text())
         raw["dynamic_batching"] = {"max_queue_delay_ms": 500, **extra}
         raw["deployment"] = {"mode": "dedicated", "max_ongoing_requests": 32}
@@ -146,11 +150,46 @@ def test_padded_batches_answer_each_request_with_its_own_rows_only(batching_serv
         assert request_id == f"pad-{i}" and got.shape == (x.shape[0], 2)
         np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
     after = counters("ocr_cls_padded")
-    # every call ran 4 or 8 rows: the 4 real ones plus the padding make a multiple of 4,
-    # whether the three arrived in one batch or in several
+    # every call ran 1, 4 or 8 rows (1: a one-row request alone), however the three arrived
     assert after["requests"] - before["requests"] == 3 and after["retried_alone"] == 0
-    assert (4 + after["padded_rows"] - before["padded_rows"]) % 4 == 0
+    calls = {rows: n - before["calls_by_rows"].get(rows, 0) for rows, n in after["calls_by_rows"].items()}
+    padding = sum(n * (next(size for size in (1, 4, 8) if size >= rows) - rows) for rows, n in calls.items())
+    assert sum(rows * n for rows, n in calls.items()) == 4
+    assert after["padded_rows"] - before["padded_rows"] == padding
     (x,) = inputs[:1]
     request_id, got = output(post(batching_server, "ocr_cls_padded", "pad-alone", x, binary=True))
     np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
-    assert counters("ocr_cls_padded")["padded_rows"] - after["padded_rows"] == 3  # 1 row run as 4
+    # a lone request of one row runs at batch 1, never padded up (issue 30)
+    assert counters("ocr_cls_padded")["padded_rows"] - after["padded_rows"] == 0
+
+
+def test_encoder_requests_of_different_lengths_get_their_own_answers_cut_to_their_length(batching_server, counters):
+    """Lengths 5 to 40 in buckets 16, 32 and 64: whatever batches they meet, each answer has the
+    request's own length and equals ONNX Runtime's for that request alone; the padding is counted."""
+    rng = np.random.default_rng(14)
+    lengths = [5, 9, 16, 20, 31, 40]
+    feeds = []
+    for n in lengths:
+        ids = rng.integers(1000, 30000, (1, n), dtype=np.int64)
+        feeds.append({"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)})
+    before = counters("encoder")
+
+    def send(i: int, feed: dict) -> requests.Response:
+        body = {"id": f"enc-{i}", "outputs": [{"name": "last_hidden_state"}],
+                "inputs": [{"name": k, "shape": list(v.shape), "datatype": "INT64", "data": v.ravel().tolist()}
+                           for k, v in feed.items()]}
+        return requests.post(f"{batching_server}/v2/models/encoder/infer", json=body, timeout=120)
+
+    responses = send_together([lambda i=i, f=f: send(i, f) for i, f in enumerate(feeds)])
+    session = ort.InferenceSession(f"{REPOSITORY}/{ENCODER}/1/model.onnx", providers=["CPUExecutionProvider"])
+    for n, feed, response in zip(lengths, feeds, responses):
+        assert response.status_code == 200, response.text
+        (tensor,) = response.json()["outputs"]
+        assert tensor["shape"] == [1, n, 384]
+        (expected,) = session.run(["last_hidden_state"], feed)
+        np.testing.assert_allclose(np.array(tensor["data"], np.float32).reshape(1, n, 384), expected, atol=1e-5)
+    after = counters("encoder")
+    assert after["requests"] - before["requests"] == len(lengths) and after["retried_alone"] == before["retried_alone"]
+    assert after["positions"] - before["positions"] == sum(lengths)
+    # buckets 16, 16, 16, 32, 32, 64: each request runs at its bucket, alone or joined
+    assert after["padded_positions"] - before["padded_positions"] == 16 * 3 + 32 * 2 + 64 - sum(lengths)

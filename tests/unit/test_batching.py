@@ -62,11 +62,11 @@ def test_policy_caps_rows_at_the_largest_preferred_size_else_max_batch_size():
 
 def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
     sizes = {"preferred_batch_size": [8, 2]}
-    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda").pad_to == (2, 8)
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda").pad_to == (1, 2, 8)  # 1: a lone row
     assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime").pad_to == ()
     assert BatchPolicy.of(config(dynamic_batching=sizes), "tensorrt").pad_to == ()
     forced = {**sizes, "pad_to_preferred": True}
-    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime").pad_to == (2, 8)
+    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime").pad_to == (1, 2, 8)
     off = {**sizes, "pad_to_preferred": False}
     assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
     # auto without preferred sizes has nothing to pad to
@@ -89,8 +89,11 @@ def test_padded_batches_run_at_the_preferred_size_and_answer_only_real_rows():
     assert host.calls == [4] and run.calls == [(2, 3)] and run.padded_rows == 1
     assert run.results[0]["y"].tolist() == [[2.0, 2.0]]
     assert list(run.results[1]) == ["s"] and run.results[1]["s"].tolist() == [6.0, 6.0]
-    alone = run_batch(host, [item(cfg, 1, 5.0)], policy)  # a lone request is padded too
-    assert host.calls[-1] == 4 and alone.padded_rows == 3 and alone.results[0]["s"].tolist() == [10.0]
+    alone = run_batch(host, [item(cfg, 2, 5.0)], policy)  # a lone request is padded to a warmed size
+    assert host.calls[-1] == 4 and alone.padded_rows == 2 and alone.results[0]["s"].tolist() == [10.0, 10.0]
+    one_row = run_batch(host, [item(cfg, 1, 5.0)], BatchPolicy.of(config(dynamic_batching={
+        "preferred_batch_size": [4, 8]}), "onnxruntime_cuda"))
+    assert host.calls[-1] == 1 and one_row.padded_rows == 0  # batch 1 is a warmed size: no padding
     full = run_batch(host, [item(cfg, 4, 1.0)], policy)  # already a preferred size: no padding
     assert host.calls[-1] == 4 and full.padded_rows == 0
 
@@ -180,7 +183,8 @@ def test_stats_count_model_calls_by_requests_and_rows():
     stats.record(second, run_batch(host, second))
     assert stats.as_dict() == {"batches": 2, "requests": 3, "max_requests": 2, "max_rows": 3,
                                "calls_by_requests": {1: 1, 2: 1}, "calls_by_rows": {1: 1, 3: 1},
-                               "retried_alone": 0, "padded_rows": 0}
+                               "retried_alone": 0, "rows": 4, "padded_rows": 0, "positions": 0,
+                               "padded_positions": 0}
 
 
 @pytest.fixture(scope="module")

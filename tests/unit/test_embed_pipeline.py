@@ -173,26 +173,26 @@ def test_an_embedding_does_not_depend_on_the_other_texts_of_its_request(pipeline
     np.testing.assert_allclose(mixed, alone, atol=1e-5)
 
 
-def test_encoder_calls_are_padded_to_sequence_buckets_and_embeddings_are_unchanged(model_repository, pipeline,
-                                                                                   recording):
+def test_encoder_calls_are_padded_to_their_longest_text_only_and_embeddings_are_unchanged(model_repository,
+                                                                                          pipeline, recording):
+    """The sequence buckets are the encoder's batcher's (``dynamic_batching.sequence_buckets``):
+    the pipeline pads each call to its longest text, no further."""
     items = ["hi", SENTENCES[0], " ".join(["word"] * 20), " ".join(["serving"] * 100), LONG]  # 3..302 tokens
     config = model_repository.get("embed").config
     pairs = EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder, dict(config.parameters, batch_size=2))
-    bucketed = embed(pairs, *items)  # calls of 2 by length: (3, 9), (22, 102), (256,)
-    assert sorted(shape[1] for shape in recording.shapes) == [16, 128, 256]
-    assert [pipeline.padded_length(n) for n in (2, 16, 17, 100, 129, 256)] == [16, 16, 32, 128, 256, 256]
-    exact = EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder,
-                          dict(config.parameters, sequence_buckets=[], batch_size=1))
+    joined = embed(pairs, *items)  # calls of 2 by length: (3, 8), (22, 102), (256,)
+    assert sorted(shape[1] for shape in recording.shapes) == [8, 102, 256]
+    exact = EmbedPipeline(recording, pipeline._tokenizer, pipeline.encoder, dict(config.parameters, batch_size=1))
     recording.shapes.clear()
     alone = embed(exact, *items)  # each text alone, padded to nothing
     assert sorted(shape[1] for shape in recording.shapes) == [3, 8, 22, 102, 256]
-    np.testing.assert_allclose(bucketed["embedding"], alone["embedding"], atol=1e-5)
+    np.testing.assert_allclose(joined["embedding"], alone["embedding"], atol=1e-5)
 
 
-@pytest.mark.parametrize("buckets", [[32, 16], [1, 16], [16, 300]])
-def test_sequence_buckets_must_ascend_within_the_sequence_limit(model_repository, recording, buckets):
-    with pytest.raises(ConfigError, match=r"parameters.*sequence_buckets must ascend, each in \[2, max_seq_length 256\]"):
-        EmbedPipeline(recording, None, model_repository.get(ENCODER).config, {"sequence_buckets": buckets})
+def test_sequence_buckets_are_the_encoders_not_the_pipelines(model_repository, recording):
+    with pytest.raises(ConfigError, match=r"parameters.sequence_buckets: Extra inputs are not permitted"):
+        EmbedPipeline(recording, None, model_repository.get(ENCODER).config, {"sequence_buckets": [16]})
+    assert model_repository.get(ENCODER).config.dynamic_batching.sequence_buckets == (16, 32, 64, 128, 256)
 
 
 def test_empty_strings_and_any_language_embed(pipeline):

@@ -154,32 +154,47 @@ class Autoscaling(_Frozen):
 class DynamicBatching(_Frozen):
     """Server-side batching of concurrent requests (the optional ``dynamic_batching:`` section).
 
-    Like Triton's ``dynamic_batching``: requests that arrive within ``max_queue_delay_ms`` of
-    the first one are concatenated along axis 0 and run as one batch of at most
+    Requests are concatenated along axis 0 and run as one batch of at most
     ``max(preferred_batch_size)`` rows (``max_batch_size`` rows when no preferred size is
-    given); each request keeps its own rows. Needs a batch axis (``max_batch_size > 0``);
-    every preferred size lies in ``[1, max_batch_size]``, so a batch never exceeds the
-    profile max either. ``enabled: false`` keeps the section but turns batching off.
+    given); each request keeps its own rows. A request runs at once when an execution context
+    is free (a lone request runs alone); while every context is busy, requests gather into a
+    batch, which closes when full or ``max_queue_delay_ms`` after its oldest request, and runs
+    at the next free context (``deployments.batching``). Needs a batch axis
+    (``max_batch_size > 0``); every preferred size lies in ``[1, max_batch_size]``, so a batch
+    never exceeds the profile max either. ``enabled: false`` keeps the section but turns
+    batching off.
 
-    ``pad_to_preferred``: run every batch at a preferred size, padding it with zero rows to
-    the smallest ``preferred_batch_size`` that holds it (the padding's outputs are dropped), so
-    an execution context sees only those shapes. ``auto`` (default) pads where the backend makes
+    ``pad_to_preferred``: run every batch at 1 or a preferred size, padding it with zero rows to
+    the smallest of those that holds it (the padding's outputs are dropped), so an execution
+    context sees only those shapes, and a lone one-row request runs unpadded. ``auto`` (default) pads where the backend makes
     a change of input shape costly: ``onnxruntime_cuda``, whose convolutions rebuild their cuDNN
     plans whenever a run's shape differs from the previous run's (resnet18 ~30 ms, the PaddleOCR
     models ~0.5 s a change on the H200: docs/performance.md, "Dynamic batching on the GPU") while a larger batch costs little
     (resnet18 batch 8: 1.3x batch 1). Not on CPU, where every padded row costs its full
     compute. ``true`` / ``false`` force it; padding needs ``preferred_batch_size``.
+
+    ``sequence_buckets`` (ascending lengths, e.g. ``[16, 32, 64, 128, 256]``; default none):
+    for a model with a dynamic sequence axis (axis 1 after the batch axis), each request's
+    inputs on that axis are zero-padded to the smallest bucket that holds them, so requests of
+    different lengths join one batch and the model sees a few lengths; outputs on that axis are
+    cut back to each request's length (``deployments.batching.SequenceAxis`` says which tensors
+    carry the axis). Only for models whose attention mask makes the padded positions inert
+    (BERT-like encoders), hence opt-in. Each bucket lies within every such input's axis-1 range.
     """
 
     enabled: bool = True
     max_queue_delay_ms: float = Field(1.0, ge=0, le=10_000)
     preferred_batch_size: tuple[int, ...] = ()
     pad_to_preferred: Union[bool, Literal["auto"]] = "auto"
+    sequence_buckets: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _padding_needs_sizes(self) -> "DynamicBatching":
         if self.pad_to_preferred is True and not self.preferred_batch_size:
             raise ValueError("dynamic_batching.pad_to_preferred needs preferred_batch_size (the sizes to pad to)")
+        buckets = list(self.sequence_buckets)
+        if buckets != sorted(set(buckets)) or any(b < 1 for b in buckets):
+            raise ValueError(f"dynamic_batching.sequence_buckets must be positive lengths in ascending order, got {buckets}")
         return self
 
 
@@ -402,10 +417,27 @@ class ModelConfig(ModelConfigFile):
                 raise ValueError(
                     f"dynamic_batching.preferred_batch_size {too_big} outside [1, max_batch_size "
                     f"{self.max_batch_size}]")
+            if batching.sequence_buckets:
+                _check_buckets(self.inputs, batching.sequence_buckets)
         return self
 
     def input(self, name: str) -> TensorSpec:
         return next(t for t in self.inputs if t.name == name)
+
+
+def _check_buckets(inputs: tuple[TensorSpec, ...], buckets: tuple[int, ...]) -> None:
+    """``sequence_buckets`` need an input with a dynamic axis 1 and lie within each such
+    input's axis-1 range."""
+    dynamic = [t for t in inputs if len(t.dims) >= 2 and t.dims[1] == -1]
+    if not dynamic:
+        raise ValueError("dynamic_batching.sequence_buckets needs an input with a dynamic sequence axis (axis 1, "
+                         f"after the batch axis); inputs: {[f'{t.name} {list(t.dims)}' for t in inputs]}")
+    for spec in dynamic:
+        lo, hi = spec.bounds()
+        outside = [b for b in buckets if not lo[1] <= b <= hi[1]]
+        if outside:
+            raise ValueError(f"dynamic_batching.sequence_buckets {outside} outside input '{spec.name}' axis 1 "
+                             f"range [{lo[1]}, {hi[1]}]")
 
 
 def _check_extra_profile(inputs: tuple[TensorSpec, ...], index: int, profile: dict[str, Profile]) -> None:

@@ -250,31 +250,34 @@ class ModelHost:
         if self._free and self._waiting:
             self._waiting[0].notify()
 
-    def warm(self, batch_sizes: Sequence[int]) -> None:
-        """Run every context once more on zeros, context ``i`` at batch ``batch_sizes[i % len]``
-        (other axes as the config's warmup has them, ``warmup.warmup_shape``), so each size has
-        contexts that last ran it and the first requests of that size find the engine ready
-        for it. Unlike the config's warmup (every size on every context, at load), this spreads
-        the sizes over the contexts. Outputs are dropped.
+    def warm(self, shapes: Sequence[int | Mapping[str, Sequence[int]]]) -> None:
+        """Run zeros once per entry of ``shapes``, spread over the contexts: entry ``j`` on
+        context ``j % instances`` (with fewer entries than contexts, context ``i`` runs entry
+        ``i % len(shapes)``), so every entry and every context runs, and each context last ran
+        a different entry where there are enough (the first requests of those shapes find a
+        context that last ran theirs). An entry is a batch size (other axes as the config's warmup has them,
+        ``warmup.warmup_shape``) or a shape per input. Unlike the config's warmup (every size on
+        every context, at load), this spreads the shapes over the contexts. Outputs are dropped.
 
         Raises:
             ModelNotReady: not loaded. InferenceTimeout: contexts stayed busy. InferenceError.
         """
-        feeds = [{spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, size)) for spec in self.config.inputs}
-                 for size in batch_sizes]
+        feeds = [{spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, shape) if isinstance(shape, int)
+                                   else tuple(shape[spec.name])) for spec in self.config.inputs}
+                 for shape in shapes]
         with self._lock:
             if self.engine is None:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
             self._in_flight += 1
         taken: list[ExecutionContext] = []
         try:
-            for i in range(len(self._contexts)):
-                feed = feeds[i % len(feeds)]
+            for i in range(len(self._contexts) if feeds else 0):
                 context = self._checkout(("warming", i))  # any free one: the key never matches
                 taken.append(context)
-                context.infer(feed)
-                with self._slots:
-                    self._last_shapes[id(context)] = _shapes(feed)
+                for feed in feeds[i::len(self._contexts)] or [feeds[i % len(feeds)]]:
+                    context.infer(feed)
+                    with self._slots:
+                        self._last_shapes[id(context)] = _shapes(feed)
         finally:
             self._check_in(taken)
             with self._lock:
