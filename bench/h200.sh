@@ -5,7 +5,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard
+#   tests | embed | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -23,6 +23,12 @@ case "$1" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv ;;
   ray) mkdir -p /tmp/py && xz -dc "$D/site.tar.xz" | tar xf - -C /tmp/py && python3 -c 'import ray; print(ray.__version__)' ;;
   tests) cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
+  embed) cd /tmp/w && python3 -m bench.embed --clients 1,16,64,256 --gpu-fraction 0.25 \
+      --variants ${VARIANTS:-unbatched,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 \
+      --out "$OUT/embed.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
+  firstclient) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18,tiny_cnn \
+      --batched resnet18,tiny_cnn --padded --preferred-batch-size 8 --batch-levels 1,16,64 --gpu-fraction 0.1 \
+      $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   engine) cd /tmp/w && python3 -m bench.gpu_engine --duration-s 1.5 --out "$OUT" 2>&1 | tail -80 ;;
   serve) cd /tmp/w && timeout 300 python3 -m bench.gpu_serve_check --config serve_config.gpu.yaml --churn 30 --out "$OUT" 2>&1 | tail -60 ;;
   batching) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 \
