@@ -201,6 +201,7 @@ def main(argv: Sequence[str]) -> None:
                 delta = {k: after[k] - before.get(k, 0) for k in ("padded_positions", "positions") if k in after}
                 rows.append({"variant": variant, "clients": c, "texts_per_s": r.qps, "p50_ms": r.p50_ms,
                              "p99_ms": r.p99_ms, "errors": r.errors, "error_statuses": r.error_statuses,
+                             "error_examples": r.error_examples,
                              "padding_waste": padding_waste(delta)})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a)}

@@ -172,6 +172,7 @@ class Result:
     p90_ms: float | None
     p99_ms: float | None
     error_statuses: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)  # status -> the first such answer's body (500 chars)
 
 
 def is_shed(headers, body: bytes) -> bool:
@@ -186,6 +187,7 @@ def is_shed(headers, body: bytes) -> bool:
 class _Samples:
     latencies_s: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
 
 
 async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples,
@@ -197,6 +199,7 @@ async def _worker(session, workload: Workload, start: float, stop: float, sample
     while True:
         retry_after_s = None
         body, expected = requests[(first + answers) % len(requests)]
+        answer = b""
         sent = time.perf_counter()
         if sent >= stop:
             return
@@ -222,6 +225,8 @@ async def _worker(session, workload: Workload, start: float, stop: float, sample
                 samples.latencies_s.append(done - sent)
             else:
                 samples.errors[status] = samples.errors.get(status, 0) + 1
+                if status not in samples.examples and status.isdigit():
+                    samples.examples[status] = answer[:500].decode(errors="replace")
         if retry_after_s is not None:  # a polite client waits as told (never past the window)
             await asyncio.sleep(max(0.0, min(retry_after_s, stop - done)))
 
@@ -294,15 +299,17 @@ def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s
     for i, (workload, concurrency) in enumerate(plan):
         latencies = np.array([x for part in parts for x in part[i].latencies_s])
         errors: dict[str, int] = {}
+        examples: dict[str, str] = {}
         for part in parts:
             for status, n in part[i].errors.items():
                 errors[status] = errors.get(status, 0) + n
+            examples = {**part[i].examples, **examples}
         results.append(Result(
             label=workload.label, concurrency=concurrency, duration_s=duration_s,
             requests=int(latencies.size), errors=sum(errors.values()),
             qps=round(latencies.size / duration_s, 2), p50_ms=_percentile_ms(latencies, 50),
             p90_ms=_percentile_ms(latencies, 90), p99_ms=_percentile_ms(latencies, 99),
-            error_statuses=errors))
+            error_statuses=errors, error_examples=examples))
     return results
 
 

@@ -466,7 +466,8 @@ class BatchScheduler:
         self._open: deque[_Waiting] = deque()
         self._closed: deque[list[_Waiting]] = deque()
         self._running = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0  # the loop time ``_timer`` was armed for
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -531,11 +532,14 @@ class BatchScheduler:
         now = loop.time()
         while self._open and self._open[0].deadline <= now:
             self._closed.append(self._take())
-        if self._timer is not None and (not self._open or self._timer.when() != self._open[0].deadline):
+        # The deadline the timer was armed for is kept here: uvloop's ``call_at`` answers a
+        # deadline under half a millisecond away with a plain ``Handle``, which has no ``when``.
+        if self._timer is not None and (not self._open or self._timer_at != self._open[0].deadline):
             self._timer.cancel()
             self._timer = None
         if self._open and self._timer is None:
-            self._timer = loop.call_at(self._open[0].deadline, self._on_timer)
+            self._timer_at = self._open[0].deadline
+            self._timer = loop.call_at(self._timer_at, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None

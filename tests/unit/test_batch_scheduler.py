@@ -243,3 +243,23 @@ def test_batches_of_other_signatures_wait_for_their_own_turn(rows):
         return host.calls, (await wide)["y"].shape, (await narrow)["y"].shape
 
     assert asyncio.run(scenario()) == ([1, rows, 1], (rows, 3), (1, 2))
+
+
+def test_a_window_under_half_a_millisecond_works_under_uvloop():
+    """uvloop's ``call_at`` answers a deadline under 0.5 ms away with a plain ``Handle`` (no
+    ``when``): a request arriving while such a timer was armed failed with AttributeError (a
+    500 for the embed pipeline under 16 clients)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario():
+        host = BlockingHost()
+        batcher = scheduler(host, wait_s=0.0004)
+        first = batcher.submit(item(1, 1.0))
+        await host.entered()
+        second = batcher.submit(item(1, 2.0))  # waits; its timer is due in 0.4 ms
+        third = batcher.submit(item(1, 3.0))
+        for _ in range(3):
+            host.release()
+        return [(await f)["y"][0, 0] for f in (first, second, third)]
+
+    assert uvloop.run(scenario()) == [2.0, 4.0, 6.0]
