@@ -41,7 +41,10 @@ logger = logging.getLogger("ray.serve")
 
 _SHARED_MEMORY = ("the {kind} shared-memory extension is not supported by this server yet: send tensors "
                   "in the request (raw_input_contents or contents)")
-_NOT_READY = 503  # a ready probe's "not ready" answer: ready false over gRPC, as Triton answers
+# A ready probe's "not ready" answers (503; for a model also 404: unknown, or not loaded): ready
+# false over gRPC, as Triton answers and as tritonclient.http reads any status but 200.
+_NOT_READY = (503,)
+_MODEL_NOT_READY = (404, 503)
 
 
 def _http_request(method: str, path: str, path_params: dict[str, str], chunks: Iterable[bytes] = (),
@@ -122,10 +125,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return json.loads(bytes(response.body)) if response.body else None
 
     async def _ready(self, route: Callable[[Request], Awaitable[Response]], request: Request,
-                     context: grpc.aio.ServicerContext) -> bool:
-        """A ready route's answer: True (200), False (503, not ready), else the error ends the call."""
+                     context: grpc.aio.ServicerContext, not_ready: tuple[int, ...] = _NOT_READY) -> bool:
+        """A ready route's answer: True (200), False (a status in ``not_ready``), else the error
+        ends the call."""
         response = await route(request)
-        if response.status_code not in (200, _NOT_READY):
+        if response.status_code != 200 and response.status_code not in not_ready:
             await _abort(context, response)
         return response.status_code == 200
 
@@ -173,7 +177,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @_answers_errors
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         params, path = _model_params(request.name, request.version)
-        ready = await self._ready(self.routes.model_ready, _http_request("GET", f"{path}/ready", params), context)
+        ready = await self._ready(self.routes.model_ready, _http_request("GET", f"{path}/ready", params), context,
+                                  _MODEL_NOT_READY)
         return pb.ModelReadyResponse(ready=ready)
 
     @_answers_errors
