@@ -15,8 +15,9 @@ the body limit, timeouts, metrics, statistics and request logs are the HTTP path
 error has the same text, with the gRPC code of its HTTP status (``protocol.errors.grpc_code``).
 docs/architecture.md, "The gRPC front door", says why this design and what it costs.
 
-The shared-memory RPCs answer UNIMPLEMENTED (the extension is not served yet), as do trace and
-log settings.
+The shared-memory RPCs go through the router's shared-memory routes (``shared_memory_routes``),
+and an infer's ``shared_memory_*`` parameters reach the replica as over HTTP. Trace and log
+settings answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_g
 
 from .protocol.binary import HEADER_LENGTH
 from .protocol.errors import grpc_code
-from .protocol.grpc import infer_body, infer_response, json_message, repository_body
+from .protocol.grpc import (cuda_register_body, infer_body, infer_response, json_message, region_statuses,
+                            repository_body, system_register_body)
 from .routes import EDGE_HEADER_BYTES, V2Routes, error_response
 from .runtime.contract.errors import InvalidInput
 
 logger = logging.getLogger("ray.serve")
 
-_SHARED_MEMORY = ("the {kind} shared-memory extension is not supported by this server yet: send tensors "
-                  "in the request (raw_input_contents or contents)")
 # A ready probe's "not ready" answers (503; for a model also 404: unknown, or not loaded): ready
 # false over gRPC, as Triton answers and as tritonclient.http reads any status but 200.
 _NOT_READY = (503,)
@@ -237,26 +237,52 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await self._control("unload", request, context)
         return pb.RepositoryModelUnloadResponse()
 
+    async def _shm(self, kind: str, verb: str, name: str, context: grpc.aio.ServicerContext,
+                   body: dict[str, Any] | None = None) -> Any:
+        """A shared-memory call through its HTTP route (``shared_memory_routes``): ``kind``
+        ``system`` or ``cuda``, ``verb`` ``status``, ``register`` or ``unregister``, for region
+        ``name`` (empty: every region of its kind, for status and unregister)."""
+        routes: Any = self.routes
+        route = {"status": routes.shm_status, "register": routes.shm_register, "unregister": routes.shm_unregister}[verb]
+        base = f"/v2/{kind}sharedmemory"
+        path, params = (f"{base}/region/{name}/{verb}", {"region": name}) if name or verb == "register" else \
+            (f"{base}/{verb}", {})
+        chunks = [json.dumps(body).encode()] if body else []
+        return await self._json(route, _http_request("GET" if verb == "status" else "POST", path, params, chunks),
+                                context)
+
+    @_answers_errors
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = await self._shm("system", "status", request.name, context)
+        return region_statuses(regions, pb.SystemSharedMemoryStatusResponse())
+
+    @_answers_errors
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("system", "register", request.name, context, system_register_body(request))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_answers_errors
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("system", "unregister", request.name, context)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_answers_errors
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = await self._shm("cuda", "status", request.name, context)
+        return region_statuses(regions, pb.CudaSharedMemoryStatusResponse())
+
+    @_answers_errors
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("cuda", "register", request.name, context, cuda_register_body(request))
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_answers_errors
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("cuda", "unregister", request.name, context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     async def _unimplemented(self, context: grpc.aio.ServicerContext, message: str) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
-
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="system"))
-
-    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="system"))
-
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="system"))
-
-    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="CUDA"))
-
-    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="CUDA"))
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._unimplemented(context, _SHARED_MEMORY.format(kind="CUDA"))
 
     async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._unimplemented(context, "trace settings are not supported: request logs and metrics are "

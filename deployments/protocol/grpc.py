@@ -14,7 +14,11 @@ one binary chunk per input, ``infer_response`` reads the binary answer back into
 Tensor contents: ``raw_input_contents`` (one entry per input, in ``inputs`` order: all inputs
 or none) are passed on as they came, without a copy; typed ``contents`` (``bool_contents``,
 ``int_contents`` ... ``bytes_contents``) become the same raw little-endian bytes (BYTES: a
-4-byte little-endian length before each element). FP16 and BF16 have no typed field: raw only.
+4-byte little-endian length before each element). FP16 and BF16 have no typed field: raw only. An input or output in shared memory carries its
+``shared_memory_*`` parameters, as over HTTP (``protocol.shared_memory``).
+
+Shared-memory register and status messages to and from the HTTP routes' JSON:
+``system_register_body``, ``cuda_register_body``, ``region_statuses``.
 """
 
 from __future__ import annotations
@@ -103,39 +107,58 @@ def _typed_contents(where: str, datatype: str, shape: list[int], contents: Any) 
     return array.astype(dtype).tobytes()
 
 
+def _in_shared_memory(params: Mapping[str, Any]) -> bool:
+    return "shared_memory_region" in params
+
+
 def infer_body(request: Any) -> tuple[list[bytes], int]:
     """A ``ModelInferRequest`` as the binary extension's HTTP body: its chunks (the JSON
     header, then each input's bytes) and the header's length (``Inference-Header-Content-Length``).
-    Every output is asked for in binary form (``infer_response`` reads it so).
+    Every output is asked for in binary form (``infer_response`` reads it so), but one in shared
+    memory. An input in shared memory (``shared_memory_region``) takes no raw entry and sends no
+    bytes: the replica reads it from its region, as over HTTP (so ``tritonclient.grpc`` sends it).
 
     Raises:
-        InvalidInput: ``raw_input_contents`` given for some inputs only, an input with both raw
-            and typed contents, or typed contents that do not fit (``_typed_contents``). What the
-            body itself gets wrong (datatype, shape, byte counts, parameters) is the decoder's to
-            say, in the same words as over HTTP.
+        InvalidInput: ``raw_input_contents`` not one entry per input outside shared memory, an
+            input with raw and typed contents (or either beside a region), or typed contents
+            that do not fit (``_typed_contents``). What the body itself gets wrong (datatype,
+            shape, byte counts, parameters) is the decoder's to say, in the same words as over HTTP.
     """
     raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one "
-                           "per input, in the order of inputs (or typed contents for every input)")
+    carried = [t for t in request.inputs if not _in_shared_memory(t.parameters)]
+    if raw and len(raw) != len(carried):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(carried)} inputs (not counting "
+                           "inputs in shared memory); give one per input, in the order of inputs (or typed "
+                           "contents for every input)")
+    entries = iter(raw)
     inputs, chunks = [], []
-    for i, tensor in enumerate(request.inputs):
+    for tensor in request.inputs:
         where = f"input '{tensor.name}'"
+        params = parameters(tensor.parameters)
         has_contents = tensor.HasField("contents")
+        if _in_shared_memory(params):
+            if has_contents:
+                raise InvalidInput(f"{where}: give either contents or parameters.shared_memory_region, not both")
+            inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                           "parameters": params})
+            continue
         if raw and has_contents:
             raise InvalidInput(f"{where}: give either contents or raw_input_contents, not both")
-        data = raw[i] if raw else _typed_contents(where, tensor.datatype, list(tensor.shape), tensor.contents) \
-            if has_contents else b""
+        data = next(entries) if raw else _typed_contents(where, tensor.datatype, list(tensor.shape),
+                                                         tensor.contents) if has_contents else b""
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
-                       "parameters": {**parameters(tensor.parameters), "binary_data_size": len(data)}})
+                       "parameters": {**params, "binary_data_size": len(data)}})
         chunks.append(data)
     header: dict[str, Any] = {"inputs": inputs, "parameters": {**parameters(request.parameters),
                                                                "binary_data_output": True}}
     if request.id:
         header["id"] = request.id
     if request.outputs:
-        header["outputs"] = [{"name": o.name, "parameters": {**parameters(o.parameters), "binary_data": True}}
-                             for o in request.outputs]
+        header["outputs"] = []
+        for o in request.outputs:
+            params = parameters(o.parameters)
+            header["outputs"].append({"name": o.name, "parameters": params if _in_shared_memory(params) else
+                                      {**params, "binary_data": True}})
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return [head, *chunks], len(head)
 
@@ -152,7 +175,8 @@ def _json_data_bytes(tensor: Mapping[str, Any]) -> bytes:
 
 def infer_response(content: bytes, headers: Mapping[str, str]) -> Any:
     """The router's infer answer (``content`` and its ``headers``: binary extension or JSON) as
-    a ``ModelInferResponse``, every output's bytes in ``raw_output_contents``."""
+    a ``ModelInferResponse``, every output's bytes in ``raw_output_contents`` (an empty entry
+    for one written to shared memory, whose parameters it echoes)."""
     length = headers.get(HEADER_LENGTH)
     head_bytes = content if length is None else content[:int(length)]
     head = json.loads(head_bytes)
@@ -164,8 +188,13 @@ def infer_response(content: bytes, headers: Mapping[str, str]) -> Any:
     view = memoryview(content)
     for tensor in head["outputs"]:
         response.outputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
-        if size is None:
+        params = tensor.get("parameters") or {}
+        size = params.get("binary_data_size")
+        if _in_shared_memory(params):
+            for key, value in params.items():
+                set_parameter(response.outputs[-1].parameters[key], value)
+            response.raw_output_contents.append(b"")
+        elif size is None:
             response.raw_output_contents.append(_json_data_bytes(tensor))
         else:
             response.raw_output_contents.append(bytes(view[offset:offset + size]))
@@ -182,3 +211,20 @@ def json_message(value: Any, message: Any) -> Any:
 def repository_body(params: Mapping[str, Any]) -> dict[str, Any]:
     """A load / unload request's ``parameters`` as the HTTP route's JSON body."""
     return {"parameters": parameters(params)} if params else {}
+
+
+def system_register_body(request: Any) -> dict[str, Any]:
+    """A ``SystemSharedMemoryRegisterRequest`` as the HTTP register route's body."""
+    return {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
+
+
+def cuda_register_body(request: Any) -> dict[str, Any]:
+    """A ``CudaSharedMemoryRegisterRequest`` as the HTTP register route's body."""
+    return {"raw_handle": {"b64": base64.b64encode(request.raw_handle).decode("ascii")},
+            "device_id": request.device_id, "byte_size": request.byte_size}
+
+
+def region_statuses(regions: list[dict[str, Any]], message: Any) -> Any:
+    """The HTTP status route's list of regions as a ``*SharedMemoryStatusResponse`` (``message``),
+    its ``regions`` map keyed by name."""
+    return json_message({"regions": {region["name"]: region for region in regions}}, message)

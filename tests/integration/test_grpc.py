@@ -328,11 +328,67 @@ def test_raw_byte_count_that_disagrees_with_the_shape_is_invalid_argument(stub):
     assert info.value.details().startswith("input byte size mismatch for input 'INPUT1'. Expected 64, got 60")
 
 
-def test_shared_memory_rpcs_are_unimplemented_with_a_reason(client):
-    status, message = error_of(lambda: client.get_system_shared_memory_status())
-    assert status == "StatusCode.UNIMPLEMENTED" and "system shared-memory extension is not supported" in message
-    status, message = error_of(lambda: client.get_cuda_shared_memory_status())
-    assert status == "StatusCode.UNIMPLEMENTED" and "CUDA shared-memory extension" in message
+@pytest.fixture
+def regions(client):
+    """Regions in /dev/shm (``make(name, byte_size)`` -> (handle, key)); every registration of
+    the client and the regions removed after."""
+    import uuid
+
+    import tritonclient.utils.shared_memory as shm
+
+    made = []
+
+    def make(name: str, byte_size: int):
+        key = f"/trt_serve_grpc_{name}_{uuid.uuid4().hex[:8]}"
+        made.append(shm.create_shared_memory_region(name, key, byte_size))
+        return made[-1], key
+
+    client.unregister_system_shared_memory()
+    yield make
+    client.unregister_system_shared_memory()
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_system_shared_memory_over_grpc_as_simple_grpc_shm_client(client, regions):
+    """Register, status, an infer whose inputs and outputs are in regions (one raw input beside
+    them), unregister: what Triton's simple_grpc_shm_client.py does."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+
+    a, b = np.arange(16, dtype=np.int32), np.full(16, 5, np.int32)
+    in_handle, in_key = regions("in", 64)
+    out_handle, out_key = regions("out", 128)
+    shm.set_shared_memory_region(in_handle, [a])
+    client.register_system_shared_memory("in", in_key, 64)
+    client.register_system_shared_memory("out", out_key, 128)
+    status = client.get_system_shared_memory_status()
+    assert {name: (r.key, r.byte_size) for name, r in status.regions.items()} == {
+        "in": (in_key, 64), "out": (out_key, 128)}
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_shared_memory("in", 64)
+    inputs[1].set_data_from_numpy(b[None])  # raw, beside the region
+    outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT1")]
+    outputs[0].set_shared_memory("out", 64)
+    outputs[1].set_shared_memory("out", 64, offset=64)
+    result = client.infer("simple", inputs, outputs=outputs)
+    assert result.get_output("OUTPUT0").parameters["shared_memory_region"].string_param == "out"
+    sums = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16])
+    differences = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=64)
+    assert sums.tolist() == [(a + b).tolist()] and differences.tolist() == [(a - b).tolist()]
+    status_code, message = error_of(lambda: client.get_system_shared_memory_status("nope"))
+    assert status_code == "StatusCode.NOT_FOUND" and message.startswith("Unable to find system shared memory region: 'nope'")
+    inputs[0].set_shared_memory("unregistered", 64)
+    status_code, message = error_of(lambda: client.infer("simple", inputs, outputs=outputs))
+    assert status_code == "StatusCode.INVALID_ARGUMENT"
+    assert message.startswith("Unable to find shared memory region: 'unregistered'")
+    client.unregister_system_shared_memory("in")
+    assert list(client.get_system_shared_memory_status().regions) == ["out"]
+
+
+def test_trace_and_log_settings_are_unimplemented_with_a_reason(client):
+    status, message = error_of(lambda: client.get_trace_settings())
+    assert status == "StatusCode.UNIMPLEMENTED" and message.startswith("trace settings are not supported")
 
 
 def test_message_of_the_body_limit_passes_and_one_byte_over_is_resource_exhausted(stub):

@@ -5,6 +5,8 @@ code of every status of the error table."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import numpy as np
 import pytest
@@ -108,8 +110,8 @@ def test_id_outputs_and_parameters_pass_as_the_http_request_gives_them():
     assert got.output_parameters == {"y": {"classification": 3, "binary_data": True}}
     message = request([raw_input("x", "FP32", ARRAYS["FP32"])], priority=2, timeout=1500)
     assert decoded(message).timeout_s == 0.0015 and decoded(message).parameters["priority"] == 2
-    message.parameters["shared_memory_region"].string_param = "r"
-    with pytest.raises(InvalidInput, match="parameters.\"shared_memory_region\": the shared-memory extension"):
+    message.parameters["sequence_id"].int64_param = 3
+    with pytest.raises(InvalidInput, match="parameters.\"sequence_id\": the sequence extension is not supported"):
         decoded(message)
 
 
@@ -140,3 +142,26 @@ def test_every_status_of_the_error_table_has_a_grpc_code_and_only_500_is_interna
     assert codes[413] == grpc.StatusCode.RESOURCE_EXHAUSTED and codes[503] == grpc.StatusCode.UNAVAILABLE
     assert codes[504] == grpc.StatusCode.DEADLINE_EXCEEDED
     assert [s for s, c in codes.items() if c == grpc.StatusCode.INTERNAL] == [500]
+
+
+def test_inputs_in_shared_memory_take_no_raw_entry_and_outputs_in_it_are_not_asked_binary():
+    a = raw_input("a", "INT32", ARRAYS["INT32"])
+    b = grpcclient.InferInput("b", [1, 3], "INT32").set_shared_memory("region", 12, offset=4)
+    output = grpcclient.InferRequestedOutput("y")
+    output.set_shared_memory("out", 12)
+    chunks, _ = infer_body(request([a, b], [output, grpcclient.InferRequestedOutput("z")]))
+    header = json.loads(chunks[0])
+    assert header["inputs"][1]["parameters"] == {"shared_memory_region": "region", "shared_memory_byte_size": 12,
+                                                 "shared_memory_offset": 4}
+    assert header["inputs"][0]["parameters"] == {"binary_data_size": 12} and len(chunks) == 2
+    assert [o["parameters"] for o in header["outputs"]] == [
+        {"shared_memory_region": "out", "shared_memory_byte_size": 12}, {"binary_data": True}]
+
+
+def test_an_output_written_to_shared_memory_answers_an_empty_entry_and_its_parameters():
+    head = json.dumps({"model_name": "m", "model_version": "1", "outputs": [
+        {"name": "y", "datatype": "INT32", "shape": [1, 3],
+         "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 12}}]}).encode()
+    response = infer_response(head, {})
+    assert list(response.raw_output_contents) == [b""]
+    assert response.outputs[0].parameters["shared_memory_region"].string_param == "out"
