@@ -190,6 +190,8 @@ class AppArgs(BaseModel):
     backend: Backend = "auto"
     use_gpus: Union[Literal["auto"], bool] = "auto"
     max_body_mib: float = Field(64.0, gt=0)
+    # Each router replica serves KServe v2 gRPC on this port (Triton's 8001; null: no gRPC).
+    grpc_port: Optional[int] = Field(8001, ge=1, le=65535)
     request_timeout_s: float = Field(60.0, gt=0)
     router: RouterDeploymentOptions = RouterDeploymentOptions()  # autoscaling, 1 to ROUTER_AUTOSCALING's max
     pool: PoolOptions = PoolOptions()
@@ -356,7 +358,7 @@ def _build(args: dict[str, Any] | None) -> Application:
     metrics = app_args.metrics.model_dump()
     initial = initial_control(app_args, entries, pool_models)
     routes = RouterOptions(max_body_bytes=mib_to_bytes(app_args.max_body_mib),
-                           request_timeout_s=app_args.request_timeout_s)
+                           request_timeout_s=app_args.request_timeout_s, grpc_port=app_args.grpc_port)
     dedicated = {e.name: deployment_name(e.name, bool(e.config.pipeline)) for e in entries if e.name not in pool_models}
     # Every replica gets the models as read here, at build, and reads no folder when it starts:
     # a config.yaml edited since into an invalid one, or a folder added since (model control

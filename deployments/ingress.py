@@ -35,10 +35,12 @@ from typing import Any, Iterable
 from ray import serve
 from starlette.applications import Starlette
 
+from . import grpc_service
 from .client import ModelClient, model_handles, pool_handle
 from .control import Desired
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_line, ready_logger, show_on_terminal
+from .observe.options import bind_host
 from .readiness import ReadinessWatch
 from .openai_routes import OpenAIRoutes
 from .regions import process_shared_memory
@@ -97,6 +99,27 @@ class Router(RouterApp):
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._announce_when_ready())
         self._watcher = loop.create_task(self.watch_replicas())
+        self._grpc: Any = None  # grpc.aio.Server, once started
+        if options.grpc_port is not None:
+            self._grpc_start = loop.create_task(self._serve_grpc(options.grpc_port, options.max_body_bytes))
+
+    async def _serve_grpc(self, port: int, max_body_bytes: int) -> None:
+        """Serve KServe v2 gRPC on ``port`` (``deployments.grpc_service``); a port this replica
+        cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on."""
+        host = bind_host()
+        try:
+            self._grpc = await grpc_service.start(self, port, host, max_body_bytes)
+        except Exception as e:
+            ready_logger.error("gRPC: cannot serve on %s:%d (%s); set grpc_port in the application args to a "
+                               "free port, or null for none. HTTP serves on.", host, port, e)
+            return
+        ready_logger.info("gRPC (KServe v2) on %s:%d", host, port)
+
+    async def __del__(self) -> None:
+        """Serve calls it when this replica stops, once its HTTP requests have drained: the
+        gRPC server takes no new call and gives those in flight ``STOP_GRACE_S``."""
+        if self._grpc is not None:
+            await self._grpc.stop(grpc_service.STOP_GRACE_S)
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.build_app()

@@ -60,6 +60,9 @@ _SERVER_ROUTES = ("GET /v2, GET /v2/health/live, GET /v2/health/ready, POST /v2/
 # 16 KiB of body, so without this a client that stalls after them held a slot of the replica
 # (and of the router's max_ongoing_requests) without end.
 BODY_STALL_TIMEOUT_S = 30.0
+# In a request's ASGI scope: bytes of its body that a protocol edge added and the client never
+# sent (the gRPC edge's JSON header, ``deployments.grpc_service``), left out of ``max_body_bytes``.
+EDGE_HEADER_BYTES = "trt_serve.edge_header_bytes"
 
 
 def answers_errors(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -89,12 +92,14 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None, lo
 class RouterOptions:
     """The router's options (their defaults live in ``deployments.app.AppArgs``).
 
-    ``max_body_bytes``: request bodies above this get 413. ``request_timeout_s``: a model call
-    taking longer gets 504.
+    ``max_body_bytes``: request bodies above this get 413 (gRPC messages RESOURCE_EXHAUSTED).
+    ``request_timeout_s``: a model call taking longer gets 504. ``grpc_port``: where each router
+    replica serves KServe v2 gRPC (``deployments.grpc_service``; None: no gRPC).
     """
 
     max_body_bytes: int
     request_timeout_s: float
+    grpc_port: int | None = None
 
 
 class V2Routes:
@@ -370,7 +375,7 @@ class V2Routes:
         if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise PayloadTooLarge(
                 f"request body is {int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
-        chunks, size = [], 0
+        chunks, size = [], -request.scope.get(EDGE_HEADER_BYTES, 0)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(BODY_STALL_TIMEOUT_S) as stall:

@@ -35,11 +35,11 @@ def start(options: dict[str, Any] | None) -> MetricsOptions | None:
 
     families()
     if parsed.port is not None:
-        serve_node_metrics(parsed.port, _bind_host())
+        serve_node_metrics(parsed.port, bind_host())
     return parsed
 
 
-def _bind_host() -> str:
+def bind_host() -> str:
     """127.0.0.1 on a Ray node whose IP is loopback, else 0.0.0.0 (Ray's own agents choose so:
     ``ray/dashboard/agent.py``, ``get_localhost_ip() if is_localhost(ip) else ...``)."""
     import ipaddress

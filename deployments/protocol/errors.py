@@ -1,4 +1,5 @@
-"""The one error table: typed serving errors -> HTTP status, and the ``{"error": ...}`` body.
+"""The one error table: typed serving errors -> HTTP status (and that status -> gRPC code), and
+the ``{"error": ...}`` body.
 
 Ray Serve's ``BackPressureError`` (a deployment handle refused a call because the model's
 ``max_queued_requests`` callers already wait) is translated to ``Overloaded`` here: 503 with
@@ -16,6 +17,7 @@ import math
 import traceback
 from typing import Any, Awaitable, Callable, TypeVar
 
+import grpc
 from ray.serve.exceptions import BackPressureError
 
 from ..runtime.contract.errors import (
@@ -72,6 +74,29 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     ConfigError: 500,
     LoadFault: 500,
 }
+
+
+# The gRPC code of each HTTP status above (the gRPC front door, ``deployments.grpc_service``,
+# answers with the HTTP path's own error text): the codes of the KServe v2 gRPC protocol's
+# statuses as Triton answers them.
+GRPC_CODE_BY_STATUS: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    405: grpc.StatusCode.UNIMPLEMENTED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    500: grpc.StatusCode.INTERNAL,
+}
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC code of an HTTP status (``GRPC_CODE_BY_STATUS``; another 4xx is
+    INVALID_ARGUMENT, another 5xx INTERNAL)."""
+    return GRPC_CODE_BY_STATUS.get(status, grpc.StatusCode.INTERNAL if status >= 500 else
+                                   grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def unwrap(exc: BaseException) -> BaseException:

@@ -37,11 +37,18 @@ def serve_instance():
 
 
 @pytest.fixture(scope="session")
-def server(serve_instance):
-    """The application of serve_config.yaml over the real repository, served at ``/``."""
+def grpc_port() -> int:
+    """The free loopback port the session's router replicas serve gRPC on (``server``)."""
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def server(serve_instance, grpc_port):
+    """The application of serve_config.yaml over the real repository, served at ``/``; gRPC
+    on ``grpc_port``."""
     from deployments.app import run_applications
 
-    run_applications({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}},
+    run_applications({"repository": REPOSITORY, "pool": {"max_num_models_per_replica": 2}, "grpc_port": grpc_port},
               name="models", route_prefix="/")
     wait_ready(serve_instance)
     return serve_instance

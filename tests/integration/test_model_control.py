@@ -23,7 +23,7 @@ import pytest
 import requests
 import yaml
 
-from .conftest import REPOSITORY, wait_ready
+from .conftest import REPOSITORY, _free_port, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -41,9 +41,12 @@ def copy_model(root: Path, source: str, name: str, **changes) -> None:
     shutil.copy(Path(REPOSITORY) / source / "1" / "model.onnx", root / name / "1" / "model.onnx")
 
 
+GRPC_PORT = _free_port()  # the control application's gRPC port
+
+
 @pytest.fixture(scope="module")
 def control(serve_instance, tmp_path_factory):
-    """(base URL, repository root) of the explicit-control application."""
+    """(base URL, repository root) of the explicit-control application (gRPC on ``GRPC_PORT``)."""
     from deployments.app import delete_server, run_applications
 
     root = tmp_path_factory.mktemp("control-repo")
@@ -53,7 +56,7 @@ def control(serve_instance, tmp_path_factory):
     copy_model(root, "simple", "spare_dedicated", deployment={"mode": "dedicated"},
                dynamic_batching={"max_queue_delay_ms": 2, "preferred_batch_size": [4]})
     run_applications({"repository": str(root), "model_control_mode": "explicit",
-                         "startup_models": ["tiny_cnn", "simple_dedicated"]},
+                         "startup_models": ["tiny_cnn", "simple_dedicated"], "grpc_port": GRPC_PORT},
               name="control", route_prefix=PREFIX)
     url = f"{serve_instance}{PREFIX}"
     wait_ready(url)
@@ -174,6 +177,42 @@ def test_tritonclient_unloads_and_loads_a_dedicated_model_and_reads_the_index(co
                for sent, answered, status in timed), timed
     assert [status for sent, _, status in timed if sent > loaded] and all(
         status == 200 for sent, _, status in timed if sent > loaded), timed
+
+
+def test_tritonclient_grpc_loads_and_unloads_with_the_http_routes_words(control):
+    """RepositoryModelLoad / Unload / Index over gRPC answer as the HTTP routes do (what
+    Triton's simple_grpc_model_control.py calls)."""
+    import tritonclient.grpc as grpcclient
+
+    from .test_grpc import error_of
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}") as client:
+        deadline = time.monotonic() + 60
+        while True:  # the router's gRPC server starts with the router
+            try:
+                assert client.is_server_live(client_timeout=5)
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "no gRPC answer within 60 s"
+                time.sleep(0.2)
+        index = {m.name: m for m in client.get_model_repository_index().models}
+        assert index["spare_cnn"].state == "UNAVAILABLE" and index["simple_dedicated"].state == "READY"
+        assert client.is_model_ready("spare_cnn") is False
+        client.load_model("spare_cnn")
+        assert client.is_model_ready("spare_cnn")
+        tensor = grpcclient.InferInput("input", list(X.shape), "FP32")
+        tensor.set_data_from_numpy(X)
+        expected = ort.InferenceSession(f"{REPOSITORY}/tiny_cnn/1/model.onnx").run(None, {"input": X})[0]
+        np.testing.assert_allclose(client.infer("spare_cnn", [tensor]).as_numpy("logits"), expected, rtol=1e-4, atol=1e-5)
+        client.unload_model("spare_cnn")
+        assert client.is_model_ready("spare_cnn") is False
+        status, message = error_of(lambda: client.infer("spare_cnn", [tensor]))
+        assert status == "StatusCode.UNAVAILABLE" and "has no available versions" in message
+        status, message = error_of(lambda: client.load_model("wrong_model_name"))
+        assert status == "StatusCode.NOT_FOUND" and message.startswith("failed to load 'wrong_model_name': ")
+        status, message = error_of(lambda: client.load_model("spare_cnn", config='{"max_batch_size": 16}'))
+        assert status == "StatusCode.INVALID_ARGUMENT"
+        assert message.startswith("failed to load 'spare_cnn': load parameters ['config'] are not supported")
 
 
 def test_a_dedicated_model_left_out_of_startup_models_starts_unloaded_and_serves_once_loaded(control):

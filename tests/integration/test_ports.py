@@ -1,7 +1,7 @@
 """``make serve`` listens on loopback only: the server started as the Makefile starts it
 (``deployments.run`` under ``make print-serve-env``'s environment), then every listening socket
 of its processes (Ray's GCS, raylet, agents, dashboard, every worker's gRPC server, HAProxy,
-the replicas' metrics port) is on 127.0.0.1 / ::1, but for what Ray 2.60 hard-codes
+the replicas' metrics port, the router's gRPC port) is on 127.0.0.1 / ::1, but for what Ray 2.60 hard-codes
 (docs/security.md, "What listens where"); each replica's gRPC server, which Ray binds to ``[::]``, is moved
 to 127.0.0.1 (``loopback.replica_grpc_on_loopback``):
 
@@ -84,6 +84,7 @@ def make_serve(tmp_path_factory):
     config["applications"] = [app := config["applications"][0]]  # the models' are written below
     app["args"]["repository"] = str(ROOT / app["args"]["repository"])
     app["args"]["metrics"] = dict(app["args"].get("metrics") or {}, port=_free_port())
+    app["args"]["grpc_port"] = _free_port()
     path = tmp_path_factory.mktemp("make-serve") / "serve_config.yaml"
     path.write_text(yaml.safe_dump(config))
     write(path)  # the models' applications again, with the router's args as changed here
@@ -100,7 +101,7 @@ def make_serve(tmp_path_factory):
                 break
             except (requests.RequestException, TimeoutError):
                 assert time.monotonic() < deadline, "make serve not ready in 240 s"
-        yield url, server.pid, app["args"]["metrics"]["port"]
+        yield url, server.pid, app["args"]["metrics"]["port"], app["args"]["grpc_port"]
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
@@ -112,29 +113,33 @@ def make_serve(tmp_path_factory):
 
 
 def test_make_serve_listens_on_loopback_only(make_serve):
-    url, pid, metrics_port = make_serve
-    # every replica is up once ready; HAProxy's side ports and the metrics port bind soon after
+    url, pid, metrics_port, grpc_port = make_serve
+    # every replica is up once ready; HAProxy's side ports, the metrics and gRPC ports bind soon after
     deadline = time.monotonic() + 30
     while True:
         listeners = _listeners(pid)
         names = {name for _, _, _, name, _ in listeners}
         ports = {port for _, port, protocol, _, _ in listeners if protocol == "tcp"}
-        if ("haproxy" in names and metrics_port in ports) or time.monotonic() > deadline:
+        if ("haproxy" in names and {metrics_port, grpc_port} <= ports) or time.monotonic() > deadline:
             break
         time.sleep(1)
     exposed = _beyond_loopback(listeners)
     print("\n".join(f"{a:>16} {p:>5} {proto} {n}" for a, p, proto, n, _ in sorted(listeners, key=lambda e: e[3])))
     assert exposed == [], f"listening beyond loopback: {exposed}"
-    # not vacuous: the API, Ray's core servers, HAProxy's stats and the metrics port were seen
-    assert int(url.rsplit(":", 1)[1]) in ports and metrics_port in ports
+    # not vacuous: the API, Ray's core servers, HAProxy's stats, the metrics and gRPC ports were seen
+    assert int(url.rsplit(":", 1)[1]) in ports and metrics_port in ports and grpc_port in ports
     assert {"gcs_server", "raylet", "haproxy"} <= names
     haproxy_ports = {port for _, port, protocol, name, _ in listeners if name == "haproxy" and protocol == "tcp"}
     assert len(haproxy_ports) >= 3, haproxy_ports  # API, stats, Prometheus
     assert requests.get(f"{url}/v2/health/ready", timeout=10).status_code == 200
+    import tritonclient.grpc as grpcclient  # gRPC answers under make serve's environment (user code on Serve's loop)
+
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        assert client.is_server_ready(client_timeout=30)
 
 
 def test_make_serve_answers_every_request_in_flight_when_its_router_replica_is_killed(make_serve):
-    url, pid, _ = make_serve  # the server leads its own session (start_new_session)
+    url, pid, _, _ = make_serve  # the server leads its own session (start_new_session)
     result = faults.router_kill_under_load(url, pid, "models", index=True)  # one hop: models skip the router
     print(result)
     assert result.lost == 0 and "None" not in result.answers, result

@@ -202,3 +202,17 @@ def test_tritons_shared_memory_examples_exit_0(url, example):
     done = subprocess.run([sys.executable, example, "-u", url], cwd=EXAMPLES, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not EXAMPLES or not Path(EXAMPLES).is_dir(),
+                    reason="TRITON_CLIENT_EXAMPLES names no checkout of Triton's client examples")
+@pytest.mark.parametrize("example", [
+    ["simple_grpc_infer_client.py"], ["simple_grpc_infer_client.py", "--grpc-compression-algorithm", "gzip"],
+    ["simple_grpc_async_infer_client.py"], ["simple_grpc_aio_infer_client.py"],
+    ["simple_grpc_string_infer_client.py"], ["simple_grpc_custom_args_client.py"],
+    ["simple_grpc_keepalive_client.py"], ["simple_grpc_shm_client.py"], ["simple_grpc_shm_string_client.py"],
+    ["reuse_infer_objects_client.py", "-i", "grpc"]], ids=lambda args: " ".join(args))
+def test_tritons_grpc_examples_exit_0(server, grpc_port, example):
+    done = subprocess.run([sys.executable, *example, "-u", f"127.0.0.1:{grpc_port}"], cwd=EXAMPLES,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -1,0 +1,315 @@
+"""The KServe v2 gRPC front door: Triton's ``inference.GRPCInferenceService`` served by every
+router replica, on the router's own routes.
+
+Every gRPC call shares one path (``/inference.GRPCInferenceService/ModelInfer``) with the model
+name inside the message, and Ray Serve 2.60's gRPC proxy routes by ``application`` metadata that
+``tritonclient.grpc`` does not send, so neither it nor HAProxy can pick a model's replica. Each
+router replica instead runs a ``grpc.aio`` server on its own event loop (``start``: the port of
+``grpc_port`` in the application args, shared by the node's router replicas through
+SO_REUSEPORT, on 127.0.0.1 where the Ray node's IP is loopback), and answers each call through
+the router's HTTP route for it (``InferenceService``): ``ModelInfer`` becomes the body a
+``tritonclient.http`` binary request would send (``protocol.grpc.infer_body``) and runs through
+``V2Routes.infer``, so model lookup, versions, readiness, the one hop to the model's replica
+(a dedicated model's or pipeline's through its handle, a pool model's body to the pool replica),
+the body limit, timeouts, metrics, statistics and request logs are the HTTP path's own, and an
+error has the same text, with the gRPC code of its HTTP status (``protocol.errors.grpc_code``).
+docs/architecture.md, "The gRPC front door", says why this design and what it costs.
+
+The shared-memory RPCs go through the router's shared-memory routes (``shared_memory_routes``),
+and an infer's ``shared_memory_*`` parameters reach the replica as over HTTP. Trace and log
+settings answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import Response
+from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as pb_grpc
+
+from .protocol.binary import HEADER_LENGTH
+from .protocol.errors import grpc_code
+from .protocol.grpc import (cuda_register_body, infer_body, infer_response, json_message, region_statuses,
+                            repository_body, system_register_body)
+from .routes import EDGE_HEADER_BYTES, V2Routes, error_response
+from .runtime.contract.errors import InvalidInput
+
+logger = logging.getLogger("ray.serve")
+
+# A ready probe's "not ready" answers (503; for a model also 404: unknown, or not loaded): ready
+# false over gRPC, as Triton answers and as tritonclient.http reads any status but 200.
+_NOT_READY = (503,)
+_MODEL_NOT_READY = (404, 503)
+
+
+def _http_request(method: str, path: str, path_params: dict[str, str], chunks: Iterable[bytes] = (),
+                  headers: dict[str, str] | None = None, error: Exception | None = None,
+                  added_bytes: int = 0) -> Request:
+    """A Starlette request as the router's routes read it, from a gRPC call: ``chunks`` its
+    body, of which ``added_bytes`` (the JSON header of an infer body) do not count against
+    ``max_body_bytes`` (the message did, in grpcio); ``error`` is raised where the body is read
+    (an input the gRPC edge could not turn into a body), so that the route answers it, after
+    checking the model, as it answers a body it cannot decode."""
+    body = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        if error is not None:
+            raise error
+        chunk = body.pop(0) if body else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(body)}
+
+    scope = {"type": "http", "http_version": "2", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"", "path_params": path_params,
+             EDGE_HEADER_BYTES: added_bytes,
+             "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]}
+    return Request(scope, receive)
+
+
+def _model_params(name: str, version: str = "") -> tuple[dict[str, str], str]:
+    """Path parameters and path of a model's routes (``/v2/models/{name}[/versions/{version}]``)."""
+    params = {"name": name} | ({"version": version} if version else {})
+    return params, f"/v2/models/{name}" + (f"/versions/{version}" if version else "")
+
+
+def _error(response: Response) -> str:
+    """The message of an error answer (``{"error": ...}``)."""
+    try:
+        return json.loads(bytes(response.body))["error"]
+    except Exception:
+        return bytes(response.body).decode("utf-8", "replace")
+
+
+async def _abort(context: grpc.aio.ServicerContext, response: Response) -> None:
+    """End the call with the gRPC code of ``response``'s HTTP status and its error text (and
+    ``retry-after`` trailing metadata for a shed request)."""
+    retry = response.headers.get("retry-after")
+    if retry is not None:
+        context.set_trailing_metadata((("retry-after", retry),))
+    await context.abort(grpc_code(response.status_code), _error(response))
+
+
+def _answers_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """An exception a method raises ends its call with the code and text of the one error table
+    (a real fault: INTERNAL and a generic text, logged)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await _abort(context, error_response(e))
+
+    return wrapper
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """``inference.GRPCInferenceService`` over the router's routes (``routes``: the router's
+    ``RouterApp``, or any ``RepositoryRoutes``)."""
+
+    def __init__(self, routes: V2Routes) -> None:
+        self.routes = routes
+
+    async def _json(self, route: Callable[[Request], Awaitable[Response]], request: Request,
+                    context: grpc.aio.ServicerContext) -> Any:
+        """The JSON answer of ``route`` for ``request``; an error answer ends the call."""
+        response = await route(request)
+        if response.status_code != 200:
+            await _abort(context, response)
+        return json.loads(bytes(response.body)) if response.body else None
+
+    async def _ready(self, route: Callable[[Request], Awaitable[Response]], request: Request,
+                     context: grpc.aio.ServicerContext, not_ready: tuple[int, ...] = _NOT_READY) -> bool:
+        """A ready route's answer: True (200), False (a status in ``not_ready``), else the error
+        ends the call."""
+        response = await route(request)
+        if response.status_code != 200 and response.status_code not in not_ready:
+            await _abort(context, response)
+        return response.status_code == 200
+
+    async def infer(self, request: Any) -> Response:
+        """``ModelInfer`` through the router's infer route (module docstring)."""
+        try:
+            chunks, length = infer_body(request)
+            headers, error = {HEADER_LENGTH: str(length)}, None
+        except InvalidInput as e:
+            chunks, length, headers, error = [], 0, {}, e
+        params, path = _model_params(request.model_name, request.model_version)
+        return await self.routes.infer(_http_request("POST", f"{path}/infer", params, chunks, headers, error, length))
+
+    @_answers_errors
+    async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        response = await self.infer(request)
+        if response.status_code != 200:
+            await _abort(context, response)
+        return infer_response(bytes(response.body), response.headers)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any],
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Each request of the stream in turn; an error answers that request's
+        ``error_message`` and the stream goes on (as Triton's)."""
+        async for request in request_iterator:
+            try:
+                response = await self.infer(request)
+            except Exception as e:
+                response = error_response(e)
+            if response.status_code == 200:
+                yield pb.ModelStreamInferResponse(infer_response=infer_response(bytes(response.body), response.headers))
+            else:
+                yield pb.ModelStreamInferResponse(error_message=_error(response))
+
+    @_answers_errors
+    async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        live = await self._json(self.routes.live, _http_request("GET", "/v2/health/live", {}), context)
+        return pb.ServerLiveResponse(live=live["live"])
+
+    @_answers_errors
+    async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ready = await self._ready(self.routes.server_ready, _http_request("GET", "/v2/health/ready", {}), context)
+        return pb.ServerReadyResponse(ready=ready)
+
+    @_answers_errors
+    async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        params, path = _model_params(request.name, request.version)
+        ready = await self._ready(self.routes.model_ready, _http_request("GET", f"{path}/ready", params), context,
+                                  _MODEL_NOT_READY)
+        return pb.ModelReadyResponse(ready=ready)
+
+    @_answers_errors
+    async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        value = await self._json(self.routes.server_metadata, _http_request("GET", "/v2", {}), context)
+        return json_message(value, pb.ServerMetadataResponse())
+
+    @_answers_errors
+    async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        params, path = _model_params(request.name, request.version)
+        value = await self._json(self.routes.metadata, _http_request("GET", path, params), context)
+        return json_message(value, pb.ModelMetadataResponse())
+
+    @_answers_errors
+    async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        params, path = _model_params(request.name, request.version)
+        value = await self._json(self.routes.model_config, _http_request("GET", f"{path}/config", params), context)
+        return pb.ModelConfigResponse(config=json_message(value, model_config_pb2.ModelConfig()))
+
+    @_answers_errors
+    async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        params, path = _model_params(request.name, request.version) if request.name else ({}, "/v2/models")
+        value = await self._json(self.routes.statistics, _http_request("GET", f"{path}/stats", params), context)
+        return json_message(value, pb.ModelStatisticsResponse())
+
+    def _repository(self, request: Any) -> None:
+        """Raises InvalidInput for a named repository: this server has one, named by none."""
+        if request.repository_name:
+            raise InvalidInput(f"repository '{request.repository_name}': this server has one model repository; "
+                               "leave repository_name empty")
+
+    @_answers_errors
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._repository(request)
+        body = [json.dumps({"ready": request.ready}).encode()]
+        value = await self._json(self.routes.repository_index,
+                                 _http_request("POST", "/v2/repository/index", {}, body), context)
+        return json_message({"models": value}, pb.RepositoryIndexResponse())
+
+    async def _control(self, verb: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """A load or unload through its HTTP route (``repository_routes``)."""
+        self._repository(request)
+        route = self.routes.load if verb == "load" else self.routes.unload  # type: ignore[attr-defined]
+        body = repository_body(request.parameters)
+        await self._json(route, _http_request(
+            "POST", f"/v2/repository/models/{request.model_name}/{verb}", {"name": request.model_name},
+            [json.dumps(body).encode()] if body else []), context)
+
+    @_answers_errors
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._control("load", request, context)
+        return pb.RepositoryModelLoadResponse()
+
+    @_answers_errors
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._control("unload", request, context)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def _shm(self, kind: str, verb: str, name: str, context: grpc.aio.ServicerContext,
+                   body: dict[str, Any] | None = None) -> Any:
+        """A shared-memory call through its HTTP route (``shared_memory_routes``): ``kind``
+        ``system`` or ``cuda``, ``verb`` ``status``, ``register`` or ``unregister``, for region
+        ``name`` (empty: every region of its kind, for status and unregister)."""
+        routes: Any = self.routes
+        route = {"status": routes.shm_status, "register": routes.shm_register, "unregister": routes.shm_unregister}[verb]
+        base = f"/v2/{kind}sharedmemory"
+        path, params = (f"{base}/region/{name}/{verb}", {"region": name}) if name or verb == "register" else \
+            (f"{base}/{verb}", {})
+        chunks = [json.dumps(body).encode()] if body else []
+        return await self._json(route, _http_request("GET" if verb == "status" else "POST", path, params, chunks),
+                                context)
+
+    @_answers_errors
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = await self._shm("system", "status", request.name, context)
+        return region_statuses(regions, pb.SystemSharedMemoryStatusResponse())
+
+    @_answers_errors
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("system", "register", request.name, context, system_register_body(request))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_answers_errors
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("system", "unregister", request.name, context)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_answers_errors
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        regions = await self._shm("cuda", "status", request.name, context)
+        return region_statuses(regions, pb.CudaSharedMemoryStatusResponse())
+
+    @_answers_errors
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("cuda", "register", request.name, context, cuda_register_body(request))
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_answers_errors
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._shm("cuda", "unregister", request.name, context)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._unimplemented(context, "trace settings are not supported: request logs and metrics are "
+                                           "configured in the application args (metrics)")
+
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._unimplemented(context, "log settings are not supported: the replicas log through Ray Serve "
+                                           "(its logging_config)")
+
+
+# Seconds a stopping router replica gives its gRPC calls in flight (its HTTP requests have
+# drained by then: Serve waits for them before the replica's destructor runs).
+STOP_GRACE_S = 5.0
+
+
+async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int) -> grpc.aio.Server:
+    """Serve ``InferenceService(routes)`` on ``host:port`` from this event loop; messages up to
+    ``max_message_bytes`` (``max_body_mib``: grpcio answers a larger one RESOURCE_EXHAUSTED).
+    SO_REUSEPORT (grpcio's default on Linux, set here explicitly) lets every router replica of
+    the node listen on the same port; the kernel spreads connections among them.
+
+    Raises:
+        RuntimeError: the port cannot be bound (held by a process without SO_REUSEPORT).
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 1)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
