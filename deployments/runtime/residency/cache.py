@@ -262,6 +262,45 @@ class ModelCache:
         with _LOAD_LOCK:
             self._evict_marked()
 
+    def prefetch(self, name: str) -> bool:
+        """Load ``name`` now, as its first request would, without holding it (a replica about to
+        receive its requests: ``placement: bytes``), unless it is unloaded (``unload``: model
+        control decides that) or already loaded. Blocking. Returns whether it loaded here.
+
+        Raises: as ``acquire``.
+        """
+        slot = self._slot(name)
+        with self._cond:
+            if not slot.enabled or slot.state == _READY:
+                return False
+        with self.acquire(name):
+            return True
+
+    def release(self, name: str) -> bool:
+        """Give back ``name``'s memory (a replica that lost it to another: ``placement: bytes``),
+        never while a request holds it: unheld and loaded, it is evicted now (timeline event
+        ``evict``, detail ``released``); held or loading, it only becomes the first to evict
+        when room is needed. It keeps serving: a request that still comes loads it again.
+        Blocking. Returns whether it was evicted now."""
+        slot = self._slot(name)
+        with self._cond:
+            slot.last_used = 0
+            if slot.refcount or slot.state != _READY:
+                return False
+            slot.state = _EVICTING
+        with _LOAD_LOCK:
+            self._evict_marked()
+        return True
+
+    def footprint_bytes(self, name: str) -> int | None:
+        """``name``'s footprint as its last load here measured it (engine + instances x
+        contexts, what it counts against the budget), kept after an eviction; None before."""
+        slot = self._slot(name)
+        with self._cond:
+            if slot.footprint is None:
+                return None
+            return slot.footprint.total(slot.host.config.instances)
+
     @property
     def resident_bytes(self) -> int:
         """Sum of the footprints of the loaded models (bytes)."""
