@@ -161,3 +161,76 @@ def test_the_rate_meter_reports_a_steady_rate_and_decays_it():
     assert meter.rates()["m"] == pytest.approx(10.0, rel=0.05)
     now[0] += 10.0
     assert meter.rates(["m", "other"]) == {"m": pytest.approx(5.0, rel=0.05), "other": 0.0}
+
+
+# ---------------------------------------------------------------- the deployment's state (deployments/placement.py)
+
+from deployments.placement import REPORT_FRESH_S, Decider, PlacementFollower, PoolReport, demands  # noqa: E402
+
+
+def report(server: str, models: list[str], resident: list[str] = (), rates: dict[str, float] | None = None,
+           budget_mib: int = 100) -> PoolReport:
+    return PoolReport(server, budget_mib * MIB, None, models, list(resident),
+                      {m: 30 * MIB for m in models}, rates or {})
+
+
+def test_a_model_is_routed_to_a_replica_only_once_it_has_it_and_the_old_one_serves_meanwhile():
+    now = [0.0]
+    published = []
+    decider = Decider(publish=published.append, clock=lambda: now[0])
+    decider.report("r0", report("srv-0", ["a", "b"], resident=["a", "b"]))
+    assert decider.recompute()
+    first = decider.state()
+    assert first["routed"] == first["target"] and published[-1] == {m: ["srv-0"] for m in ("a", "b")}
+    now[0] += 1
+    decider.report("r1", report("srv-1", ["a", "b"], rates={"a": 1.0, "b": 30.0}))
+    decider.report("r0", report("srv-0", ["a", "b"], resident=["a", "b"], rates={"a": 1.0, "b": 30.0}))
+    decider.recompute()
+    gained = {m for m, where in decider.state()["target"].items() if "r1" in where}
+    assert gained, decider.state()  # b is hot: a second copy, on r1
+    assert all(decider.state()["routed"][m] == ["r0"] for m in gained)  # r1 does not have it yet
+    now[0] += 1
+    decider.report("r1", report("srv-1", ["a", "b"], resident=sorted(gained)))
+    assert decider.recompute()
+    assert all("r1" in decider.state()["routed"][m] for m in gained)
+    assert all("srv-1" in published[-1][m] for m in gained)
+
+
+def test_a_replica_that_stops_reporting_is_gone_and_only_its_models_move():
+    now = [0.0]
+    decider = Decider(clock=lambda: now[0])
+    models = [f"m{k}" for k in range(6)]
+    for r in ("r0", "r1", "r2"):
+        decider.report(r, report(f"srv-{r}", models, budget_mib=70))
+    decider.recompute()
+    before = decider.state()["target"]
+    now[0] += REPORT_FRESH_S + 1
+    for r in ("r0", "r1"):  # r2 is gone
+        decider.report(r, report(f"srv-{r}", models, budget_mib=100))
+    decider.recompute()
+    after = decider.state()
+    assert after["replicas"] == ["r0", "r1"]
+    assert all(after["target"][m] == where for m, where in before.items() if "r2" not in where)
+    assert all("r2" not in where and where for where in after["target"].values())
+
+
+def test_demands_sum_rates_and_guess_the_bytes_of_a_model_never_loaded():
+    got = demands([PoolReport("a", None, None, ["x", "y"], [], {"x": 10}, {"x": 1.0}),
+                   PoolReport("b", None, None, ["x", "y", "z"], [], {"x": 12, "z": 20}, {"x": 2.0, "y": 0.5})])
+    assert got["x"].bytes == 12 and got["x"].rate_per_s == 3.0
+    assert got["y"].bytes == 16 and got["y"].rate_per_s == 0.5  # the mean of the known ones
+
+
+def test_the_follower_releases_what_it_lost_before_it_prefetches_what_it_gained():
+    calls = []
+    follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b", "c"], resident=["a"]),
+                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
+                    "why": {}, "revision": 1})
+    assert calls == []  # a is resident already
+    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
+                    "why": {}, "revision": 2})
+    assert calls == [("prefetch", "b")]  # a is still routed here: kept
+    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r1"], "b": ["r0"], "c": ["r1"]},
+                    "why": {}, "revision": 3})
+    assert calls[1:] == [("release", "a"), ("prefetch", "b")]
