@@ -101,7 +101,7 @@ def infer(url: str, model: str) -> np.ndarray:
     r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
     assert r.status_code == 200, r.text
     [out] = r.json()["outputs"]
-    assert out["shape"] == [1, 10] and len(out["data"]) == 10
+    assert out["shape"] == [1, 1000] and len(out["data"]) == 1000
     return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
 
 
@@ -143,6 +143,6 @@ def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(p
 
     for model in MODELS:
         out = until(lambda: answer(model), f"{model} answering", 60)
-        assert out["shape"] == [1, 10]
-        np.testing.assert_allclose(np.asarray(out["data"], dtype=np.float32).reshape(1, 10), expected,
+        assert out["shape"] == [1, 1000]
+        np.testing.assert_allclose(np.asarray(out["data"], dtype=np.float32).reshape(1, 1000), expected,
                                    rtol=1e-4, atol=1e-5)

@@ -113,13 +113,24 @@ def test_when_a_replica_goes_only_its_models_move():
     assert max(placed_bytes(after, models).values()) <= 900 * MIB
 
 
-def test_when_a_replica_comes_nothing_placed_moves_and_new_models_go_to_it():
+def test_when_a_replica_comes_models_move_only_to_it_until_the_loads_are_within_the_band():
     models = zipf_models(12)
     first = place(models, replicas(3, 2000))
     more = {**models, "late": ModelDemand(10 * MIB, 0.0)}
     after = place(more, replicas(4, 2000), first)
-    assert all(set(first.replicas[m]) <= set(after.replicas[m]) for m in models)
-    assert after.replicas["late"] == ("r3",)  # the least loaded replica: the new one
+    moved = {m for m in models if after.replicas[m] != first.replicas[m]}
+    assert moved, "the new replica took nothing"
+    assert all(set(after.replicas[m]) - set(first.replicas[m]) == {"r3"} for m in moved)
+    assert "r3" in after.replicas["late"] or after.on("r3")
+    assert place(more, replicas(4, 2000), after).replicas == after.replicas  # settled: nothing moves again
+
+
+def test_models_placed_before_a_second_replica_reported_spread_once_it_does():
+    models = {f"m{k}": ModelDemand(10 * MIB) for k in range(6)}  # no rates yet: balanced by bytes
+    alone = place(models, replicas(1, 1000))
+    both = place(models, replicas(2, 1000), alone)
+    assert sorted(len(both.on(r)) for r in ("r0", "r1")) == [3, 3]
+    assert all("balance" in both.why[m]["reason"] for m in both.on("r1"))
 
 
 def test_a_replica_over_its_budget_sheds_its_coldest_model():

@@ -20,7 +20,9 @@ routes by its answer. Its promises (tests/unit/test_placement.py):
   fraction) of the rate that changes them, and keeps the replicas it has while they still exist
   and fit: a placement recomputed from the same or slightly different reports is the same one.
 * **A replica goes or comes: only its models move.** Models on a replica that is gone are
-  placed again; nothing else moves. A new replica takes models placed afresh and new copies.
+  placed again; a new replica takes models placed afresh, new copies, and models moved to it
+  while the replicas' loads (or, before any request, their bytes) differ by more than
+  ``hysteresis`` x their mean (step 6): no model moves between replicas that stay.
 * **Deterministic.** Ties are broken by name and replica id, never by dict order or chance.
 
 ``RateMeter`` is what a replica keeps to report rates: requests per model, decayed.
@@ -156,7 +158,7 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
     its limits drops its coldest kept models until it fits; (4) every model without a copy is
     placed, largest first, on a replica it fits (already resident there first, then the least
     loaded, then the most free bytes), else where it evicts least; (5) extra copies of hot
-    models, hottest first, where they fit.
+    models, hottest first, where they fit; (6) balance (``_balance``).
     """
     ids = sorted(replicas)
     rooms = {r: _Room(replicas[r]) for r in ids}
@@ -216,6 +218,9 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
             target = best(model, fitting)
             put(model, target)
             rooms[target].load += rates[model] / max(1, wanted[model])
+    moved = _balance(rooms, placed, models, rates, wanted, total, options)  # (6)
+    for model, (source, target) in moved.items():
+        reasons[model] = f"moved from {source} to {target}: balance"
     why = {m: {"bytes": models[m].bytes, "rate_per_s": round(rates[m], 3), "copies": len(placed[m]),
                "reason": reasons.get(m, "kept" if before.get(m) else "fits")}
            for m in sorted(models)}
@@ -223,6 +228,45 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
         if len(placed[m]) > 1 and why[m]["reason"] in ("kept", "fits"):
             why[m]["reason"] = f"hot: {rates[m]:.3g} requests/s of {total:.3g}, {len(placed[m])} copies"
     return Placement({m: tuple(placed[m]) for m in sorted(models)}, why)
+
+
+def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapping[str, ModelDemand],
+             rates: Mapping[str, float], wanted: Mapping[str, int], total: float,
+             options: PlacementOptions) -> dict[str, tuple[str, str]]:
+    """Step (6) of ``place``: while the heaviest replica (by expected load, or by placed bytes
+    when no model has a rate) is heavier than the lightest by more than ``hysteresis`` x the
+    mean, move from it to the lightest the copy that fits there and best halves the gap (a
+    replica that came takes models this way; within the band nothing moves). Returns model ->
+    (from, to) of the moves."""
+    if len(rooms) < 2:
+        return {}
+
+    def weight(room: _Room) -> float:
+        return room.load if total > 0 else float(room.used_bytes)
+
+    def share(model: str) -> float:
+        return rates[model] / max(1, wanted[model]) if total > 0 else float(models[model].bytes)
+
+    moved: dict[str, tuple[str, str]] = {}
+    for _ in range(sum(len(r.models) for r in rooms.values())):
+        order = sorted(rooms, key=lambda r: (weight(rooms[r]), r))
+        light, heavy = order[0], order[-1]
+        gap = weight(rooms[heavy]) - weight(rooms[light])
+        mean = sum(weight(r) for r in rooms.values()) / len(rooms)
+        if gap <= options.hysteresis * mean or gap <= 0:
+            break
+        candidates = [m for m in rooms[heavy].models if light not in placed[m] and m not in moved
+                      and 0 < share(m) < gap and rooms[light].fits(models[m].bytes)]
+        if not candidates:
+            break
+        model = min(candidates, key=lambda m: (abs(share(m) - gap / 2), m))
+        del rooms[heavy].models[model]
+        rooms[heavy].load -= rates[model] / max(1, wanted[model])
+        placed[model][placed[model].index(heavy)] = light
+        rooms[light].models[model] = models[model].bytes
+        rooms[light].load += rates[model] / max(1, wanted[model])
+        moved[model] = (heavy, light)
+    return moved
 
 
 class RateMeter:
