@@ -14,13 +14,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import requests
 import yaml
 
 from bench.autoscale import start_runner
-from bench.replicas import interrupt_group, kill_replica, replica_pids
+from bench.replicas import interrupt_group, kill_replica
 
 from .conftest import REPOSITORY, _free_port
 
@@ -28,8 +27,9 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = [f"p{k}" for k in range(6)]
-X = np.random.default_rng(3).random((1, 3, 224, 224), dtype=np.float32)
-BODY = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32", "data": X.ravel().tolist()}]}
+A, B = np.arange(16, dtype=np.int32).reshape(1, 16), np.full((1, 16), 3, dtype=np.int32)
+BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": A.ravel().tolist()},
+                   {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": B.ravel().tolist()}]}
 
 
 def until(condition, what: str, timeout_s: float = 120.0):
@@ -49,15 +49,15 @@ def until(condition, what: str, timeout_s: float = 120.0):
 
 @pytest.fixture(scope="module")
 def placed(tmp_path_factory):
-    """(process, base URL, expected logits) of the runner on the module's repository."""
+    """(process, base URL) of the runner on the module's repository."""
     from deployments.check import write
 
     tmp = tmp_path_factory.mktemp("placement")
     root = tmp / "engines"
     for name in MODELS:
         (root / name / "1").mkdir(parents=True)
-        shutil.copy(f"{REPOSITORY}/tiny_cnn/config.yaml", root / name / "config.yaml")
-        (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/tiny_cnn/1/model.onnx")
+        shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / name / "config.yaml")
+        (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
     port = _free_port()
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
@@ -71,25 +71,27 @@ def placed(tmp_path_factory):
     log = tmp / "out.log"
     proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"
-    expected = ort.InferenceSession(f"{REPOSITORY}/tiny_cnn/1/model.onnx").run(None, {"input": X})[0]
     try:
         until(lambda: proc.poll() is None and all(
             requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200 for m in MODELS)
             or (proc.poll() is not None and pytest.fail(log.read_text()[-3000:])), "the pool models ready", 300)
-        yield proc, url, expected
+        yield proc, url
     finally:
         interrupt_group(proc)
 
 
 def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
-    """Replica id -> its ``/v2/memory`` pool status, once ``replicas`` replicas with a placement
-    that covers every model and names that many reporting replicas have answered."""
+    """Replica id -> its ``/v2/memory`` pool status, once ``replicas`` replicas with a settled
+    placement (every model routed where it is placed) that covers every model and names that
+    many reporting replicas have answered."""
     seen: dict[str, dict] = {}
 
     def read():
         pool = requests.get(f"{url}/v2/memory", timeout=30).json()["pool"]
         placement = pool.get("placement", {})
-        if placement.get("revision") and len(placement["replicas"]) == replicas and set(placement["models"]) == set(MODELS):
+        settled = all(w["routed"] == w["replicas"] for w in placement.get("models", {}).values())
+        if (placement.get("revision") and len(placement["replicas"]) == replicas
+                and set(placement["models"]) == set(MODELS) and settled):
             seen[pool["replica"]] = pool
         return len(seen) >= replicas and set(next(iter(seen.values()))["placement"]["replicas"]) == set(seen)
 
@@ -97,23 +99,26 @@ def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
     return seen
 
 
-def infer(url: str, model: str) -> np.ndarray:
+def answer(url: str, model: str) -> dict | None:
+    """``model``'s outputs by name for ``BODY`` (None: not 200), checked against A + B and A - B."""
     r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
-    assert r.status_code == 200, r.text
-    [out] = r.json()["outputs"]
-    assert out["shape"] == [1, 1000] and len(out["data"]) == 1000
-    return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+    if r.status_code != 200:
+        return None
+    outputs = {o["name"]: o for o in r.json()["outputs"]}
+    assert outputs["OUTPUT0"]["shape"] == outputs["OUTPUT1"]["shape"] == [1, 16]
+    assert outputs["OUTPUT0"]["data"] == (A + B).ravel().tolist() and outputs["OUTPUT1"]["data"] == (A - B).ravel().tolist()
+    return outputs
 
 
 def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(placed):
-    _, url, expected = placed
+    _, url = placed
     replicas = pool_replicas(url)
     routed = {m: set(w["routed"]) for m, w in next(iter(replicas.values()))["placement"]["models"].items()}
     assert all(len(where) == 1 for where in routed.values()), routed  # no load yet: one copy each
     assert len(set().union(*routed.values())) == 2, routed  # both replicas hold some
     for _ in range(4):
         for model in MODELS:
-            np.testing.assert_allclose(infer(url, model), expected, rtol=1e-4, atol=1e-5)
+            assert answer(url, model) is not None
     replicas = pool_replicas(url)
     loaded = {m: {r for r, pool in replicas.items() if pool["models"][m]["loads"]} for m in MODELS}
     # hashing by name would have sent some models to the replica that does not hold them, which loads them too
@@ -121,7 +126,7 @@ def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(plac
 
 
 def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(placed):
-    proc, url, expected = placed
+    proc, url = placed
     before = pool_replicas(url)
     placement = next(iter(before.values()))["placement"]
     killed = kill_replica(proc.pid, "models.pool", "pool")
@@ -137,12 +142,5 @@ def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(p
     after = until(moved, "a placement without the killed replica", 120)
     assert {m: after["models"][m]["replicas"] for m in kept} == kept
 
-    def answer(model: str):
-        r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
-        return r.json()["outputs"][0] if r.status_code == 200 else None
-
     for model in MODELS:
-        out = until(lambda: answer(model), f"{model} answering", 60)
-        assert out["shape"] == [1, 1000]
-        np.testing.assert_allclose(np.asarray(out["data"], dtype=np.float32).reshape(1, 1000), expected,
-                                   rtol=1e-4, atol=1e-5)
+        until(lambda: answer(url, model), f"{model} answering", 60)

@@ -576,6 +576,10 @@ def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
     assert cache.status()["models"]["mid_cnn"]["state"] == "absent"
     assert events(cache, "evict", "mid_cnn")[-1]["resident_bytes"] == cache.resident_bytes
     assert cache.footprint_bytes("mid_cnn") == sizes["mid_cnn"]  # kept after the eviction
+    cache.prefetch("mid_cnn")
+    assert cache.prefetch("resnet18") is False  # it would evict tiny_cnn or mid_cnn: a prefetch never evicts
+    assert cache.status()["models"]["resnet18"]["state"] == "absent"
+    assert {e["model"] for e in events(cache, "evict")} == {"mid_cnn"}
     cache.unload("tiny_cnn")
     assert cache.prefetch("tiny_cnn") is False  # unloaded by model control: not loaded back
     assert cache.status()["models"]["tiny_cnn"]["state"] == "absent"

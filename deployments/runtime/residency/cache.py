@@ -263,15 +263,25 @@ class ModelCache:
             self._evict_marked()
 
     def prefetch(self, name: str) -> bool:
-        """Load ``name`` now, as its first request would, without holding it (a replica about to
-        receive its requests: ``placement: bytes``), unless it is unloaded (``unload``: model
-        control decides that) or already loaded. Blocking. Returns whether it loaded here.
+        """Load ``name`` now, without holding it (a replica about to receive its requests:
+        ``placement: bytes``), only where it fits beside the models loaded now: a prefetch never
+        evicts (placed models that do not fit together would evict each other in turn). Not
+        when it is unloaded (``unload``: model control decides that) or already loaded; a
+        model never loaded here counts by the bytes of the largest measured so far. Blocking.
+        Returns whether it loaded here.
 
         Raises: as ``acquire``.
         """
         slot = self._slot(name)
         with self._cond:
-            if not slot.enabled or slot.state == _READY:
+            if not slot.enabled or slot.state != _ABSENT:
+                return False
+            known = [s.footprint.total(s.host.config.instances) for s in self._slots.values() if s.footprint]
+            need = (slot.footprint.total(slot.host.config.instances) if slot.footprint is not None
+                    else max(known, default=0))
+            loaded = sum(1 for s in self._slots.values() if s.state != _ABSENT)
+            if ((self.budget_bytes is not None and self._resident_bytes + self._reserved_bytes + need > self.budget_bytes)
+                    or (self.max_models is not None and loaded + 1 > self.max_models)):
                 return False
         with self.acquire(name):
             return True

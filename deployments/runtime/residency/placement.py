@@ -241,11 +241,11 @@ def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapp
     if len(rooms) < 2:
         return {}
 
-    def weight(room: _Room) -> float:
-        return room.load if total > 0 else float(room.used_bytes)
+    def share(model: str) -> float:  # a model of unknown bytes (never loaded) counts as one byte
+        return rates[model] / max(1, wanted[model]) if total > 0 else float(max(1, models[model].bytes))
 
-    def share(model: str) -> float:
-        return rates[model] / max(1, wanted[model]) if total > 0 else float(models[model].bytes)
+    def weight(room: _Room) -> float:
+        return room.load if total > 0 else sum(share(m) for m in room.models)
 
     moved: dict[str, tuple[str, str]] = {}
     for _ in range(sum(len(r.models) for r in rooms.values())):
