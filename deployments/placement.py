@@ -155,16 +155,23 @@ class Decider:
 
 def haproxy_publisher() -> Callable[[dict[str, list[str]]], None] | None:
     """Publishing to this node's HAProxy (``haproxy.publish_placement``) where Serve runs it
-    (``RAY_SERVE_ENABLE_HA_PROXY=1``), at Ray's config path and admin socket; else None."""
+    (``RAY_SERVE_ENABLE_HA_PROXY=1``), at Ray's config path and admin socket for this node
+    (``<folder>/<node id>/<file>``, as Ray's ``HAProxyManager`` places them); else None."""
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return None
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, RAY_SERVE_HAPROXY_SOCKET_PATH
 
+    import ray
+
     from .haproxy import PLACEMENT_MAP_SUFFIX, placement_map, publish_placement
 
+    def here(path: str) -> str:  # Ray 2.60 puts each node's HAProxy files under its node id
+        folder, name = os.path.split(path)
+        return os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+
     def publish(servers: dict[str, list[str]]) -> None:
-        error = publish_placement(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC + PLACEMENT_MAP_SUFFIX,
-                                  RAY_SERVE_HAPROXY_SOCKET_PATH, placement_map(servers))
+        error = publish_placement(here(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC) + PLACEMENT_MAP_SUFFIX,
+                                  here(RAY_SERVE_HAPROXY_SOCKET_PATH), placement_map(servers))
         if error is not None:
             logger.warning("placement: HAProxy's running map was not updated (%s); its file was", error)
 

@@ -80,6 +80,13 @@ def placed(tmp_path_factory):
         interrupt_group(proc)
 
 
+def memory(url: str) -> dict | None:
+    """One pool replica's ``/v2/memory`` status; None while it is not answered (503 while a
+    killed replica is replaced)."""
+    r = requests.get(f"{url}/v2/memory", timeout=30)
+    return r.json()["pool"] if r.status_code == 200 else None
+
+
 def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
     """Replica id -> its ``/v2/memory`` pool status, once ``replicas`` replicas with a settled
     placement (every model routed where it is placed) that covers every model and names that
@@ -87,7 +94,9 @@ def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
     seen: dict[str, dict] = {}
 
     def read():
-        pool = requests.get(f"{url}/v2/memory", timeout=30).json()["pool"]
+        pool = memory(url)
+        if pool is None:
+            return False
         placement = pool.get("placement", {})
         settled = all(w["routed"] == w["replicas"] for w in placement.get("models", {}).values())
         if (placement.get("revision") and len(placement["replicas"]) == replicas
@@ -119,28 +128,31 @@ def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(plac
     for _ in range(4):
         for model in MODELS:
             assert answer(url, model) is not None
-    replicas = pool_replicas(url)
-    loaded = {m: {r for r, pool in replicas.items() if pool["models"][m]["loads"]} for m in MODELS}
+    after = pool_replicas(url)
+    loaded = {m: {r for r in after if after[r]["models"][m]["loads"] > replicas[r]["models"][m]["loads"]}
+              for m in MODELS}
+    ready = {m: {r for r in after if after[r]["models"][m]["state"] == "ready"} for m in MODELS}
     # hashing by name would have sent some models to the replica that does not hold them, which loads them too
-    assert loaded == routed, (loaded, routed)
+    assert all(loaded[m] <= routed[m] for m in MODELS), (loaded, routed)
+    assert ready == routed, (ready, routed)  # prefetched where placed, released where not
 
 
 def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(placed):
     proc, url = placed
     before = pool_replicas(url)
     placement = next(iter(before.values()))["placement"]
-    killed = kill_replica(proc.pid, "models.pool", "pool")
+    killed = kill_replica(proc.pid, "models", "pool")
     [gone] = [r for r, pool in before.items() if pool["pid"] == killed]
     kept = {m: w["replicas"] for m, w in placement["models"].items() if gone not in w["replicas"]}
     assert kept and len(kept) < len(MODELS), placement["models"]
 
     def moved():
-        now = requests.get(f"{url}/v2/memory", timeout=30).json()["pool"].get("placement", {})
+        now = (memory(url) or {}).get("placement", {})
         return now if now.get("revision") and gone not in now["replicas"] and all(
             w["replicas"] and gone not in w["replicas"] for w in now["models"].values()) else None
 
     after = until(moved, "a placement without the killed replica", 120)
-    assert {m: after["models"][m]["replicas"] for m in kept} == kept
+    assert all(set(kept[m]) <= set(after["models"][m]["replicas"]) for m in kept), (kept, after["models"])
 
     for model in MODELS:
         until(lambda: answer(url, model), f"{model} answering", 60)
