@@ -56,6 +56,7 @@ from .routes import RouterOptions
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
 from .observe.options import MetricsOptions
+from .placement import PlacementDeployment
 from .pool import PoolDeployment
 from .protocol.errors import RETRY_AFTER_S
 from .runtime.contract.config import Autoscaling, Backend, CacheOptions, DeploymentOptions, describe_validation_error
@@ -118,6 +119,10 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     "Overload on the GPU")."""
 
     max_queued_requests: int = Field(512, ge=-1)
+    # Which replica holds a pool model (docs/placement.md, "Placement by bytes"): `hash`, the
+    # replica HAProxy hashes its name to; `bytes`, the placement deployment's decision from the
+    # replicas' budgets, footprints and request rates (copies for hot models).
+    placement: Literal["hash", "bytes"] = "hash"
 
 
 def cores() -> int:
@@ -373,7 +378,7 @@ def _build(args: dict[str, Any] | None) -> Application:
         serve_options, bounds = ingress_options(app_args.pool, use_gpus, env)
         return PoolDeployment.options(name=POOL, **serve_options).bind(
             app_args.repository, pool_models, app_args.backend, app_args.pool, metrics=metrics, initial=initial,
-            routes=routes, models=served, **bounds)
+            routes=routes, models=served, placement=app_args.pool.placement, **bounds)
     if app_args.model is not None:
         if app_args.model not in dedicated:
             raise ConfigError(f"serve_config.yaml application args: model: '{app_args.model}' is not a dedicated "
@@ -394,7 +399,7 @@ def _build(args: dict[str, Any] | None) -> Application:
     return Router.options(name="router", graceful_shutdown_timeout_s=ROUTER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                           **ray_options(app_args.router, False, HANDLE_ENV)).bind(
         app_args.repository, dedicated, pool_models, routes,
-        models=served, metrics=metrics, **control_options(initial))
+        models=served, metrics=metrics, **control_options(initial), **placement_options(app_args, pool_models))
 
 
 def applications(args: dict[str, Any] | None, name: str = "models", route_prefix: str = "/",
@@ -492,6 +497,17 @@ def initial_control(app_args: AppArgs, entries: list[ModelEntry], pool_models: l
     placements = {e.name: "pipeline" if e.config.pipeline else "pool" if e.name in pool_models else "dedicated"
                   for e in entries}
     return initial_state(placements, loaded)
+
+
+def placement_options(app_args: AppArgs, pool_models: list[str]) -> dict[str, Any]:
+    """The ``placement`` deployment the router application runs for a pool with ``placement:
+    bytes`` (``deployments.placement``: the pool replicas find it by name), as the router's
+    keyword argument; {} otherwise."""
+    if app_args.pool.placement != "bytes" or not pool_models:
+        return {}
+    return {"placement": PlacementDeployment.options(
+        name="placement", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(uuid.uuid4().hex)}
 
 
 def control_options(initial: Desired | None) -> dict[str, Any]:

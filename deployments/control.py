@@ -80,24 +80,25 @@ class StateStore(Protocol):
 class GcsStore:
     """The state in Ray's GCS key-value store (``ray.experimental.internal_kv``, reachable from
     any node of the cluster; it lives as long as the cluster's GCS), under
-    ``<router application>/<build id>``. Opening it deletes the states of the application's
+    ``<router application>/<build id>`` in ``namespace`` (model control's by default; the pool's
+    placement keeps its decision in its own). Opening it deletes the states of the application's
     earlier builds."""
 
-    def __init__(self, app: str, build_id: str) -> None:
+    def __init__(self, app: str, build_id: str, namespace: str = KV_NAMESPACE) -> None:
         from ray.experimental import internal_kv
 
-        self._kv = internal_kv
+        self._kv, self.namespace = internal_kv, namespace
         self.key = f"{app}/{build_id}".encode()
-        for key in internal_kv._internal_kv_list(f"{app}/".encode(), namespace=KV_NAMESPACE):
+        for key in internal_kv._internal_kv_list(f"{app}/".encode(), namespace=namespace):
             if key != self.key:
-                internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+                internal_kv._internal_kv_del(key, namespace=namespace)
 
     def load(self) -> dict[str, Any] | None:
-        raw = self._kv._internal_kv_get(self.key, namespace=KV_NAMESPACE)
+        raw = self._kv._internal_kv_get(self.key, namespace=self.namespace)
         return None if raw is None else json.loads(raw)
 
     def save(self, state: dict[str, Any]) -> None:
-        self._kv._internal_kv_put(self.key, json.dumps(state).encode(), overwrite=True, namespace=KV_NAMESPACE)
+        self._kv._internal_kv_put(self.key, json.dumps(state).encode(), overwrite=True, namespace=self.namespace)
 
 
 @serve.deployment

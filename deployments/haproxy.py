@@ -9,7 +9,8 @@ interface moved onto 127.0.0.1 (``bind_loopback``); a request whose ingress repl
 holds it retried once or answered in JSON (``answer_replica_deaths``); a request no application
 takes answered in JSON (``answer_unrouted``: 503 while the server starts or stops); the router's
 servers as backups of each dedicated model's backend (``router_backs_up_models``); a pool model's
-requests sent to the replica its name hashes to (``hash_pool_models``). Standard library only (it
+requests sent to the replica its name hashes to (``hash_pool_models``), or to one its placement
+names (``place_pool_models``, ``publish_placement``: ``placement: bytes``). Standard library only (it
 runs under the first ``python3`` on PATH, as a script, outside the ``deployments`` package).
 
 HAProxy's ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``) come
@@ -524,10 +525,110 @@ def hash_pool_models(config: str) -> str:
     return "".join(out)
 
 
-def rewrite_config(config: str) -> str:
+# With ``placement: bytes`` (deployments/placement.py) the pool's placement names the replicas
+# that hold each model, and HAProxy follows it with no hop of its own: a map file beside Ray's
+# config (``<config>.placement.map``, ``PLACEMENT_MAP_SUFFIX``) holds, per model name, the HAProxy
+# names of its replicas, ``PLACEMENT_SLOTS`` of them joined by '+' (its copies in turn), and the
+# pool's backend picks one of those slots at random per request (``use-server`` with a name read
+# from the map: HAProxy 2.8 evaluates it per request). A copy is thus taken in proportion to
+# its slots: evenly, as the placement gives a model copies in proportion to its load. A model
+# the map does not name (placement off: the file is empty; a model loaded since the last
+# decision), a name that is no server, or a server that is down, falls through to the hash
+# above. The placement deployment rewrites the file (what a reloaded HAProxy reads) and swaps
+# the running HAProxy's map at once through its admin socket (``publish_placement``: ``prepare
+# map`` / ``add map`` / ``commit map``). 12 slots split evenly among 1, 2, 3, 4 or 6 copies.
+PLACEMENT_MARKER = "# trt-serve: a placed pool model's requests go to one of its replicas (deployments/haproxy.py)"
+PLACEMENT_MAP_SUFFIX = ".placement.map"
+PLACEMENT_SLOTS = 12
+_BALANCE_HASH = re.compile(r"^\s+balance hash path,field\((?P<field>\d+),/\)$")
+
+
+def place_pool_models(config: str, map_file: str) -> str:
+    """``config`` with each pool backend that ``hash_pool_models`` hashed routing a model named in
+    ``map_file`` (a map file: model name -> ``PLACEMENT_SLOTS`` server names joined by '+')
+    to one of its servers, a slot chosen at random (the comment above). Idempotent (a marker)."""
+    if PLACEMENT_MARKER in config:
+        return config
+    out = []
+    for line in config.splitlines(keepends=True):
+        out.append(line)
+        balance = _BALANCE_HASH.match(line.rstrip("\n"))
+        if balance is None:
+            continue
+        placed = "var(txn.trt_placed)"
+        out += [f"    {PLACEMENT_MARKER}\n",
+                f"    http-request set-var(txn.trt_placed) path,field({balance['field']},/),map({map_file})\n",
+                f"    http-request set-var(txn.trt_copy) rand({PLACEMENT_SLOTS})\n"]
+        out += [f"    use-server %[{placed},field({slot + 1},+)] if {{ {placed} -m found }} "
+                f"{{ var(txn.trt_copy) -m int {slot} }}\n" for slot in range(PLACEMENT_SLOTS)]
+    return "".join(out)
+
+
+def placement_map(servers: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """The map's entries for ``servers`` (model -> the HAProxy server names of its replicas,
+    first copy first): model name (and its percent-encoded form, as a client sends it, where
+    that differs) -> ``PLACEMENT_SLOTS`` names, its copies in turn, joined by '+'. A model with
+    no replica has no entry (its requests are hashed)."""
+    from urllib.parse import quote
+
+    out = {}
+    for model, names in sorted(servers.items()):
+        if not names:
+            continue
+        value = "+".join(names[slot % len(names)] for slot in range(PLACEMENT_SLOTS))
+        for key in {model, quote(model, safe="")}:
+            if key and not any(c.isspace() for c in key):
+                out[key] = value
+    return out
+
+
+def _admin(socket_path: str, command: str, timeout_s: float = 2.0) -> str:
+    """One command on HAProxy's admin socket (one connection, non-interactive); its answer."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout_s)
+        s.connect(socket_path)
+        s.sendall(command.encode())
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def publish_placement(map_path: str, socket_path: str | None, entries: Mapping[str, str]) -> str | None:
+    """Write ``entries`` (``placement_map``) to ``map_path`` (atomically: what HAProxy reads at
+    its next start or reload) and, with ``socket_path``, swap the running HAProxy's copy of that
+    map for them in one step (``prepare map``, ``add map`` of every entry, ``commit map``).
+    Returns None, or why the running HAProxy was not updated (no socket, a refused
+    command): the file is written either way."""
+    text = "".join(f"{key} {value}\n" for key, value in sorted(entries.items()))
+    path = Path(map_path)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+    if not socket_path:
+        return "no HAProxy admin socket"
+    try:
+        prepared = _admin(socket_path, f"prepare map {map_path}\n")
+        version = re.search(r"New version created: (\d+)", prepared)
+        if version is None:
+            return f"prepare map: {prepared.strip()}"
+        if text:
+            added = _admin(socket_path, f"add map @{version[1]} {map_path} <<\n{text}\n").strip()
+            if added:
+                return f"add map: {added}"
+        committed = _admin(socket_path, f"commit map @{version[1]} {map_path}\n").strip()
+        return f"commit map: {committed}" if committed else None
+    except OSError as e:
+        return f"{socket_path}: {e}"
+
+
+def rewrite_config(config: str, map_file: str | None = None) -> str:
     """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
-    ``answer_unrouted``, ``router_backs_up_models`` then ``hash_pool_models``."""
-    return hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
+    ``answer_unrouted``, ``router_backs_up_models``, ``hash_pool_models`` then, given the
+    placement's ``map_file``, ``place_pool_models``."""
+    config = hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
+    return config if map_file is None else place_pool_models(config, map_file)
 
 
 def real_haproxy(environ: Mapping[str, str]) -> str:
@@ -577,7 +678,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             path = Path(config)
             try:
                 text = path.read_text()
-                rewritten = choose_side_ports(rewrite_config(text), Path(config + PORTS_SUFFIX), "-sf" in args)
+                placement = Path(config + PLACEMENT_MAP_SUFFIX)
+                if not placement.exists():  # HAProxy refuses a config whose map file is missing
+                    placement.write_text("")
+                rewritten = choose_side_ports(rewrite_config(text, str(placement)), Path(config + PORTS_SUFFIX),
+                                              "-sf" in args)
                 path.write_text(rewritten)
             except (OSError, ValueError) as e:
                 print(f"trt-serve HAProxy wrapper: {config}: {e}", file=sys.stderr)

@@ -76,12 +76,14 @@ class Router(RouterApp):
         metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on).
         control: handle of ``deployments.control.ControlDeployment`` (explicit model control).
         initial: the build-time desired state (None: model control is off).
+        placement: handle of ``deployments.placement.PlacementDeployment`` (``placement:
+            bytes``), bound here so that Serve runs it; the pool replicas call it.
     """
 
     def __init__(self, repository: str, dedicated: dict[str, str], pool_models: Iterable[str],
                  options: RouterOptions, models: list[ModelEntry] | None = None,
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
-                 initial: Desired | None = None) -> None:
+                 initial: Desired | None = None, placement: Any | None = None) -> None:
         repo = ModelRepository(repository, entries=models)
         app = serve.get_replica_context().app_name
         # The handles are made here, so that they take this cluster's default transport (gRPC

@@ -3,12 +3,14 @@
 The deployment is the ingress of its own application (``deployments.app.applications``): its
 replicas answer the pool models' KServe v2 routes straight from the HTTP ingress
 (``replica_routes.PoolRoutes``), HAProxy choosing the replica by the model's name
-(``haproxy.hash_pool_models``); the router and pipelines call it through handles, by
+(``haproxy.hash_pool_models``) or, with ``placement: bytes``, by the pool's placement
+(``deployments.placement``); the router and pipelines call it through handles, by
 multiplexed model id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import Any, Iterable
@@ -23,6 +25,7 @@ from .replica_routes import pool_routes
 from .routes import RouterOptions
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
+from .placement import PlacementFollower, PoolReport, haproxy_server_name
 from .observe.deployment import cache_recorder, observe_replica_infer, replica_recorder
 from .protocol.answer import Answer, answer_body
 from .protocol.errors import errors_as_values
@@ -32,6 +35,7 @@ from .runtime.contract.config import CacheOptions
 from .runtime.contract.errors import ConfigError, ModelNotFound
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.cache import ModelCache
+from .runtime.residency.placement import RateMeter
 
 
 def _backend_here(requested: str) -> str:
@@ -71,12 +75,15 @@ class PoolDeployment:
             once it is (``apply``).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
             with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
+        placement: ``hash`` or ``bytes``: with ``bytes`` the replica reports to the router
+            application's placement deployment and loads and releases models as it decides
+            (``deployments.placement.PlacementFollower``).
     """
 
     async def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
                        routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
                        models: list[ModelEntry] | None = None, max_ongoing_requests: int = 512,
-                       max_queued_requests: int | None = None) -> None:
+                       max_queued_requests: int | None = None, placement: str = "hash") -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
@@ -111,6 +118,25 @@ class PoolDeployment:
         cap = options.max_num_models_per_replica
         self._get_model = serve.multiplexed(max_num_models_per_replica=-1 if cap is None else cap)(register)
         await first_sync(self.routes.follower)  # routed only once it serves the current state
+        self.rates = RateMeter()
+        self.placement = None if placement != "bytes" else self._follow_placement(router_app, options)
+
+    def _follow_placement(self, router_app: str, options: CacheOptions) -> PlacementFollower:
+        """Start following the router application's placement deployment (``placement: bytes``)."""
+        replica_id = serve.get_replica_context().replica_id
+        server = haproxy_server_name(replica_id)
+
+        def report() -> PoolReport:
+            served = [n for n in self.versions if self.cache.serves(n)]
+            resident = set(self.cache.resident())
+            footprints = {n: b for n in served if (b := self.cache.footprint_bytes(n)) is not None}
+            return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
+                              sorted(n for n in served if n in resident), footprints, self.rates.rates(served))
+
+        follower = PlacementFollower(handle(router_app, "placement"), replica_id.unique_id, report,
+                                     self.cache.prefetch, self.cache.release)
+        follower.task = asyncio.get_running_loop().create_task(follower.run())
+        return follower
 
     @errors_as_values
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None,
@@ -134,6 +160,7 @@ class PoolDeployment:
         cache checks the engine against)."""
         with self.admission.request():
             name = await self._get_model(key)
+            self.rates.add(self._model_version(name)[0])
             return await self.cache.infer_async(name, inputs, outputs, version)
 
     @errors_as_values
@@ -234,4 +261,6 @@ class PoolDeployment:
         if any(m["device"] == "gpu" for m in status["models"].values()):
             reading = process_gpu_bytes()  # this replica's own GPU bytes (CUDA context included)
             status.update(process_gpu_bytes=reading.bytes, gpu_source=reading.source)
+        if self.placement is not None:
+            status["placement"] = self.placement.visible()
         return {**status, "events": self.cache.timeline()}

@@ -554,3 +554,33 @@ def test_an_unload_during_a_health_probe_closes_the_engine_only_after_the_probe(
     host.check_health()
     engine.unloading.join(10)
     assert during_probe == [False] and closed.is_set() and not host.ready
+
+
+def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    """``placement: bytes``: a replica loads a model it is about to receive (``prefetch``) and
+    gives back one it lost (``release``): evicted at once when no request holds it; while one
+    does, it stays loaded and only goes first when room is needed."""
+    cache = make_cache(repo, load_policy="lru", budget_bytes=sizes["tiny_cnn"] + sizes["mid_cnn"] + 10_000_000)
+    assert cache.footprint_bytes("tiny_cnn") is None  # not loaded by this cache yet
+    assert cache.prefetch("tiny_cnn") is True and cache.prefetch("tiny_cnn") is False
+    status = cache.status()["models"]["tiny_cnn"]
+    assert status["state"] == "ready" and status["in_use"] == 0
+    assert cache.footprint_bytes("tiny_cnn") == sizes["tiny_cnn"]
+    with cache.acquire("tiny_cnn"):
+        assert cache.release("tiny_cnn") is False  # held: not evicted
+        assert cache.status()["models"]["tiny_cnn"]["state"] == "ready"
+    cache.prefetch("mid_cnn")
+    cache.infer("mid_cnn", random_inputs(repo.get("mid_cnn").config, np.random.default_rng(1)))
+    assert cache.release("mid_cnn") is True
+    assert cache.status()["models"]["mid_cnn"]["state"] == "absent"
+    assert events(cache, "evict", "mid_cnn")[-1]["resident_bytes"] == cache.resident_bytes
+    assert cache.footprint_bytes("mid_cnn") == sizes["mid_cnn"]  # kept after the eviction
+    cache.prefetch("mid_cnn")
+    assert cache.prefetch("resnet18") is False  # it would evict tiny_cnn or mid_cnn: a prefetch never evicts
+    assert cache.status()["models"]["resnet18"]["state"] == "absent"
+    assert {e["model"] for e in events(cache, "evict")} == {"mid_cnn"}
+    cache.unload("tiny_cnn")
+    assert cache.prefetch("tiny_cnn") is False  # unloaded by model control: not loaded back
+    assert cache.status()["models"]["tiny_cnn"]["state"] == "absent"
+    cache.close()

@@ -769,12 +769,14 @@ def test_the_pool_backend_is_balanced_by_the_hash_of_the_model_name(tmp_path, pr
 
 
 @contextlib.contextmanager
-def _pool_haproxy(tmp_path: Path, ports: dict[str, int]) -> Iterator[tuple[int, int]]:
+def _pool_haproxy(tmp_path: Path, ports: dict[str, int], map_file: Path | None = None) -> Iterator[tuple[int, int]]:
     """The real HAProxy on the rewritten config of a pool with servers ``ports`` (name -> port),
-    a router and ``ocr``, each a small server answering with its name; yields the front and the
-    stats ports once every server is up."""
+    a router and ``ocr``, each a small server answering with its name (with ``map_file``: the
+    pool placed by that map, ``haproxy.place_pool_models``); yields the front and the stats
+    ports once every server is up."""
     router, ocr, front, stats, prometheus = (_free_port() for _ in range(5))
     config = _ray_pool_config(tmp_path, "/", ports, router, ocr)
+    config = config if map_file is None else haproxy.place_pool_models(config, str(map_file))
     config = (config.replace("127.0.0.1:8000", f"127.0.0.1:{front}").replace("*:8404", f"127.0.0.1:{stats}")
               .replace("127.0.0.1:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
     (tmp_path / "pool.cfg").write_text(config)
@@ -886,3 +888,47 @@ def test_the_pool_servers_ids_come_from_their_names(tmp_path):
     assert sum(" id " in line for line in servers) == len(ids) < len(servers)  # the router's, ocr's: none
     assert haproxy.rewrite_config(config) == config
     assert haproxy.pool_server_id("x", {haproxy.pool_server_id("x", set())}) != haproxy.pool_server_id("x", set())
+
+
+def test_haproxy_sends_a_placed_pool_model_to_its_replicas_and_follows_a_new_placement_at_once(tmp_path):
+    """With the placement's map (``place_pool_models``): a model placed on one replica reaches
+    it alone; one with two copies reaches both and no other; a model the map does not name, or
+    names a server that is not there, is hashed as before. A placement published through the
+    admin socket takes effect at once, and its file is what a reload would read."""
+    ports = {name: _free_port() for name in ("pool-a", "pool-b", "pool-c")}
+    map_file = tmp_path / "placement.map"
+    entries = haproxy.placement_map({"m0": ["pool-b"], "m1": ["pool-a", "pool-c"], "m2": ["gone"]})
+    map_file.write_text("".join(f"{k} {v}\n" for k, v in entries.items()))
+    assert entries["m1"].split("+") == ["pool-a", "pool-c"] * (haproxy.PLACEMENT_SLOTS // 2)
+    with _pool_haproxy(tmp_path, ports, map_file) as (front, _):
+        def servers(model: str, n: int) -> set[str]:
+            out = set()
+            for _ in range(n):
+                answer = _get(front, f"/v2/models/{model}/ready", timeout_s=30)
+                assert answer is not None and answer[0] == 200, answer
+                out.add(answer[1].decode())
+            return out
+
+        assert servers("m0", 20) == {"pool-b"}
+        assert servers("m1", 40) == {"pool-a", "pool-c"}  # each copy's chance to be missed: 2^-40
+        hashed = servers("m9", 5)
+        assert len(hashed) == 1 and hashed <= set(ports)
+        assert len(servers("m2", 10)) == 1  # a gone server's model is hashed to one live replica
+        error = haproxy.publish_placement(str(map_file), str(tmp_path / "admin.sock"),
+                                          haproxy.placement_map({"m0": ["pool-c"], "m1": ["pool-b"]}))
+        assert error is None
+        assert servers("m0", 10) == {"pool-c"} and servers("m1", 10) == {"pool-b"}
+        assert map_file.read_text().splitlines()[0] == "m0 " + "+".join(["pool-c"] * haproxy.PLACEMENT_SLOTS)
+
+
+def test_the_placement_rules_go_into_the_hashed_pool_backend_only(tmp_path):
+    config = _ray_pool_config(tmp_path, "/api", {"pool-a": 9}, 11)
+    placed = haproxy.rewrite_config(config, "/x/placement.map")
+    assert haproxy.place_pool_models(placed, "/x/placement.map") == placed
+    pool = _pool_section(placed)
+    assert pool[pool.index(haproxy.PLACEMENT_MARKER) + 1] == (
+        "http-request set-var(txn.trt_placed) path,field(5,/),map(/x/placement.map)")
+    assert placed.count("use-server %[var(txn.trt_placed)") == haproxy.PLACEMENT_SLOTS
+    assert sum(line.startswith("use-server") for line in pool) == haproxy.PLACEMENT_SLOTS
+    assert haproxy.publish_placement(str(tmp_path / "p.map"), None, {"m": "a"}) == "no HAProxy admin socket"
+    assert (tmp_path / "p.map").read_text() == "m a\n"

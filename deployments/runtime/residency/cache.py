@@ -262,6 +262,55 @@ class ModelCache:
         with _LOAD_LOCK:
             self._evict_marked()
 
+    def prefetch(self, name: str) -> bool:
+        """Load ``name`` now, without holding it (a replica about to receive its requests:
+        ``placement: bytes``), only where it fits beside the models loaded now: a prefetch never
+        evicts (placed models that do not fit together would evict each other in turn). Not
+        when it is unloaded (``unload``: model control decides that) or already loaded; a
+        model never loaded here counts by the bytes of the largest measured so far. Blocking.
+        Returns whether it loaded here.
+
+        Raises: as ``acquire``.
+        """
+        slot = self._slot(name)
+        with self._cond:
+            if not slot.enabled or slot.state != _ABSENT:
+                return False
+            known = [s.footprint.total(s.host.config.instances) for s in self._slots.values() if s.footprint]
+            need = (slot.footprint.total(slot.host.config.instances) if slot.footprint is not None
+                    else max(known, default=0))
+            loaded = sum(1 for s in self._slots.values() if s.state != _ABSENT)
+            if ((self.budget_bytes is not None and self._resident_bytes + self._reserved_bytes + need > self.budget_bytes)
+                    or (self.max_models is not None and loaded + 1 > self.max_models)):
+                return False
+        with self.acquire(name):
+            return True
+
+    def release(self, name: str) -> bool:
+        """Give back ``name``'s memory (a replica that lost it to another: ``placement: bytes``),
+        never while a request holds it: unheld and loaded, it is evicted now (timeline event
+        ``evict``, detail ``released``); held or loading, it only becomes the first to evict
+        when room is needed. It keeps serving: a request that still comes loads it again.
+        Blocking. Returns whether it was evicted now."""
+        slot = self._slot(name)
+        with self._cond:
+            slot.last_used = 0
+            if slot.refcount or slot.state != _READY:
+                return False
+            slot.state = _EVICTING
+        with _LOAD_LOCK:
+            self._evict_marked()
+        return True
+
+    def footprint_bytes(self, name: str) -> int | None:
+        """``name``'s footprint as its last load here measured it (engine + instances x
+        contexts, what it counts against the budget), kept after an eviction; None before."""
+        slot = self._slot(name)
+        with self._cond:
+            if slot.footprint is None:
+                return None
+            return slot.footprint.total(slot.host.config.instances)
+
     @property
     def resident_bytes(self) -> int:
         """Sum of the footprints of the loaded models (bytes)."""

@@ -1,0 +1,284 @@
+"""The pool's placement by bytes and load (``pool: {placement: bytes}``): the deployment that
+decides where each pool model lives, and a pool replica's side of it.
+
+One small deployment, ``placement`` (one replica in the router application, no CPU reserved),
+holds the decision. Every pool replica calls ``PlacementDeployment.sync`` every ``SYNC_S``
+with what it has (``PoolReport``: budget, count cap, resident models, footprints, request rates
+from its ``RateMeter``) and gets the decision back. Every ``PLACE_S`` the deployment recomputes
+it from the fresh reports (``residency.placement.place``, with the last decision as the
+starting point: hysteresis), and:
+
+* ``target``: model -> the replicas that should hold it;
+* ``routed``: model -> the replicas HAProxy sends it to: the target replicas that report it
+  resident, or, while none does yet, the replicas it was routed to before that still report,
+  or the target itself when there are none. So a replica loads a model it gains (``prefetch``)
+  before requests arrive, and requests keep reaching the replica that has it meanwhile.
+* a replica releases a model once it is neither a target nor routed there (``ModelCache.release``:
+  never while a request holds it).
+
+``routed`` goes to HAProxy as a map (``haproxy.placement_map``, ``haproxy.publish_placement``:
+the file beside Ray's config and, at once, the running HAProxy's map) on the node of the
+placement replica. The decision is kept in Ray's GCS key-value store (``control.GcsStore``,
+namespace ``trt_serve_placement``), so a placement replica started again continues from it.
+A replica whose report is older than ``REPORT_FRESH_S`` is gone: only its models move.
+
+With Serve's Python proxy (no HAProxy) nothing is published: the router's handle calls go
+where Serve's multiplexing sends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+from ray import serve
+
+from .control import GcsStore
+from .loopback import replica_grpc_on_loopback
+from .runtime.residency.placement import ModelDemand, Placement, PlacementOptions, ReplicaView, place
+
+logger = logging.getLogger("ray.serve")
+
+SYNC_S = 1.0  # how often a pool replica reports and reads the decision
+PLACE_S = 2.0  # how often the decision is recomputed
+REPORT_FRESH_S = 6.0  # a replica whose last report is older is gone
+KV_NAMESPACE = "trt_serve_placement"
+
+
+@dataclass(frozen=True)
+class PoolReport:
+    """What a pool replica tells the placement deployment (JSON-ready). ``server``: its HAProxy
+    server name (``haproxy_server_name``); ``models``: the pool models it serves (not
+    unloaded); ``resident``: those loaded now; ``footprints``: model -> bytes its loads
+    measured; ``rates``: model -> requests per second it answered."""
+
+    server: str
+    budget_bytes: int | None
+    max_models: int | None
+    models: list[str]
+    resident: list[str]
+    footprints: dict[str, int] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)
+
+
+def haproxy_server_name(replica_id: Any) -> str:
+    """The name Ray's HAProxy config gives the server of replica ``replica_id`` (a Serve
+    ``ReplicaID``): its actor name made safe, as ``HAProxyManager`` does (Ray 2.60)."""
+    from ray.serve._private.haproxy import HAProxyManager
+
+    return HAProxyManager.get_safe_name(replica_id.to_full_id_str())
+
+
+def demands(reports: Iterable[PoolReport]) -> dict[str, ModelDemand]:
+    """Each model served by any of ``reports``: its bytes (the largest footprint a replica
+    measured; a model never loaded: the mean of those known, else 0) and its rate (summed)."""
+    reports = list(reports)
+    names = sorted({m for r in reports for m in r.models})
+    measured: dict[str, int] = {}
+    for report in reports:
+        for model, nbytes in report.footprints.items():
+            measured[model] = max(measured.get(model, 0), nbytes)
+    guess = int(sum(measured.values()) / len(measured)) if measured else 0
+    return {m: ModelDemand(measured.get(m, guess), sum(r.rates.get(m, 0.0) for r in reports)) for m in names}
+
+
+def routed(target: Placement, previous: dict[str, tuple[str, ...]], reports: dict[str, PoolReport]) -> dict[str, tuple[str, ...]]:
+    """Where HAProxy should send each model now (module docstring): its target replicas that
+    have it resident; else its previous routes that still report; else its target."""
+    out = {}
+    for model, where in target.replicas.items():
+        ready = tuple(r for r in where if model in reports[r].resident)
+        kept = tuple(r for r in previous.get(model, ()) if r in reports)
+        out[model] = ready or kept or where
+    return out
+
+
+class Decider:
+    """The placement deployment's state without Ray: reports in, decision out.
+
+    Args:
+        options: ``PlacementOptions``.
+        publish: called with model -> HAProxy server names whenever ``routed`` changes.
+        clock: ``time.monotonic`` (tests pass their own).
+        stored: a decision taken from the store (``state()``'s form), or None.
+    """
+
+    def __init__(self, options: PlacementOptions = PlacementOptions(),
+                 publish: Callable[[dict[str, list[str]]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, stored: dict[str, Any] | None = None) -> None:
+        self.options, self.publish, self.clock = options, publish, clock
+        self.reports: dict[str, tuple[float, PoolReport]] = {}
+        self.incarnation = uuid.uuid4().hex if stored is None else stored["incarnation"]
+        self.revision = 0 if stored is None else stored["revision"]
+        self.target = Placement({m: tuple(r) for m, r in (stored or {}).get("target", {}).items()},
+                                (stored or {}).get("why", {}))
+        self.routes: dict[str, tuple[str, ...]] = {m: tuple(r) for m, r in (stored or {}).get("routed", {}).items()}
+        self.servers: dict[str, str] = dict((stored or {}).get("servers", {}))
+
+    def report(self, replica: str, report: PoolReport) -> None:
+        self.reports[replica] = (self.clock(), report)
+        self.servers[replica] = report.server
+
+    def fresh(self) -> dict[str, PoolReport]:
+        now = self.clock()
+        return {r: report for r, (at, report) in sorted(self.reports.items()) if now - at < REPORT_FRESH_S}
+
+    def recompute(self) -> bool:
+        """A new decision from the fresh reports; True when where a model is routed changed
+        (a new revision, published)."""
+        reports = self.fresh()
+        views = {r: ReplicaView(rep.budget_bytes, rep.max_models, frozenset(rep.resident)) for r, rep in reports.items()}
+        previous = Placement({m: tuple(r for r in where if r in reports) for m, where in self.target.replicas.items()})
+        self.target = place(demands(reports.values()), views, previous, self.options)
+        routes = routed(self.target, self.routes, reports)
+        if routes == self.routes:
+            return False
+        self.routes, self.revision = routes, self.revision + 1
+        if self.publish is not None:
+            self.publish({m: [self.servers[r] for r in where] for m, where in routes.items()})
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """The decision (JSON-ready): ``incarnation``, ``revision``, ``target`` and ``routed``
+        (model -> replica ids), ``why`` (model -> bytes, rate, copies, reason), ``servers``
+        (replica id -> HAProxy server name) and ``replicas`` (the ids reporting now)."""
+        return {"incarnation": self.incarnation, "revision": self.revision,
+                "target": {m: list(r) for m, r in self.target.replicas.items()},
+                "routed": {m: list(r) for m, r in self.routes.items()}, "why": self.target.why,
+                "servers": dict(self.servers), "replicas": sorted(self.fresh())}
+
+
+def haproxy_publisher() -> Callable[[dict[str, list[str]]], None] | None:
+    """Publishing to this node's HAProxy (``haproxy.publish_placement``) where Serve runs it
+    (``RAY_SERVE_ENABLE_HA_PROXY=1``), at Ray's config path and admin socket for this node
+    (``<folder>/<node id>/<file>``, as Ray's ``HAProxyManager`` places them); else None."""
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        return None
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, RAY_SERVE_HAPROXY_SOCKET_PATH
+
+    import ray
+
+    from .haproxy import PLACEMENT_MAP_SUFFIX, placement_map, publish_placement
+
+    def here(path: str) -> str:  # Ray 2.60 puts each node's HAProxy files under its node id
+        folder, name = os.path.split(path)
+        return os.path.join(folder, ray.get_runtime_context().get_node_id(), name)
+
+    def publish(servers: dict[str, list[str]]) -> None:
+        error = publish_placement(here(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC) + PLACEMENT_MAP_SUFFIX,
+                                  here(RAY_SERVE_HAPROXY_SOCKET_PATH), placement_map(servers))
+        if error is not None:
+            logger.warning("placement: HAProxy's running map was not updated (%s); its file was", error)
+
+    return publish
+
+
+@serve.deployment
+class PlacementDeployment:
+    """The pool's placement (module docstring): ``sync`` from every pool replica, a decision
+    every ``PLACE_S``.
+
+    Args:
+        build_id: the build that deployed it (names its stored decision).
+        options: ``PlacementOptions`` fields as a dict.
+    """
+
+    def __init__(self, build_id: str = "", options: dict[str, Any] | None = None) -> None:
+        replica_grpc_on_loopback()
+        self.store = GcsStore(serve.get_replica_context().app_name, build_id, KV_NAMESPACE)
+        self.decider = Decider(PlacementOptions(**(options or {})), haproxy_publisher(), stored=self.store.load())
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(PLACE_S)
+            try:
+                if self.decider.recompute():
+                    self.store.save(self.decider.state())
+                    logger.info("placement: revision %d: %s", self.decider.revision,
+                                {m: len(r) for m, r in self.decider.routes.items()})
+            except Exception:
+                logger.exception("placement: the decision failed; the last one stands")
+
+    def sync(self, replica: str, report: dict[str, Any]) -> dict[str, Any]:
+        """A pool replica's ``PoolReport`` (as a dict); returns the decision (``Decider.state``)."""
+        self.decider.report(replica, PoolReport(**report))
+        return self.decider.state()
+
+    def decision(self) -> dict[str, Any]:
+        return self.decider.state()
+
+
+class PlacementFollower:
+    """A pool replica's side: every ``SYNC_S`` report (``report()``: a ``PoolReport``), read
+    the decision, then in a worker thread release the models this replica lost (neither a
+    target nor routed here) and prefetch those it gained (a target here, not resident).
+
+    Args:
+        placement: handle of ``PlacementDeployment``.
+        replica: this replica's id.
+        report: builds this replica's ``PoolReport``.
+        prefetch, release: ``ModelCache.prefetch`` / ``release`` of a model (blocking).
+    """
+
+    def __init__(self, placement: Any, replica: str, report: Callable[[], PoolReport],
+                 prefetch: Callable[[str], Any], release: Callable[[str], Any]) -> None:
+        self.placement, self.replica, self.report = placement, replica, report
+        self.prefetch, self.release = prefetch, release
+        self.decision: dict[str, Any] | None = None
+        self.mine: set[str] = set()  # models placed or routed here in the last decision applied
+        self.task: asyncio.Task | None = None
+        self._applying: asyncio.Future | None = None
+
+    def here(self, decision: dict[str, Any]) -> tuple[set[str], set[str]]:
+        """(target here, routed here) of ``decision``."""
+        target = {m for m, where in decision["target"].items() if self.replica in where}
+        routes = {m for m, where in decision["routed"].items() if self.replica in where}
+        return target, routes
+
+    def apply(self, decision: dict[str, Any]) -> None:
+        """Release what this replica lost, then prefetch what it gained (blocking)."""
+        target, routes = self.here(decision)
+        report = self.report()
+        for model in sorted(self.mine - target - routes):
+            self.release(model)
+        for model in sorted(target - set(report.resident)):
+            try:
+                self.prefetch(model)
+            except Exception as error:  # its request will say why; the others still load
+                logger.warning("placement: prefetch of %s failed: %s", model, error)
+        self.mine = target | routes
+
+    async def sync(self) -> None:
+        """Report and read; apply the decision in a thread unless the last one is still being
+        applied (its loads may take longer than the reports may pause: a replica that stops
+        reporting for ``REPORT_FRESH_S`` counts as gone)."""
+        decision = await self.placement.sync.remote(self.replica, asdict(self.report()))
+        self.decision = decision
+        if self._applying is None or self._applying.done():
+            self._applying = asyncio.ensure_future(asyncio.to_thread(self.apply, decision))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception:  # the placement replica is restarting: try again
+                logger.warning("placement: the decision is unavailable", exc_info=True)
+            await asyncio.sleep(SYNC_S)
+
+    def visible(self) -> dict[str, Any]:
+        """For ``/v2/memory``: the decision this replica follows, and its part of it."""
+        if self.decision is None:
+            return {"policy": "bytes", "revision": None}
+        target, routes = self.here(self.decision)
+        return {"policy": "bytes", "replica": self.replica, "revision": self.decision["revision"],
+                "replicas": self.decision["replicas"],
+                "placed_here": sorted(target), "routed_here": sorted(routes),
+                "models": {m: {**why, "replicas": self.decision["target"].get(m, []),
+                               "routed": self.decision["routed"].get(m, [])}
+                           for m, why in self.decision["why"].items()}}

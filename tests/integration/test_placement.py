@@ -1,0 +1,158 @@
+"""Placement by bytes (``pool: {placement: bytes}``) as `make serve` runs it: HAProxy sends a
+pool model's requests to the replicas its placement names, and when a pool replica goes only
+its models move.
+
+One server for the module: ``python -m deployments.run`` (HAProxy on) on a repository of six
+pool models (tiny_cnn's model under other names), two pool replicas. The replicas' caches are
+read through ``/v2/memory`` (one replica's a call: read until both have answered). That a held
+model is never released is ``tests/unit/test_cache.py``'s (``ModelCache.release``)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import yaml
+
+from bench.autoscale import start_runner
+from bench.replicas import interrupt_group, kill_replica
+
+from .conftest import REPOSITORY, _free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = [f"p{k}" for k in range(6)]
+A, B = np.arange(16, dtype=np.int32).reshape(1, 16), np.full((1, 16), 3, dtype=np.int32)
+BODY = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": A.ravel().tolist()},
+                   {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": B.ravel().tolist()}]}
+
+
+def until(condition, what: str, timeout_s: float = 120.0):
+    """Poll ``condition`` until it returns something true (returned); a request that times out
+    or finds no listener counts as not yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except (requests.ConnectionError, requests.Timeout):
+            pass
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):
+    """(process, base URL) of the runner on the module's repository."""
+    from deployments.check import write
+
+    tmp = tmp_path_factory.mktemp("placement")
+    root = tmp / "engines"
+    for name in MODELS:
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / name / "config.yaml")
+        (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
+    port = _free_port()
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    config["applications"] = [app := config["applications"][0]]
+    app["args"].update(repository=str(root), request_timeout_s=30, metrics={"port": _free_port()},
+                       pool=dict(app["args"]["pool"], num_gpus=0, num_replicas=2, placement="bytes",
+                                 max_num_models_per_replica=6))
+    path = tmp / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    write(path)
+    log = tmp / "out.log"
+    proc = start_runner(path, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until(lambda: proc.poll() is None and all(
+            requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200 for m in MODELS)
+            or (proc.poll() is not None and pytest.fail(log.read_text()[-3000:])), "the pool models ready", 300)
+        yield proc, url
+    finally:
+        interrupt_group(proc)
+
+
+def memory(url: str) -> dict | None:
+    """One pool replica's ``/v2/memory`` status; None while it is not answered (503 while a
+    killed replica is replaced)."""
+    r = requests.get(f"{url}/v2/memory", timeout=30)
+    return r.json()["pool"] if r.status_code == 200 else None
+
+
+def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
+    """Replica id -> its ``/v2/memory`` pool status, once ``replicas`` replicas with a settled
+    placement (every model routed where it is placed) that covers every model and names that
+    many reporting replicas have answered."""
+    seen: dict[str, dict] = {}
+
+    def read():
+        pool = memory(url)
+        if pool is None:
+            return False
+        placement = pool.get("placement", {})
+        settled = all(w["routed"] == w["replicas"] for w in placement.get("models", {}).values())
+        if (placement.get("revision") and len(placement["replicas"]) == replicas
+                and set(placement["models"]) == set(MODELS) and settled):
+            seen[pool["replica"]] = pool
+        return len(seen) >= replicas and set(next(iter(seen.values()))["placement"]["replicas"]) == set(seen)
+
+    until(read, f"{replicas} pool replicas with a placement")
+    return seen
+
+
+def answer(url: str, model: str) -> dict | None:
+    """``model``'s outputs by name for ``BODY`` (None: not 200), checked against A + B and A - B."""
+    r = requests.post(f"{url}/v2/models/{model}/infer", json=BODY, timeout=60)
+    if r.status_code != 200:
+        return None
+    outputs = {o["name"]: o for o in r.json()["outputs"]}
+    assert outputs["OUTPUT0"]["shape"] == outputs["OUTPUT1"]["shape"] == [1, 16]
+    assert outputs["OUTPUT0"]["data"] == (A + B).ravel().tolist() and outputs["OUTPUT1"]["data"] == (A - B).ravel().tolist()
+    return outputs
+
+
+def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(placed):
+    _, url = placed
+    replicas = pool_replicas(url)
+    routed = {m: set(w["routed"]) for m, w in next(iter(replicas.values()))["placement"]["models"].items()}
+    assert all(len(where) == 1 for where in routed.values()), routed  # no load yet: one copy each
+    assert len(set().union(*routed.values())) == 2, routed  # both replicas hold some
+    for _ in range(4):
+        for model in MODELS:
+            assert answer(url, model) is not None
+    after = pool_replicas(url)
+    loaded = {m: {r for r in after if after[r]["models"][m]["loads"] > replicas[r]["models"][m]["loads"]}
+              for m in MODELS}
+    ready = {m: {r for r in after if after[r]["models"][m]["state"] == "ready"} for m in MODELS}
+    # hashing by name would have sent some models to the replica that does not hold them, which loads them too
+    assert all(loaded[m] <= routed[m] for m in MODELS), (loaded, routed)
+    assert ready == routed, (ready, routed)  # prefetched where placed, released where not
+
+
+def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(placed):
+    proc, url = placed
+    before = pool_replicas(url)
+    placement = next(iter(before.values()))["placement"]
+    killed = kill_replica(proc.pid, "models", "pool")
+    [gone] = [r for r, pool in before.items() if pool["pid"] == killed]
+    kept = {m: w["replicas"] for m, w in placement["models"].items() if gone not in w["replicas"]}
+    assert kept and len(kept) < len(MODELS), placement["models"]
+
+    def moved():
+        now = (memory(url) or {}).get("placement", {})
+        return now if now.get("revision") and gone not in now["replicas"] and all(
+            w["replicas"] and gone not in w["replicas"] for w in now["models"].values()) else None
+
+    after = until(moved, "a placement without the killed replica", 120)
+    assert all(set(kept[m]) <= set(after["models"][m]["replicas"]) for m in kept), (kept, after["models"])
+
+    for model in MODELS:
+        until(lambda: answer(url, model), f"{model} answering", 60)

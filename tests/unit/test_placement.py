@@ -1,0 +1,247 @@
+"""The placement decision by bytes and load (deployments/runtime/residency/placement.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from deployments.runtime.residency.placement import (
+    ModelDemand, Placement, PlacementOptions, RateMeter, ReplicaView, copies_for, place)
+
+MIB = 1 << 20
+
+
+def zipf_models(n: int, sizes_mib: tuple[int, ...] = (10, 40, 90), total_rate: float = 100.0) -> dict[str, ModelDemand]:
+    """``n`` models of cycling sizes with Zipf (s = 1) rates summing to ``total_rate``."""
+    harmonic = sum(1 / k for k in range(1, n + 1))
+    return {f"m{k:02d}": ModelDemand(sizes_mib[k % len(sizes_mib)] * MIB, total_rate / (k + 1) / harmonic)
+            for k in range(n)}
+
+
+def replicas(n: int, budget_mib: int | None, max_models: int | None = None) -> dict[str, ReplicaView]:
+    return {f"r{i}": ReplicaView(None if budget_mib is None else budget_mib * MIB, max_models) for i in range(n)}
+
+
+def placed_bytes(placement: Placement, models: dict[str, ModelDemand]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for model, where in placement.replicas.items():
+        for r in where:
+            out[r] = out.get(r, 0) + models[model].bytes
+    return out
+
+
+def test_every_replica_keeps_its_placed_models_within_its_budget_when_the_whole_set_fits():
+    models = zipf_models(40)  # 40 models, 1,880 MiB in all
+    total_mib = sum(d.bytes for d in models.values()) // MIB
+    budget_mib = total_mib // 4 + 60  # four replicas hold it all with a little room
+    placement = place(models, replicas(4, budget_mib))
+    assert all(len(where) >= 1 for where in placement.replicas.values())
+    assert max(placed_bytes(placement, models).values()) <= budget_mib * MIB
+    assert all(why["reason"] != "fits no replica" for why in placement.why.values())
+
+
+def test_the_count_cap_holds_too():
+    models = {f"m{k}": ModelDemand(MIB) for k in range(9)}
+    placement = place(models, replicas(3, None, max_models=3))
+    assert sorted(len(placement.on(r)) for r in ("r0", "r1", "r2")) == [3, 3, 3]
+
+
+def test_a_model_that_fits_nowhere_goes_where_it_evicts_the_least_rate():
+    models = {"hot": ModelDemand(60 * MIB, 50.0), "cold": ModelDemand(60 * MIB, 0.1), "new": ModelDemand(60 * MIB, 1.0)}
+    previous = Placement({"hot": ("r0",), "cold": ("r1",)})
+    placement = place(models, replicas(2, 100), previous)
+    assert placement.replicas["new"] == ("r1",)  # displaces 0.1 requests/s there, not 50 on r0
+    assert "evicts least" in placement.why["new"]["reason"]
+
+
+def test_hot_models_get_copies_in_proportion_to_their_load():
+    models = {"hot": ModelDemand(10 * MIB, 60.0), "warm": ModelDemand(10 * MIB, 20.0),
+              **{f"c{k}": ModelDemand(10 * MIB, 1.0) for k in range(20)}}  # total 100 requests/s
+    placement = place(models, replicas(4, 1000))
+    # fair share 25 requests/s a replica; a copy per 12.5: hot 60 -> 4 (all), warm 20 -> 2, cold 1
+    assert len(placement.replicas["hot"]) == 4
+    assert len(placement.replicas["warm"]) == 2
+    assert all(len(placement.replicas[f"c{k}"]) == 1 for k in range(20))
+    assert placement.why["hot"]["copies"] == 4 and "hot" in placement.why["hot"]["reason"]
+    assert copies_for(60.0, 100.0, 4, PlacementOptions()) == 4
+
+
+def test_copies_are_added_only_where_they_fit():
+    models = {"hot": ModelDemand(60 * MIB, 90.0), "other": ModelDemand(60 * MIB, 10.0)}
+    placement = place(models, replicas(2, 100))
+    assert len(placement.replicas["hot"]) == 1  # a second copy would push 'other' out
+    assert "no other replica has room" in placement.why["hot"]["reason"]
+    assert max(placed_bytes(placement, models).values()) <= 100 * MIB
+
+
+def test_copies_do_not_flap_with_rates_inside_the_hysteresis_band():
+    # 4 replicas, total 100: a second copy at more than 12.5 requests/s
+    def with_rate(rate: float) -> dict[str, ModelDemand]:
+        return {"m": ModelDemand(MIB, rate), "rest": ModelDemand(MIB, 100.0 - rate)}
+
+    first = place(with_rate(13.0), replicas(4, 100))
+    assert len(first.replicas["m"]) == 2
+    wobble = place(with_rate(11.0), replicas(4, 100), first)  # below 12.5, above 12.5 / 1.25 = 10
+    assert wobble.replicas["m"] == first.replicas["m"]
+    dropped = place(with_rate(9.0), replicas(4, 100), wobble)
+    assert len(dropped.replicas["m"]) == 1
+    back = place(with_rate(14.0), replicas(4, 100), dropped)  # above 12.5 but below 12.5 x 1.25
+    assert len(back.replicas["m"]) == 1
+    assert len(place(with_rate(16.0), replicas(4, 100), back).replicas["m"]) == 2
+
+
+def test_recomputing_from_changed_rates_moves_no_model_that_still_fits():
+    models = zipf_models(30)
+    first = place(models, replicas(4, 700))
+    shifted = {m: ModelDemand(d.bytes, d.rate_per_s * (1.1 if i % 2 else 0.9)) for i, (m, d) in enumerate(models.items())}
+    again = place(shifted, replicas(4, 700), first)
+    assert {m: set(w) for m, w in again.replicas.items()} == {m: set(w) for m, w in first.replicas.items()}
+
+
+def test_when_a_replica_goes_only_its_models_move():
+    models = zipf_models(30)
+    first = place(models, replicas(4, 900))
+    gone = "r2"
+    left = {r: v for r, v in replicas(4, 900).items() if r != gone}
+    after = place(models, left, first)
+    for model, where in first.replicas.items():
+        if gone not in where:
+            assert after.replicas[model] == where, model
+        else:
+            assert gone not in after.replicas[model] and after.replicas[model], model
+    assert max(placed_bytes(after, models).values()) <= 900 * MIB
+
+
+def test_when_a_replica_comes_models_move_only_to_it_until_the_loads_are_within_the_band():
+    models = zipf_models(12)
+    first = place(models, replicas(3, 2000))
+    more = {**models, "late": ModelDemand(10 * MIB, 0.0)}
+    after = place(more, replicas(4, 2000), first)
+    moved = {m for m in models if after.replicas[m] != first.replicas[m]}
+    assert moved, "the new replica took nothing"
+    assert all(set(after.replicas[m]) - set(first.replicas[m]) == {"r3"} for m in moved)
+    assert "r3" in after.replicas["late"] or after.on("r3")
+    assert place(more, replicas(4, 2000), after).replicas == after.replicas  # settled: nothing moves again
+
+
+def test_models_placed_before_a_second_replica_reported_spread_once_it_does():
+    models = {f"m{k}": ModelDemand(10 * MIB) for k in range(6)}  # no rates yet: balanced by bytes
+    alone = place(models, replicas(1, 1000))
+    both = place(models, replicas(2, 1000), alone)
+    assert sorted(len(both.on(r)) for r in ("r0", "r1")) == [3, 3]
+    assert all("balance" in both.why[m]["reason"] for m in both.on("r1"))
+
+
+def test_a_replica_over_its_budget_sheds_its_coldest_model():
+    models = {"a": ModelDemand(50 * MIB, 9.0), "b": ModelDemand(50 * MIB, 1.0)}
+    previous = Placement({"a": ("r0",), "b": ("r0",)})
+    placement = place(models, replicas(2, 80), previous)
+    assert placement.replicas == {"a": ("r0",), "b": ("r1",)}
+    assert "over its limits" in placement.why["b"]["reason"]
+
+
+def test_a_model_already_resident_somewhere_is_placed_there():
+    models = {"m": ModelDemand(MIB)}
+    views = {"r0": ReplicaView(100 * MIB), "r1": ReplicaView(100 * MIB, resident=frozenset({"m"}))}
+    assert place(models, views).replicas["m"] == ("r1",)
+
+
+def test_the_decision_is_deterministic_whatever_the_order_of_its_inputs():
+    models = zipf_models(25)
+    views = replicas(4, 600)
+    results = set()
+    for order in itertools.islice(itertools.permutations(sorted(views)), 6):
+        shuffled_models = dict(reversed(list(models.items())))
+        placement = place(shuffled_models, {r: views[r] for r in order})
+        results.add(tuple(sorted(placement.replicas.items())))
+    assert len(results) == 1
+
+
+def test_no_replica_places_nothing():
+    placement = place({"m": ModelDemand(MIB)}, {})
+    assert placement.replicas == {"m": ()}
+
+
+def test_the_rate_meter_reports_a_steady_rate_and_decays_it():
+    now = [0.0]
+    meter = RateMeter(half_life_s=10.0, clock=lambda: now[0])
+    for _ in range(600):  # 10 requests/s for 60 s
+        now[0] += 0.1
+        meter.add("m")
+    assert meter.rates()["m"] == pytest.approx(10.0, rel=0.05)
+    now[0] += 10.0
+    assert meter.rates(["m", "other"]) == {"m": pytest.approx(5.0, rel=0.05), "other": 0.0}
+
+
+# ---------------------------------------------------------------- the deployment's state (deployments/placement.py)
+
+from deployments.placement import REPORT_FRESH_S, Decider, PlacementFollower, PoolReport, demands  # noqa: E402
+
+
+def report(server: str, models: list[str], resident: list[str] = (), rates: dict[str, float] | None = None,
+           budget_mib: int = 100) -> PoolReport:
+    return PoolReport(server, budget_mib * MIB, None, models, list(resident),
+                      {m: 30 * MIB for m in models}, rates or {})
+
+
+def test_a_model_is_routed_to_a_replica_only_once_it_has_it_and_the_old_one_serves_meanwhile():
+    now = [0.0]
+    published = []
+    decider = Decider(publish=published.append, clock=lambda: now[0])
+    decider.report("r0", report("srv-0", ["a", "b"], resident=["a", "b"]))
+    assert decider.recompute()
+    first = decider.state()
+    assert first["routed"] == first["target"] and published[-1] == {m: ["srv-0"] for m in ("a", "b")}
+    now[0] += 1
+    decider.report("r1", report("srv-1", ["a", "b"], rates={"a": 1.0, "b": 30.0}))
+    decider.report("r0", report("srv-0", ["a", "b"], resident=["a", "b"], rates={"a": 1.0, "b": 30.0}))
+    decider.recompute()
+    gained = {m for m, where in decider.state()["target"].items() if "r1" in where}
+    assert gained, decider.state()  # b is hot: a second copy, on r1
+    assert all(decider.state()["routed"][m] == ["r0"] for m in gained)  # r1 does not have it yet
+    now[0] += 1
+    decider.report("r1", report("srv-1", ["a", "b"], resident=sorted(gained)))
+    assert decider.recompute()
+    assert all("r1" in decider.state()["routed"][m] for m in gained)
+    assert all("srv-1" in published[-1][m] for m in gained)
+
+
+def test_a_replica_that_stops_reporting_is_gone_and_only_its_models_move():
+    now = [0.0]
+    decider = Decider(clock=lambda: now[0])
+    models = [f"m{k}" for k in range(6)]
+    for r in ("r0", "r1", "r2"):
+        decider.report(r, report(f"srv-{r}", models, budget_mib=70))
+    decider.recompute()
+    before = decider.state()["target"]
+    now[0] += REPORT_FRESH_S + 1
+    for r in ("r0", "r1"):  # r2 is gone
+        decider.report(r, report(f"srv-{r}", models, budget_mib=100))
+    decider.recompute()
+    after = decider.state()
+    assert after["replicas"] == ["r0", "r1"]
+    assert all(after["target"][m] == where for m, where in before.items() if "r2" not in where)
+    assert all("r2" not in where and where for where in after["target"].values())
+
+
+def test_demands_sum_rates_and_guess_the_bytes_of_a_model_never_loaded():
+    got = demands([PoolReport("a", None, None, ["x", "y"], [], {"x": 10}, {"x": 1.0}),
+                   PoolReport("b", None, None, ["x", "y", "z"], [], {"x": 12, "z": 20}, {"x": 2.0, "y": 0.5})])
+    assert got["x"].bytes == 12 and got["x"].rate_per_s == 3.0
+    assert got["y"].bytes == 16 and got["y"].rate_per_s == 0.5  # the mean of the known ones
+
+
+def test_the_follower_releases_what_it_lost_before_it_prefetches_what_it_gained():
+    calls = []
+    follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b", "c"], resident=["a"]),
+                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
+                    "why": {}, "revision": 1})
+    assert calls == []  # a is resident already
+    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
+                    "why": {}, "revision": 2})
+    assert calls == [("prefetch", "b")]  # a is still routed here: kept
+    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r1"], "b": ["r0"], "c": ["r1"]},
+                    "why": {}, "revision": 3})
+    assert calls[1:] == [("release", "a"), ("prefetch", "b")]
