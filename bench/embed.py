@@ -125,14 +125,14 @@ def workload(base_url: str, texts: Sequence[str], references: np.ndarray, atol: 
                     {"Content-Type": "application/json"}, expected, tuple(rest))
 
 
-def prepare(dest: Path, variant: str, gpu_fraction: float, replicas: int) -> Path:
+def prepare(dest: Path, variant: str, gpu_fraction: float, replicas: int, pipeline_replicas: int = 1) -> Path:
     """A repository at ``dest``: the embed pipeline and its encoder, configured as ``variant``."""
     encoder = yaml.safe_load((ROOT / "engines" / ENCODER / "config.yaml").read_text())
     encoder.update(VARIANTS[variant])
     encoder["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
                              "max_ongoing_requests": 512, **({"num_gpus": gpu_fraction} if gpu_fraction else {})}
     pipeline = yaml.safe_load((ROOT / "engines" / PIPELINE / "config.yaml").read_text())
-    pipeline["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
+    pipeline["deployment"] = {"mode": "dedicated", "num_replicas": pipeline_replicas, "num_cpus": 0.1,
                               "max_ongoing_requests": 512}
     _write_model(dest, ROOT / "engines", ENCODER, ENCODER, encoder)
     _write_model(dest, ROOT / "engines", PIPELINE, PIPELINE, pipeline)
@@ -173,7 +173,8 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--texts", type=int, default=64, help="texts in the mix (half queries, half passages)")
     p.add_argument("--gpu-fraction", type=float, default=0.0, help="the encoder's num_gpus (0: CPU)")
-    p.add_argument("--replicas", type=int, default=1, help="replicas of the encoder and of the pipeline")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of the encoder")
+    p.add_argument("--pipeline-replicas", type=int, default=1, help="replicas of the embed pipeline")
     p.add_argument("--backend", default="auto")
     p.add_argument("--processes", type=int, default=1, help="client processes")
     p.add_argument("--atol", type=float, default=None, help="answer tolerance (default 1e-4 CPU, 2e-3 GPU)")
@@ -191,18 +192,21 @@ def main(argv: Sequence[str]) -> None:
         rows.append(in_process(engine, texts, batch, a.duration_s))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for variant in a.variants.split(","):
-        repo = prepare(Path(tempfile.mkdtemp(prefix=f"embed-{variant}-")), variant, a.gpu_fraction, a.replicas)
+        repo = prepare(Path(tempfile.mkdtemp(prefix=f"embed-{variant}-")), variant, a.gpu_fraction, a.replicas,
+                       a.pipeline_replicas)
         with Server("ray", repo, "fast", replicas=1, backend=a.backend) as server:
             w = workload(server.url, texts, references, atol)
             for c in clients:
                 before = server.batch_stats(ENCODER)
                 (r,) = run([(w, c)], a.duration_s, a.warmup_s, a.processes)
                 after = server.batch_stats(ENCODER)
-                delta = {k: after[k] - before.get(k, 0) for k in ("padded_positions", "positions") if k in after}
+                delta = {k: after[k] - before.get(k, 0) for k in ("padded_positions", "positions", "rows", "batches")
+                         if k in after}
                 rows.append({"variant": variant, "clients": c, "texts_per_s": r.qps, "p50_ms": r.p50_ms,
                              "p99_ms": r.p99_ms, "errors": r.errors, "error_statuses": r.error_statuses,
                              "error_examples": r.error_examples,
-                             "padding_waste": padding_waste(delta)})
+                             "padding_waste": padding_waste(delta),
+                             "rows_per_call": round(delta["rows"] / delta["batches"], 2) if delta.get("batches") else None})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
