@@ -18,6 +18,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, RayServeException, 
 
 from .protocol.answer import Answer
 from .protocol.errors import raise_if_error
+from .runtime.contract.device import refuse_device_io
 from .runtime.contract.errors import ConfigError, ModelNotReady, unknown_model
 
 logger = logging.getLogger("ray.serve")
@@ -161,6 +162,9 @@ class ModelClient:
                 or ``cut_unassigned``).
             ServingError: whatever the model replica raised (``InvalidInput``, ``OverBudget``...).
         """
+        refuse_device_io(inputs, outputs, f"this request reached a process that calls model '{name}' in another "
+                                          "(the router), so it does not run here; the model's own replicas answer "
+                                          "its route on the one-hop path (HAProxy ingress, make serve)")
         extra = () if version is None else (version,)
         return await self._call(name, key, payload_bytes(inputs), "infer", inputs, outputs, *extra)
 

@@ -27,6 +27,7 @@ from .observe.deployment import observe_replica_infer, replica_recorder
 from .protocol.errors import errors_as_values
 from .batching import BatchItem, BatchPolicy, BatchRun, BatchScheduler, BatchStats, run_batch
 from .runtime.backends.gpu_memory import process_gpu_bytes
+from .runtime.contract.device import device_io
 from .runtime.contract.errors import replaced_version
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.gate import Gate
@@ -100,7 +101,8 @@ class ModelDeployment:
         replica's routes and other deployments' handles, raise it again.
 
         Validated once: by ``ModelHost.infer`` without batching, by ``BatchItem.of`` before a
-        request joins the batch queue (the joined batch is not checked again).
+        request joins the batch queue (the joined batch is not checked again). A request with
+        tensors in CUDA shared memory runs alone, unbatched, where they lie.
         """
         with self.admission.request(), self.gate.request():  # an unload waits for the requests inside
             if version is not None and version != self.host.version:
@@ -108,7 +110,7 @@ class ModelDeployment:
             return await self._infer(inputs, outputs)
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
-        if self._batched is None:
+        if self._batched is None or device_io(inputs, outputs):  # CUDA shared memory runs where it lies
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
         item = BatchItem.of(self.host.config, inputs, outputs, self._policy.sequence)
         if item.rows > self._batched.max_rows:  # a request over the batch size runs alone

@@ -23,6 +23,7 @@ from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
 from .pipelines import create_pipeline
 from .protocol.errors import errors_as_values
+from .runtime.contract.device import refuse_device_io
 from .runtime.contract.errors import ModelNotReady
 from .runtime.contract.outputs import Outputs, parameters_of
 from .runtime.contract.repository import ModelEntry, ModelRepository
@@ -94,12 +95,15 @@ class PipelineDeployment:
 
         Returns, not raises (``errors_as_values``):
             InvalidInput: the inputs or requested outputs do not fit the pipeline model's config.
+            SharedMemoryError: an input or output in CUDA shared memory (400).
             Overloaded: the pipeline's queue is full (``admission.Admission``).
         """
         with self.admission.request():
             if version is not None and version != self.version:
                 raise ModelNotReady(f"model '{self.config.name}' version {version} is not served by this replica "
                                     f"(it serves version {self.version})")
+            refuse_device_io(inputs, outputs, f"model '{self.config.name}' is a pipeline, whose steps run in other "
+                                              "replicas and take their tensors from the host")
             wanted = validate_request(self.config, inputs, outputs)
             start = time.perf_counter()
             result = await self.pipeline.infer(inputs)

@@ -41,7 +41,9 @@ async def answer(model: str, version: str, batched: bool, chunks: list[bytes], h
     ``run`` the decoded request (its outputs by name), and encode the answer for model
     ``model`` at ``version``; ``batched``: the model's first dimension is the batch
     (``max_batch_size > 0``), for ``classification``. Inputs and outputs in shared memory are
-    read and written through ``shm`` (this process's; None: refused).
+    read and written through ``shm`` (this process's; None: refused); those in CUDA shared
+    memory reach ``run`` as ``DeviceTensor`` inputs and ``DeviceOutput`` names
+    (``runtime.contract.device``), which only a backend on the GPU takes.
 
     Raises:
         InvalidInput: a malformed body or classification parameter (400).
@@ -50,6 +52,8 @@ async def answer(model: str, version: str, batched: bool, chunks: list[bytes], h
     """
     start = time.perf_counter()
     request = decode_body(chunks, header_length, shm)
+    if shm is not None:
+        request = shm.device_outputs(request)
     decoded = time.perf_counter()
     outputs = await run(request)
     ran = time.perf_counter()

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Protocol
 import numpy as np
 
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.contract.device import DeviceTensor
 from ..runtime.contract.errors import InvalidInput
 from .parameters import SHARED_MEMORY_PARAMETERS
 from .v2 import (
@@ -107,7 +108,7 @@ class TensorReader(Protocol):
     """Reads an input that lives in shared memory (``protocol.shared_memory.SharedMemory``)."""
 
     def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
-                   params: Mapping[str, Any]) -> np.ndarray: ...
+                   params: Mapping[str, Any]) -> np.ndarray | DeviceTensor: ...
 
 
 _SOURCES = ("data", "binary_data_size", "shared_memory_region")
@@ -154,7 +155,7 @@ class _BinarySection:
         if any(p in params for p in SHARED_MEMORY_PARAMETERS):
             if self.shm is None:
                 raise InvalidInput(f"{where}: shared memory is not available on this path; send the data in the body")
-            return name, self.shm.read_input(where, datatype, shape, params).reshape(shape)
+            return name, self.shm.read_input(where, datatype, shape, params)
         size = params["binary_data_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer, got {size!r}"[:200])
@@ -198,14 +199,25 @@ def tensor_from_bytes(where: str, raw: memoryview, datatype: str, shape: tuple[i
     return array.reshape(shape)
 
 
+def fixed_byte_size(where: str, datatype: str, shape: tuple[int, ...], got: int, source: str) -> int:
+    """The bytes of a ``datatype`` (not BYTES) tensor of ``shape``, when ``got`` (the size
+    ``source`` gives) is that.
+
+    Raises:
+        InvalidInput: ``got`` differs (Triton's words, then both byte counts).
+    """
+    expected = math.prod(shape) * NUMPY_BY_DATATYPE[datatype].itemsize
+    if got != expected:
+        raise InvalidInput(
+            f"input byte size mismatch for {where}. Expected {expected}, got {got}; {where}: shape "
+            f"{list(shape)} x {datatype} needs {expected} bytes, {source} gives {got} bytes")
+    return expected
+
+
 def _decode_fixed(where: str, raw: memoryview, datatype: str, shape: tuple[int, ...], count: int,
                   source: str) -> np.ndarray:
     dtype = NUMPY_BY_DATATYPE[datatype].newbyteorder("<")
-    expected = count * dtype.itemsize
-    if len(raw) != expected:
-        raise InvalidInput(
-            f"input byte size mismatch for {where}. Expected {expected}, got {len(raw)}; {where}: shape "
-            f"{list(shape)} x {datatype} needs {expected} bytes, {source} gives {len(raw)} bytes")
+    fixed_byte_size(where, datatype, shape, len(raw), source)
     if datatype == "BOOL":
         _check_bool_bytes(where, raw)
     array = np.frombuffer(raw, dtype=dtype, count=count)

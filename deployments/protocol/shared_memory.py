@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
+import functools
 import json
 import mmap
 import os
@@ -34,13 +36,18 @@ import stat
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Protocol
 
 import numpy as np
 
-from ..runtime.contract.datatypes import datatype_of
+from ..runtime.backends.cuda_ipc import IpcOpenings
+from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.contract.device import DeviceOutput, DeviceTensor, not_on_gpu, output_too_small
 from ..runtime.contract.errors import RegionNotFound, SharedMemoryError
 from .parameters import SHARED_MEMORY_PARAMETERS
+
+if TYPE_CHECKING:
+    from .v2 import InferRequest
 
 SHM_ROOT = Path("/dev/shm")
 SYSTEM, CUDA = "system", "cuda"
@@ -352,10 +359,11 @@ class SharedMemory:
             unregistered a moment ago, by any router, is seen at once).
     """
 
-    def __init__(self, store: RegionStore) -> None:
+    def __init__(self, store: RegionStore, cuda: IpcOpenings | None = None) -> None:
         self.store = store
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int, int], _Mapping] = {}
+        self.cuda = cuda or IpcOpenings()
         self.registry = Registry(store, self.forget)
 
     @property
@@ -380,12 +388,6 @@ class SharedMemory:
             raise SharedMemoryError(f"Invalid offset + byte size for shared memory region: '{ref.region}'; {where}: "
                                     f"offset {ref.offset} + byte size {ref.byte_size} = {ref.offset + ref.byte_size} "
                                     f"bytes, the region holds {region.byte_size}")
-        if region.kind == CUDA:
-            raise SharedMemoryError(
-                f"{where}: shared memory region '{ref.region}' is CUDA shared memory, and this server reads and "
-                "writes CUDA shared memory only in a replica that runs the model on a GPU; this model runs on the "
-                "CPU here (backend onnxruntime): put the tensor in system shared memory (/v2/systemsharedmemory) "
-                "or in the request body")
         return region
 
     def _bytes(self, region: Region, ref: TensorRef) -> memoryview:
@@ -396,10 +398,16 @@ class SharedMemory:
                 mapping = self._maps[(region.key, region.offset, region.byte_size)] = _Mapping(region)
         return mapping.view[ref.offset:ref.offset + ref.byte_size]
 
-    def read_input(self, where: str, datatype: str, shape: tuple[int, ...], params: Mapping[str, Any]) -> np.ndarray:
+    def _lease(self, region: Region, device_id: int) -> ContextManager[int]:
+        """CUDA region ``region``'s base address on ``device_id`` (``IpcOpenings.lease``)."""
+        return self.cuda.lease(base64.b64decode(region.raw_handle), device_id, region.name)
+
+    def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
+                   params: Mapping[str, Any]) -> np.ndarray | DeviceTensor:
         """Input ``where`` (``datatype``, ``shape``) from the region its ``params`` name: a view of
         the region's bytes for a numeric datatype (no copy), decoded for BYTES (4-byte length
-        then bytes, per element).
+        then bytes, per element); from a CUDA region, a ``DeviceTensor`` (the model's backend
+        opens it and binds it where it runs on the GPU; anywhere else it is refused, 400).
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``; the object is gone from this
@@ -409,10 +417,41 @@ class SharedMemory:
         """
         from .binary import tensor_from_bytes  # binary reads inputs through this class
 
+        from .binary import fixed_byte_size
+
         ref = tensor_ref(where, params)
         assert ref is not None  # the caller dispatched on shared_memory_region
-        raw = self._bytes(self._region(where, ref), ref)
+        region = self._region(where, ref)
+        if region.kind == CUDA:
+            if datatype == "BYTES":
+                raise SharedMemoryError(f"{where}: BYTES tensors cannot be read from CUDA shared memory region "
+                                        f"'{region.name}' (their lengths would be read on the host); put them "
+                                        "in system shared memory or in the request body")
+            fixed_byte_size(where, datatype, shape, ref.byte_size, "shared_memory_byte_size")
+            return DeviceTensor(tuple(shape), NUMPY_BY_DATATYPE[datatype], region.name, ref.offset,
+                                functools.partial(self._lease, region), where)
+        raw = self._bytes(region, ref)
         return tensor_from_bytes(where, raw, datatype, shape, "shared_memory_byte_size")
+
+    def device_outputs(self, request: InferRequest) -> InferRequest:
+        """``request`` with each requested output whose parameters name a CUDA region as a
+        ``DeviceOutput`` (the backend that runs the model on the GPU writes it there).
+
+        Raises:
+            SharedMemoryError: as ``tensor_ref`` and ``_region``.
+        """
+        if not request.outputs:
+            return request
+        names: list[str] = []
+        for name in request.outputs:
+            ref = tensor_ref(f"output '{name}'", request.output_parameters.get(name) or {})
+            region = None if ref is None else self._region(f"output '{name}'", ref)
+            if ref is None or region is None or region.kind != CUDA:
+                names.append(name)
+                continue
+            names.append(DeviceOutput(name, region.name, ref.byte_size, ref.offset,
+                                      functools.partial(self._lease, region)))
+        return dataclasses.replace(request, outputs=names)
 
     def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]],
                       outputs: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
@@ -433,21 +472,25 @@ class SharedMemory:
             ref = tensor_ref(where, params)
             if ref is None:
                 continue
-            raw = raw_bytes(array)
-            size = len(raw)
-            if size > ref.byte_size:
-                raise SharedMemoryError(
-                    f"shared memory size specified with the request for output '{name}' ({ref.byte_size} bytes) "
-                    f"should be at least {size} bytes to hold the results; it is {datatype_of(array)} "
-                    f"{list(array.shape)}")
-            target = self._bytes(self._region(where, ref), ref)
-            target[:size] = raw
+            region = self._region(where, ref)
+            if region.kind == CUDA or isinstance(array, DeviceTensor):
+                if not isinstance(array, DeviceTensor) or array.region != region.name:  # not written on the GPU
+                    raise not_on_gpu(where, ref.region, "this output was computed on the host")
+            else:
+                raw = raw_bytes(array)
+                size = len(raw)
+                if size > ref.byte_size:
+                    raise output_too_small(name, ref.byte_size, size, datatype_of(array), array.shape)
+                self._bytes(region, ref)[:size] = raw
             written[name] = {k: params[k] for k in PARAMETERS if k in params}
         return written
 
     def forget(self, region: Region) -> None:
         """Unmap ``region`` here (it was unregistered), unless another registered region maps
         the same bytes or a request still reads them (then ``sweep`` does it later)."""
+        if region.kind == CUDA:
+            self.cuda.close(base64.b64decode(region.raw_handle))
+            return
         with self._lock:
             key = (region.key, region.offset, region.byte_size)
             mapping = self._maps.get(key)
@@ -458,17 +501,20 @@ class SharedMemory:
         """Unmap every mapping that no registered region names any more (unregistered through
         another router, or registered again elsewhere); returns how many stay mapped. Reads the
         store only when something is mapped."""
-        if not self._maps:
+        if not self._maps and not self.cuda.opened:
             return 0
-        live = {(r.key, r.offset, r.byte_size) for r in self.store.regions() if r.kind == SYSTEM}
+        regions = self.store.regions()
+        live = {(r.key, r.offset, r.byte_size) for r in regions if r.kind == SYSTEM}
+        opened = self.cuda.keep_only(base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA)
         with self._lock:
             for key in [k for k in self._maps if k not in live]:
                 if self._maps[key].close():
                     del self._maps[key]
-            return len(self._maps)
+            return len(self._maps) + opened
 
     def close(self) -> None:
-        """Unmap everything (the process stops serving)."""
+        """Unmap and close everything (the process stops serving)."""
+        self.cuda.close_all()
         with self._lock:
             for key in list(self._maps):
                 if self._maps[key].close():

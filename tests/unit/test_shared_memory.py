@@ -212,16 +212,6 @@ def test_a_region_whose_object_is_not_on_this_node_is_400_naming_why(memory, key
     assert "another node than the client's" in raised.value.message
 
 
-def test_a_cuda_region_on_a_cpu_replica_is_400_naming_why(memory):
-    memory.registry.register(CUDA, "g", {"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()},
-                                         "device_id": 0, "byte_size": 64})
-    with pytest.raises(SharedMemoryError) as raised:
-        decode_request(request([shm_input("A", "g", 64)]), None, memory)
-    assert raised.value.message.startswith("input 'A': shared memory region 'g' is CUDA shared memory, and this "
-                                           "server reads and writes CUDA shared memory only in a replica that runs "
-                                           "the model on a GPU; this model runs on the CPU here")
-
-
 def test_outputs_are_written_into_the_region_and_answered_without_data(memory, key):
     memory.registry.register(SYSTEM, "out", {"key": key, "byte_size": 256})
     decoded = decode_request(request([{"name": "A", "datatype": "INT32", "shape": [1], "data": [1]}], [

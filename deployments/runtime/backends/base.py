@@ -41,6 +41,10 @@ class ExecutionContext(Protocol):
     def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one request. Inputs are validated already; returns every output by name.
 
+        A context of an engine with ``device_io = True`` (``contract.device.takes_device_io``)
+        also takes ``infer(inputs, targets)``: ``DeviceTensor`` inputs and the ``DeviceOutput``
+        targets by output name, those outputs answered as ``DeviceTensor``.
+
         Raises:
             InferenceError: the backend reported a failure.
         """

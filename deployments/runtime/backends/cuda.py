@@ -367,6 +367,14 @@ class CudaMemory:
         """
         self._copy_async(dst.ptr, src.ptr, nbytes, "DeviceToHost", stream)
 
+    def copy_on_device(self, dst: int, src: int, nbytes: int, stream: StreamLike) -> None:
+        """Enqueue ``nbytes`` device -> device (addresses) on ``stream``.
+
+        Raises:
+            CudaError: ``cudaMemcpyAsync`` failed.
+        """
+        self._copy_async(dst, src, nbytes, "DeviceToDevice", stream)
+
     def _copy_async(self, dst: int, src: int, nbytes: int, direction: str, stream: StreamLike) -> None:
         rt = self._rt
         kind = getattr(rt.cudaMemcpyKind, f"cudaMemcpy{direction}")

@@ -19,6 +19,12 @@ Each execution context owns:
   bounded by the profile, not by the request history. A profile whose run needs more than the
   cap fails at load (``DeviceOutOfMemory``, 503, naming the cap).
 
+CUDA shared memory (Triton's extension, ``contract.device``): an input in a client's CUDA region
+(``DeviceTensor``) is bound where it lies instead of the context's buffer, and an output asked into
+one is bound there (or, for an output whose shape only the run tells, copied there from the arena
+on the GPU): no host copy either way. The region is opened in this process once
+(``cuda_ipc.IpcOpenings``), on the model's device.
+
 Precision: ``onnxruntime_cuda.use_tf32`` (default true, ONNX Runtime's own default) lets cuDNN
 and cuBLAS use TF32 tensor cores for FP32 convolutions and matrix products; false keeps full
 FP32. Tolerances against the CPU provider, measured on the H200: ``TOLERANCE`` below and
@@ -38,11 +44,12 @@ TensorRT backend (``backend: tensorrt``) serves plans instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import onnxruntime as ort
@@ -51,6 +58,7 @@ from onnx import helper
 
 from ..contract.config import ModelConfig
 from ..contract.datatypes import NUMPY_BY_DATATYPE
+from ..contract.device import DeviceOutput, DeviceTensor
 from ..contract.errors import ConfigError, DeviceOutOfMemory, LoadFault, ServingError
 from ..contract.repository import MODEL_FILENAME
 from ..contract.shapes import max_profile_shapes
@@ -235,50 +243,86 @@ class OnnxRuntimeCudaContext:
                 f"{PROVIDER} with gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} "
                 f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mib or lower the profile") from e
 
-    def infer(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def infer(self, inputs: Mapping[str, Any], targets: Mapping[str, DeviceOutput] | None = None) -> dict[str, Any]:
+        """Run one request; returns every output by name. An input in CUDA shared memory
+        (``DeviceTensor``) is bound where it lies, and an output with a target (``targets``:
+        output name -> ``DeviceOutput``) is written there: bound as the run's output when its
+        shape is known before the run, else copied there on the GPU from ONNX Runtime's; it is
+        answered as a ``DeviceTensor``. No host copy for either.
+
+        Raises:
+            SharedMemoryError: an output does not fit its target (Triton's words), or a region
+                does not open on this GPU (400).
+            InferenceError: ONNX Runtime failed (``run_error``). CudaError: a CUDA call failed.
+        """
         engine = self._engine
         memory, device, binding = engine.memory, engine.device_id, self.binding
         assert self.session is not None, "context used after close()"
+        targets = targets or {}
         batch = None
-        for name, value in inputs.items():
-            array = np.ascontiguousarray(value)
-            if batch is None and array.ndim:
-                batch = int(array.shape[0])
-            buf = self._inputs[name]
-            buf.ensure(array.nbytes)  # grow-only; inputs are validated against the profile
-            if array.nbytes:
-                memory.copy_to_device(buf, _HostArray(array), array.nbytes, self.stream)
-            binding.bind_input(name, engine.device_type, device, array.dtype.type, list(array.shape), buf.ptr)
-        shapes: dict[str, tuple[int, ...]] = {}
-        for spec in engine.config.outputs:
-            shape = self._static_output_shape(spec.name, batch) if spec.name in self._outputs else None
-            if shape is None:
-                binding.bind_output(spec.name, engine.device_type, device)  # ORT allocates from the arena
-                continue
-            buf = self._outputs[spec.name]
-            dtype = NUMPY_BY_DATATYPE[spec.datatype]
-            buf.ensure(int(np.prod(shape)) * dtype.itemsize)
-            binding.bind_output(spec.name, engine.device_type, device, dtype.type, list(shape), buf.ptr)
-            shapes[spec.name] = shape
-        try:
-            self.session.run_with_iobinding(binding)  # returns once the stream is synchronized
-            results: dict[str, np.ndarray] = {}
-            for spec, value in zip(engine.config.outputs, binding.get_outputs()):
-                if spec.name in shapes:
-                    out = np.empty(shapes[spec.name], NUMPY_BY_DATATYPE[spec.datatype])
-                    if out.nbytes:
-                        memory.copy_to_host(_HostArray(out), self._outputs[spec.name], out.nbytes, self.stream)
-                    results[spec.name] = out
-                else:
-                    results[spec.name] = value.numpy()  # one device -> host copy
-            self.stream.synchronize()
-        except cuda.CudaError:
-            raise
-        except Exception as e:  # ORT raises its own types for shape/runtime/memory faults
-            raise run_error(engine.config.name, e) from e
-        finally:
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
+        with contextlib.ExitStack() as held:  # the CUDA regions stay open until the outputs are read
+            try:
+                for name, value in inputs.items():
+                    if batch is None and value.ndim:
+                        batch = int(value.shape[0])
+                    if isinstance(value, DeviceTensor):
+                        base = held.enter_context(value.lease(device))
+                        binding.bind_input(name, engine.device_type, device, value.dtype.type, list(value.shape),
+                                           base + value.offset)
+                        continue
+                    array = np.ascontiguousarray(value)
+                    buf = self._inputs[name]
+                    buf.ensure(array.nbytes)  # grow-only; inputs are validated against the profile
+                    if array.nbytes:
+                        memory.copy_to_device(buf, _HostArray(array), array.nbytes, self.stream)
+                    binding.bind_input(name, engine.device_type, device, array.dtype.type, list(array.shape), buf.ptr)
+                shapes: dict[str, tuple[int, ...]] = {}
+                for spec in engine.config.outputs:
+                    shape = self._static_output_shape(spec.name, batch) if spec.name in self._outputs else None
+                    if shape is None:
+                        binding.bind_output(spec.name, engine.device_type, device)  # ORT allocates from the arena
+                        continue
+                    dtype = NUMPY_BY_DATATYPE[spec.datatype]
+                    target = targets.get(spec.name)
+                    if target is not None:
+                        target.check_fits(shape, dtype)
+                        ptr = held.enter_context(target.lease(device)) + target.offset
+                    else:
+                        buf = self._outputs[spec.name]
+                        buf.ensure(int(np.prod(shape)) * dtype.itemsize)
+                        ptr = buf.ptr
+                    binding.bind_output(spec.name, engine.device_type, device, dtype.type, list(shape), ptr)
+                    shapes[spec.name] = shape
+                self.session.run_with_iobinding(binding)  # returns once the stream is synchronized
+                results: dict[str, Any] = {}
+                values = binding.get_outputs()  # held until the stream is synchronized
+                for spec, value in zip(engine.config.outputs, values):
+                    dtype = NUMPY_BY_DATATYPE[spec.datatype]
+                    target = targets.get(spec.name)
+                    if target is not None and spec.name in shapes:  # ONNX Runtime wrote it there
+                        results[spec.name] = target.written(shapes[spec.name], dtype)
+                    elif target is not None:  # its shape came with the run: one copy on the GPU
+                        shape = tuple(value.shape())
+                        nbytes = target.check_fits(shape, dtype)
+                        ptr = held.enter_context(target.lease(device)) + target.offset
+                        if nbytes:
+                            memory.copy_on_device(ptr, value.data_ptr(), nbytes, self.stream)
+                        results[spec.name] = target.written(shape, dtype)
+                    elif spec.name in shapes:
+                        out = np.empty(shapes[spec.name], dtype)
+                        if out.nbytes:
+                            memory.copy_to_host(_HostArray(out), self._outputs[spec.name], out.nbytes, self.stream)
+                        results[spec.name] = out
+                    else:
+                        results[spec.name] = value.numpy()  # one device -> host copy
+                self.stream.synchronize()
+            except (cuda.CudaError, ServingError):
+                raise
+            except Exception as e:  # ORT raises its own types for shape/runtime/memory faults
+                raise run_error(engine.config.name, e) from e
+            finally:
+                binding.clear_binding_inputs()
+                binding.clear_binding_outputs()
         return results
 
     def close(self) -> None:
@@ -312,6 +356,7 @@ class OnnxRuntimeCudaEngine:
 
     backend = "onnxruntime_cuda"
     device_type = "cuda"  # IOBinding's device name for the buffers
+    device_io = True  # its contexts take inputs and outputs in CUDA shared memory (``contract.device``)
 
     def __init__(self, config: ModelConfig, model_dir: Path, memory: cuda.CudaMemory | None = None) -> None:
         self.config = config

@@ -68,6 +68,9 @@ class GraphChecks:
     def check(self, model: str, inputs: Mapping[str, np.ndarray]) -> None:
         """Raise ``InvalidInput`` for the first check ``inputs`` fail; inputs not given are skipped.
 
+        An input in GPU memory (``contract.device.DeviceTensor``) has its axes checked, not its
+        values (they are not read on the host).
+
         Raises:
             InvalidInput: two inputs disagree on a shared axis (names both, the axis and the
                 sizes), or an index is outside its table (names the input, the element's flat
@@ -82,7 +85,7 @@ class GraphChecks:
                                    f"'{shared.name}': {listed}")
         for index in self.indices:
             array = inputs.get(index.input)
-            if array is None or array.size == 0 or array.dtype.kind not in "iu":
+            if not isinstance(array, np.ndarray) or array.size == 0 or array.dtype.kind not in "iu":
                 continue
             bad = np.flatnonzero((array < -index.rows) | (array >= index.rows))
             if bad.size:

@@ -10,9 +10,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..backends.base import Engine, ExecutionContext, Footprint
+from ..backends.base import GPU_BACKENDS, Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
+from ..contract.device import device_io, device_targets, refuse_device_io, takes_device_io
 from ..contract.errors import InferenceTimeout, InvalidInput, LoadFault, ModelNotReady
 from ..contract.graph_checks import GraphChecks
 from ..contract.repository import ModelEntry
@@ -187,24 +188,36 @@ class ModelHost:
         Callers that validated a request once (``ModelHost.infer``, ``ModelCache``, a batch of
         validated requests) use this; anything else calls ``infer``.
 
+        Inputs (``DeviceTensor``) and outputs (``DeviceOutput`` names) in CUDA shared memory are
+        passed to a backend that takes them (``contract.device.takes_device_io``: it runs on
+        the GPU), which writes those outputs there and returns them as ``DeviceTensor``.
+
         Raises:
             InvalidInput: the inputs fail the model file's checks (``GraphChecks.check``), or
                 the backend refused their values (the client's).
+            SharedMemoryError: inputs or outputs in CUDA shared memory, and the backend runs on
+                the CPU (the message names it).
             ModelNotReady: the model is not loaded.
             InferenceTimeout: no context became free within ``checkout_timeout_s``.
             InferenceError: the backend failed.
         """
         wanted = outputs if outputs is not None else [t.name for t in self.config.outputs]
         self._graph_checks.check(self.name, inputs)
+        on_device = bool(device_io(inputs, wanted))
         with self._lock:
             if self.engine is None:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
+            if on_device and not takes_device_io(self.engine):
+                refuse_device_io(inputs, wanted, f"this model runs on the {_device_of(self.engine)} here "
+                                                 f"(backend {self.engine.backend})")
             self._in_flight += 1
         try:
             context = self._checkout(_shapes(inputs))
             try:
                 start = time.perf_counter()
-                result = context.infer(inputs)
+                # a GPU backend takes inputs and outputs in CUDA shared memory (``contract.device``)
+                result = context.infer(inputs, device_targets(wanted)) if on_device else (  # type: ignore[call-arg]
+                    context.infer(inputs))
                 run_s = time.perf_counter() - start
             finally:
                 self._check_in([context])
@@ -305,6 +318,10 @@ class ModelHost:
                 self._unloading = False
                 self._lock.notify_all()
         logger.info("unloaded model %s v%d", self.name, self.version)
+
+
+def _device_of(engine: Engine) -> str:
+    return "GPU, without taking CUDA shared memory" if engine.backend in GPU_BACKENDS else "CPU"
 
 
 def _shapes(inputs: Mapping[str, np.ndarray]) -> tuple:
