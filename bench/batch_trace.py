@@ -108,7 +108,7 @@ def _install_trace(folder: Path) -> None:
 
     real_inner = scheduler_cls._run
 
-    async def run_batch(self, batch):
+    async def run_batch(self, batch, loaded):
         start = _now()
         batch_id = next(counter)
         for waiting in batch:
@@ -116,7 +116,7 @@ def _install_trace(folder: Path) -> None:
             waiting.item._bench["batch"] = batch_id
         _BATCH.set(batch_id)  # the batch's task has a context of its own
         try:
-            return await real_inner(self, batch)
+            return await real_inner(self, batch, loaded)
         finally:
             with _lock:
                 _batches.append({"id": batch_id, "size": len(batch), "exec": start, "end": _now()})

@@ -12,7 +12,14 @@ shape; the sequence buckets below need the shape in the batching key.
 The policy (``BatchScheduler``), one per replica, ``instances`` batches running at most:
 
 - **a context is free** (fewer batches run than ``instances``): what is queued runs now, so a
-  lone request runs at once, alone, at its own size (never padded up: batch 1 is a warmed size);
+  lone request runs at once, alone, at its own size (never padded up: batch 1 is a warmed size)
+  while the replica is **idle**: no other batch running, nothing else queued, and the previous
+  batch was a lone request too. Under load (any of those), even a lone request is padded to a
+  preferred size: on ONNX Runtime's CUDA provider every change of a context's input shape
+  rebuilds its convolutions' cuDNN plans, and a replica alternating batch 1 and its padded size
+  under load ran 3-5x slower than unbatched (resnet18 and tiny_cnn on the H200, 16 and 64
+  clients; docs/performance.md, "Dynamic batching on the GPU"). So one client keeps batch 1 and
+  a loaded replica keeps its padded sizes, and the shape changes once when the load does;
 - **every context is busy**: requests gather. When a context comes free, the oldest request's
   shape key runs with the other requests queued under that key, oldest first, up to
   ``max_rows`` rows (a request that would overflow waits for the next batch);
@@ -27,9 +34,10 @@ A batch (``run_batch``):
   width, a text's sequence bucket), so only tensors that fit together are concatenated;
 - runs each group as one call on the model (``np.concatenate`` along axis 0), splits every
   output back by each request's row range and keeps the outputs that request asked for;
-- with padding (``BatchPolicy.pad_to``: 1 and the preferred sizes), appends zero rows up to the
-  smallest of those sizes that holds the group, and drops their outputs: the model then only
-  ever sees those sizes (why: ``DynamicBatching.pad_to_preferred``);
+- with padding (``BatchPolicy.pad_to``: 1 and the preferred sizes; under load the preferred
+  sizes only, ``BatchPolicy.padded_rows``), appends zero rows up to the smallest of those sizes
+  that holds the group, and drops their outputs: the model then only ever sees those sizes
+  (why: ``DynamicBatching.pad_to_preferred``);
 - when a combined run fails for a reason a single request could cause (``InferenceError`` or
   an unexpected exception), runs that group's requests one by one, so each gets its own result
   or error; a cause no request owns (``InferenceTimeout``, ``ModelNotReady``) fails the group.
@@ -174,6 +182,7 @@ class BatchPolicy:
     max_queue_delay_ms: float
     pad_to: tuple[int, ...] = ()
     sequence: SequenceAxis | None = None
+    preferred: tuple[int, ...] = ()  # the config's preferred batch sizes
 
     @property
     def wait_s(self) -> float:
@@ -204,12 +213,17 @@ class BatchPolicy:
             pad = backend in PAD_AUTO_BACKENDS
         pad_to = tuple(sorted({1, *batching.preferred_batch_size})) if pad and batching.preferred_batch_size else ()
         return cls(max_rows=max_rows, max_queue_delay_ms=batching.max_queue_delay_ms, pad_to=pad_to,
-                   sequence=SequenceAxis.of(config, model_file))
+                   sequence=SequenceAxis.of(config, model_file), preferred=tuple(batching.preferred_batch_size))
 
-    def padded_rows(self, rows: int) -> int:
+    def padded_rows(self, rows: int, loaded: bool = False) -> int:
         """The rows a batch of ``rows`` runs with: the smallest ``pad_to`` size >= rows
-        (``rows`` itself without padding or when no size holds it)."""
-        return next((size for size in self.pad_to if size >= rows), rows)
+        (``rows`` itself without padding or when no size holds it); ``loaded`` (the replica is
+        under load: ``BatchScheduler``): the smallest preferred size, 1 left out unless the
+        config prefers it."""
+        sizes = self.pad_to
+        if loaded and len(sizes) > 1 and sizes[0] == 1 and 1 not in self.preferred:
+            sizes = sizes[1:]
+        return next((size for size in sizes if size >= rows), rows)
 
     def warm_shapes(self, config: ModelConfig, backend: str) -> list[dict[str, tuple[int, ...]]]:
         """The input shapes to run once each at load, largest first (``ModelHost.warm``).
@@ -399,9 +413,11 @@ def _run_group(host: Runner, group: list[BatchItem], padded_rows: int) -> tuple[
     return out, "joined", pad
 
 
-def run_batch(host: Runner, items: Sequence[BatchItem], policy: BatchPolicy | None = None) -> BatchRun:
+def run_batch(host: Runner, items: Sequence[BatchItem], policy: BatchPolicy | None = None,
+              loaded: bool = False) -> BatchRun:
     """Run queued requests as few model calls as their signatures allow (blocking); with
-    ``policy.pad_to``, each call padded to one of those sizes.
+    ``policy.pad_to``, each call padded to one of those sizes (``loaded``: the replica is under
+    load, ``BatchPolicy.padded_rows``).
 
     Returns:
         Per request, in order: its outputs (``name -> (rows, ...)`` array, the names it asked
@@ -415,7 +431,7 @@ def run_batch(host: Runner, items: Sequence[BatchItem], policy: BatchPolicy | No
     for indices in groups.values():
         group = [items[i] for i in indices]
         rows = sum(item.rows for item in group)
-        group_results, how, pad = _run_group(host, group, policy.padded_rows(rows) if policy else rows)
+        group_results, how, pad = _run_group(host, group, policy.padded_rows(rows, loaded) if policy else rows)
         if how == "joined":
             done.calls.append((len(group), rows))
             done.padded_rows += pad
@@ -444,8 +460,10 @@ class BatchScheduler:
     """Queues requests and runs them in batches (the module docstring gives the policy).
 
     Args:
-        run: runs one batch, blocking (in a worker thread): ``items -> BatchRun``, e.g.
-            ``lambda items: run_batch(host, items, policy)``.
+        run: runs one batch, blocking (in a worker thread): ``(items, loaded) -> BatchRun``,
+            e.g. ``lambda items, loaded: run_batch(host, items, policy, loaded)``; ``loaded``:
+            the replica was not idle when the batch started (another batch running, requests
+            left queued, or the previous batch joined several requests: the module docstring).
         max_rows: the most rows in one batch.
         wait_s: how long a batch stays open while every context is busy.
         slots: batches run at once: the model's ``instances``.
@@ -455,7 +473,7 @@ class BatchScheduler:
     in that loop but ``run``. ``stats`` counts every batch (``BatchStats``).
     """
 
-    def __init__(self, run: Callable[[list[BatchItem]], BatchRun], max_rows: int, wait_s: float, slots: int,
+    def __init__(self, run: Callable[[list[BatchItem], bool], BatchRun], max_rows: int, wait_s: float, slots: int,
                  on_ran: Callable[[list[BatchItem], BatchRun, float], None] | None = None) -> None:
         self._run_batch = run
         self.max_rows = max_rows
@@ -468,6 +486,7 @@ class BatchScheduler:
         self._running = 0
         self._timer: asyncio.Handle | None = None
         self._timer_at = 0.0  # the loop time ``_timer`` was armed for
+        self._last_joined = False  # the previous batch started held several requests
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -549,18 +568,20 @@ class BatchScheduler:
         batch = [w for w in batch if not w.future.done()]  # requests that went away do not run
         if not batch:
             return
+        loaded = self._running > 0 or bool(self._open or self._closed) or self._last_joined or len(batch) > 1
+        self._last_joined = len(batch) > 1
         self._running += 1
         # A context of its own: the batch is no request's (``ReplicaRecorder.batch_ran``).
-        task = asyncio.get_running_loop().create_task(self._run(batch), context=contextvars.Context())
+        task = asyncio.get_running_loop().create_task(self._run(batch, loaded), context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: list[_Waiting]) -> None:
+    async def _run(self, batch: list[_Waiting], loaded: bool) -> None:
         items = [w.item for w in batch]
         start = time.perf_counter()
         try:
             try:
-                done = await asyncio.to_thread(self._run_batch, items)
+                done = await asyncio.to_thread(self._run_batch, items, loaded)
             except BaseException as e:  # run_batch answers per request; this is a fault of its own
                 done = BatchRun([copy.copy(e) for _ in items], [], 0)
             seconds = time.perf_counter() - start

@@ -84,7 +84,7 @@ class ModelDeployment:
         self._policy = self._loaded_policy() if loaded else BatchPolicy.of(self.host.config)
         policy = self._policy
         self._batched = None if policy is None else BatchScheduler(
-            lambda items: run_batch(self.host, items, self._policy), policy.max_rows, policy.wait_s,
+            lambda items, loaded: run_batch(self.host, items, self._policy, loaded), policy.max_rows, policy.wait_s,
             self.host.config.instances, self._batch_ran)
         await first_sync(self.routes.follower)  # routed only once it serves the current state
 

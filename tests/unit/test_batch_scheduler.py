@@ -59,7 +59,7 @@ def item(rows: int, value: float = 1.0) -> BatchItem:
 
 def scheduler(host: BlockingHost, *, slots: int = 1, max_rows: int = 8, wait_s: float = LONG_WINDOW_S,
               policy: BatchPolicy | None = None) -> BatchScheduler:
-    return BatchScheduler(lambda items: run_batch(host, items, policy), max_rows, wait_s, slots)
+    return BatchScheduler(lambda items, loaded: run_batch(host, items, policy, loaded), max_rows, wait_s, slots)
 
 
 def test_a_lone_request_runs_at_once_at_batch_1_even_with_padding_to_preferred_sizes():
@@ -263,3 +263,39 @@ def test_a_window_under_half_a_millisecond_works_under_uvloop():
         return [(await f)["y"][0, 0] for f in (first, second, third)]
 
     assert uvloop.run(scenario()) == [2.0, 4.0, 6.0]
+
+
+def test_a_loaded_replica_pads_even_a_lone_request_and_an_idle_one_runs_it_at_batch_1():
+    """On ONNX Runtime CUDA a context that alternates batch 1 and its padded size rebuilds its
+    cuDNN plans at every switch (3-5x slower than unbatched under load on the H200): a lone
+    request runs at batch 1 only while the replica is idle."""
+    async def scenario():
+        host = BlockingHost()
+        padded = BatchPolicy.of(config(dynamic_batching={"preferred_batch_size": [4]}), "onnxruntime_cuda")
+        batcher = scheduler(host, policy=padded)
+        first = batcher.submit(item(1))  # idle: batch 1
+        await host.entered()
+        joined = [batcher.submit(item(1)) for _ in range(2)]  # queued while busy: join, padded to 4
+        host.release()
+        await first
+        await host.entered()
+        host.release()
+        await asyncio.gather(*joined)
+        after_load = batcher.submit(item(1))  # alone, but the previous batch joined two: padded to 4
+        await host.entered()
+        host.release()
+        await after_load
+        idle_again = batcher.submit(item(1))  # the previous batch was a lone one: batch 1
+        await host.entered()
+        host.release()
+        await idle_again
+        return host.calls
+
+    assert asyncio.run(scenario()) == [1, 4, 4, 1]
+
+
+def test_preferring_batch_1_keeps_a_lone_request_unpadded_under_load():
+    policy = BatchPolicy.of(config(dynamic_batching={"preferred_batch_size": [1, 4]}), "onnxruntime_cuda")
+    assert policy.padded_rows(1, loaded=True) == 1 and policy.padded_rows(2, loaded=True) == 4
+    padded = BatchPolicy.of(config(dynamic_batching={"preferred_batch_size": [4]}), "onnxruntime_cuda")
+    assert padded.padded_rows(1) == 1 and padded.padded_rows(1, loaded=True) == 4
