@@ -17,7 +17,8 @@ wakes (**loop lag**: how long the loop was kept from running anything). Every 0.
 process writes its events to ``<folder>/<pid>.json``; ``summarize`` reads them back for a window
 of ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of the machine).
 
-It also calls ``bench.gpu_standin.install`` (the GPU stand-in engine, ``BENCH_GPU_STANDIN``).
+It also calls ``bench.gpu_standin.install`` (the GPU stand-in engine, ``BENCH_GPU_STANDIN``) and
+``bench.stage_cpu.install`` (CPU per stage, ``BENCH_STAGE_CPU``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ _lock = threading.Lock()
 
 
 def install() -> None:
-    """Ray ``worker_process_setup_hook``: the GPU stand-in, then the trace when asked for."""
-    from bench import gpu_standin
+    """Ray ``worker_process_setup_hook``: the GPU stand-in, the stage CPU counters
+    (``bench.stage_cpu``), then the trace, each when asked for."""
+    from bench import gpu_standin, stage_cpu
 
     gpu_standin.install()
+    stage_cpu.install()
     interval = os.environ.get("BENCH_SWITCH_INTERVAL_S")
     if interval:  # an experiment: the GIL's switch interval (Python's default 0.005 s)
         import sys

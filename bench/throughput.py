@@ -82,7 +82,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-from bench import batch_trace, echo, gpu_standin
+from bench import batch_trace, echo, gpu_standin, stage_cpu
 from bench.loadgen import Expected, Result, Workload, expected_from_onnx, make_workload, run, split_clients, sweep
 from bench.replicas import CpuSampler, cpu_seconds, replica_pids
 from deployments import loopback
@@ -232,7 +232,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
     from deployments.app import run_applications
 
     hooks = {"worker_process_setup_hook": "bench.batch_trace.install"} if (
-        os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV)) else None
+        os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV) or os.environ.get(stage_cpu.ENV)) else None
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env=hooks)
     try:
@@ -899,6 +899,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 # --- main ------------------------------------------------------------------------------------
 
+def write_results(out: Path, prefix: str, results: dict[str, Any], report: str) -> tuple[Path, str]:
+    """``results`` as ``<out>/<prefix>-<time>.json`` and ``report`` beside it as ``.md``;
+    returns the path without suffix and ``report``."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    stem.with_suffix(".md").write_text(report)
+    return stem, report
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -1033,12 +1043,7 @@ def main(argv: Sequence[str]) -> None:
             bench.pool()
     finally:
         results.update(bench.results)
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"throughput-{time.strftime('%Y%m%d-%H%M%S')}"
-        stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-        report = markdown(results)
-        stem.with_suffix(".md").write_text(report)
+        stem, report = write_results(Path(a.out), "throughput", results, markdown(results))
         with contextlib.suppress(Exception):
             plot(results, stem.with_suffix(".png"))
         shutil.rmtree(scratch, ignore_errors=True)
