@@ -18,6 +18,7 @@ from .control import Desired, first_sync, loaded_at_start
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
@@ -53,7 +54,7 @@ class PipelineDeployment:
                        models: list[ModelEntry] | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
-        repo = ModelRepository(repository, entries=models)
+        repo = ModelRepository(repository, entries=models, node=node_id())
         entry = repo.get(name)
         self.config = entry.config
         self.version = entry.latest
