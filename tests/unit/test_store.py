@@ -146,6 +146,20 @@ def test_a_stopped_store_fails_after_bounded_tries_naming_model_and_store_not_cr
     assert repo.get("tiny_cnn").onnx_path().is_file()  # what was read keeps serving
 
 
+def test_a_slow_store_fails_the_listing_of_the_index_too(seaweedfs, store_env, prepared_engines, monkeypatch):
+    url, prefix, cache = store_env
+    seaweedfs.upload(prepared_engines / "tiny_cnn", f"{prefix}/tiny_cnn")
+    proxy = DelayProxy(("127.0.0.1", seaweedfs.port))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    repo = ModelRepository(url, node="n1")
+    proxy.set(delay_s=4.0)
+    with pytest.raises(StoreUnavailable, match="^the repository's models: the model store"):
+        repo.folders()  # not an empty repository
+    with pytest.raises(StoreUnavailable, match="^model 'tiny_cnn': the model store"):
+        repo.peek("tiny_cnn")  # not "no model folder 'tiny_cnn'"
+    proxy.close()
+
+
 def test_a_slow_store_fails_after_the_timeout_per_try(seaweedfs, store_env, prepared_engines, monkeypatch):
     url, prefix, cache = store_env
     seaweedfs.upload(prepared_engines / "tiny_cnn", f"{prefix}/tiny_cnn")

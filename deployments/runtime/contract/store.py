@@ -210,7 +210,9 @@ class Store:
         if not self.remote:
             return _walk(Path(path), maxdepth)
         try:
-            found = self._call(what, lambda: self.fs.find(path, maxdepth=maxdepth, detail=True))
+            # one flat listing, filtered by depth here: s3fs's find with maxdepth walks level by
+            # level through fsspec's walk, which drops the errors (a timeout read as no files)
+            found = self._call(what, lambda: self.fs.find(path, detail=True))
         except FileNotFoundError:
             return {}
         files = {}
@@ -218,6 +220,8 @@ class Store:
             if info.get("type") != "file" or key.endswith("/"):
                 continue
             rel = key[len(path.rstrip("/")) + 1:] if key.startswith(path.rstrip("/") + "/") else key
+            if maxdepth is not None and rel.count("/") >= maxdepth:
+                continue
             etag = info.get("ETag") or info.get("etag")
             files[rel] = FileInfo(int(info.get("size") or 0), etag.strip('"') if etag else None)
         return files
