@@ -284,8 +284,7 @@ class NodeCache:
 
     def stats(self) -> dict[str, int]:
         """This node's ``downloads``, ``download_bytes``, ``hits`` and ``evictions``."""
-        stats = _read_json(self.base / STATS_FILENAME) or {}
-        return {key: int(stats.get(key, 0)) for key in STATS}
+        return _stats(self.base)
 
     def status(self) -> dict[str, Any]:
         """What is cached where: per node folder under the cache folder (one per node that
@@ -293,9 +292,7 @@ class NodeCache:
         versions (store, model, version, bytes, whether a process pins it)."""
         nodes = []
         for base in sorted(p for p in self.cache_dir.iterdir() if p.is_dir()):
-            other = NodeCache.__new__(NodeCache)
-            other.base = base
-            entries = []
+            entries: list[dict[str, Any]] = []
             for record in sorted(base.glob(f"*/*/*/{ENTRY_FILENAME}")):
                 folder = record.parent
                 store = (folder.parents[1] / "store.txt")
@@ -303,8 +300,14 @@ class NodeCache:
                                 "model": folder.parent.name, "version": int(folder.name),
                                 "bytes": _folder_bytes(folder), "pinned": _is_pinned(folder)})
             nodes.append({"node": base.name, "bytes": sum(e["bytes"] for e in entries), "max_bytes": self.max_bytes,
-                          **other.stats(), "entries": entries})
+                          **_stats(base), "entries": entries})
         return {"cache_dir": str(self.cache_dir), "node": _safe_name(self.node), "nodes": nodes}
+
+
+def _stats(base: Path) -> dict[str, int]:
+    """The counts of node folder ``base`` (``STATS``; 0 for one not counted yet)."""
+    stats = _read_json(base / STATS_FILENAME) or {}
+    return {key: int(stats.get(key, 0)) for key in STATS}
 
 
 def _is_pinned(folder: Path) -> bool:
