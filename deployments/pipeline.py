@@ -65,8 +65,9 @@ class PipelineDeployment:
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
-        self.routes = own_routes(entry, ModelRepository(repository, [name], entries=[entry], node=node_id()), self.infer, routes,
-                                 metrics, initial, "pipeline" if loaded_at_start(initial, name) else None, self.apply)
+        self.routes = own_routes(entry, ModelRepository(repository, [name], entries=[entry], node=node_id()),
+                                 self.infer, routes, metrics, initial,
+                                 "pipeline" if loaded_at_start(initial, name) else None, self.apply)
         self.routes.admission = self.admission
         self.routes.steps[name] = self.pipeline.steps  # its parameters' defaults included
         await first_sync(self.routes.follower)  # routed only once it serves the current state
