@@ -53,6 +53,7 @@ from .client import POOL, deployment_name, model_application
 from .control import ControlDeployment, Desired, initial_state
 from .ingress import Router
 from .routes import RouterOptions
+from .node import node_id
 from .model import ModelDeployment
 from .pipeline import PipelineDeployment
 from .observe.options import MetricsOptions
@@ -333,7 +334,7 @@ def _read(args: dict[str, Any] | None) -> tuple[AppArgs, list[ModelEntry], dict[
         app_args = AppArgs.model_validate(args or {})
     except ValidationError as e:
         raise ConfigError(f"serve_config.yaml application args: {describe_validation_error(e, AppArgs)}") from None
-    entries = ModelRepository(app_args.repository, app_args.models).entries()
+    entries = ModelRepository(app_args.repository, app_args.models, node=node_id()).entries()
     placement = deployment_options(entries, app_args.deployments)
     pool_models = [e.name for e in entries if placement[e.name].mode == "pool" and not e.config.pipeline]
     for entry in entries:

@@ -38,6 +38,7 @@ from starlette.applications import Starlette
 from . import grpc_service
 from .client import ModelClient, model_handles, pool_handle
 from .control import Desired
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import ready_line, ready_logger, show_on_terminal
 from .observe.options import bind_host
@@ -84,7 +85,7 @@ class Router(RouterApp):
                  options: RouterOptions, models: list[ModelEntry] | None = None,
                  metrics: dict[str, Any] | None = None, control: Any | None = None,
                  initial: Desired | None = None, placement: Any | None = None) -> None:
-        repo = ModelRepository(repository, entries=models)
+        repo = ModelRepository(repository, entries=models, node=node_id())
         app = serve.get_replica_context().app_name
         # The handles are made here, so that they take this cluster's default transport (gRPC
         # under RAY_SERVE_THROUGHPUT_OPTIMIZED=1): one made where the application was built has

@@ -21,6 +21,7 @@ from .control import Desired, config_kept, first_sync, loaded_at_start, outcome,
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -66,7 +67,7 @@ class ModelDeployment:
         show_on_terminal()
         replica_grpc_on_loopback()
         loaded = loaded_at_start(initial, name)
-        self.repo = ModelRepository(repository, [name], entries=models)
+        self.repo = ModelRepository(repository, [name], entries=models, node=node_id(), keep_files=True)
         self.host = ModelHost(self.repo.get(name), backend)
         self.gate = Gate(name, open_=loaded)
         if loaded:
@@ -143,6 +144,7 @@ class ModelDeployment:
             self.routes.model_unloaded(state.get("reason"))
             self.gate.close()
             self.host.unload()
+            self.repo.release(self.host.name)  # the node cache may evict its files now
             return {self.host.name: outcome(None, False)}
         except Exception as error:
             line = outcome(error, False)

@@ -18,6 +18,7 @@ from .control import Desired, first_sync, loaded_at_start
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
@@ -54,7 +55,7 @@ class PipelineDeployment:
                        models: list[ModelEntry] | None = None) -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
-        repo = ModelRepository(repository, entries=models)
+        repo = ModelRepository(repository, entries=models, node=node_id())
         entry = repo.get(name)
         self.config = entry.config
         self.version = entry.latest
@@ -65,8 +66,9 @@ class PipelineDeployment:
         steps = observed_steps(client.infer, metrics, {e.name: str(e.latest) for e in repo.entries()})
         self.pipeline = create_pipeline(repo, name, steps)
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
-        self.routes = own_routes(entry, ModelRepository(repository, [name], entries=[entry]), self.infer, routes,
-                                 metrics, initial, "pipeline" if loaded_at_start(initial, name) else None, self.apply)
+        self.routes = own_routes(entry, ModelRepository(repository, [name], entries=[entry], node=node_id()),
+                                 self.infer, routes, metrics, initial,
+                                 "pipeline" if loaded_at_start(initial, name) else None, self.apply)
         self.routes.admission = self.admission
         self.routes.steps[name] = self.pipeline.steps  # its parameters' defaults included
         await first_sync(self.routes.follower)  # routed only once it serves the current state

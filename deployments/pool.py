@@ -23,6 +23,7 @@ from .control import Desired, first_sync, follow, outcome, read_as_desired
 from .admission import Admission
 from .replica_routes import pool_routes
 from .routes import RouterOptions
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .placement import PlacementFollower, PoolReport, haproxy_server_name
@@ -87,7 +88,7 @@ class PoolDeployment:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)
-        self.repo = repo = ModelRepository(repository, names, entries=models)
+        self.repo = repo = ModelRepository(repository, names, entries=models, node=node_id(), keep_files=True)
         self.backend_request = backend
         self.backends = {e.name: _backend_here(requested_backend(e.config, backend)) for e in repo.entries()}
         self.recorder = replica_recorder(metrics)
@@ -104,7 +105,7 @@ class PoolDeployment:
         self.cache.start()
         self.admission = Admission(max_ongoing_requests, max_queued_requests, routes.request_timeout_s)
         router_app = router_application(POOL)
-        self.routes = pool_routes(ModelRepository(repository, entries=models), names, self.infer_body, self.models,
+        self.routes = pool_routes(ModelRepository(repository, entries=models, node=node_id()), names, self.infer_body, self.models,
                                   routes, metrics, initial, router_app)
         self.routes.admission = self.admission
         control = handle(router_app, "control") if initial is not None else None
@@ -201,6 +202,7 @@ class PoolDeployment:
                     self.routes.model_unloaded(name, state.get("reason"))
                     if name in self.versions:
                         self._unload(name)
+                    self.repo.release(name)  # the node cache may evict its files now
                     done[name] = outcome(None, False)
                     continue
                 entry = read_as_desired(self.repo, name, state)

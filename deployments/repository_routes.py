@@ -15,7 +15,7 @@ from starlette.routing import Route
 from .control import applied_everywhere, config_kept, read_as_desired, reading
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
-                                      ModelNotReady, ServingError)
+                                      ModelNotReady, ServingError, StoreUnavailable)
 from .runtime.contract.repository import ModelEntry
 from .states import LOADED, Status
 
@@ -61,7 +61,9 @@ class RepositoryRoutes(V2Routes):
         ``reason`` says which). With explicit model control, also every model folder on disk
         not loaded yet, models unloaded through the API (UNAVAILABLE, reason "unloaded") and
         models whose last load failed (UNAVAILABLE, reason "failed to load: ..."); a load still
-        going on after its request answered 504 is LOADING (``follow_desired``).
+        going on after its request answered 504 is LOADING (``follow_desired``). A remote
+        repository is listed on each call (a thread: the event loop goes on); when its store
+        does not answer, the index lists the models read before it (logged).
         Body (optional): ``{"ready": true}`` lists only READY models."""
         only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
@@ -72,7 +74,12 @@ class RepositoryRoutes(V2Routes):
             for version in self._served(entry):
                 index.append(self._index_item(entry, version, pool.get(entry.key(version))))
         if self.initial is not None:  # folders added since start, not read yet (or loading)
-            index += [self._unread_item(name) for name in self.repo.folders() if name not in self.repo.names()]
+            try:
+                folders = await asyncio.to_thread(self.repo.folders)
+            except StoreUnavailable as e:
+                logger.warning("repository index: %s", e.message)
+                folders = []
+            index += [self._unread_item(name) for name in folders if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
 
@@ -126,7 +133,7 @@ class RepositoryRoutes(V2Routes):
             if state["generation"] == 0 or self._followed.get(name) == generation:
                 continue  # the build's reading (every replica started from it), or one taken
             try:
-                entry = self._reading(name, state)
+                entry = await asyncio.to_thread(self._reading, name, state)  # a remote one may download
             except Exception as e:  # not what the load read: this router does not claim it
                 reason = f"this router cannot read it as its load did: {getattr(e, 'message', e)}"
                 logger.warning("model '%s': %s", name, reason, exc_info=not isinstance(e, ServingError))
@@ -263,8 +270,8 @@ class RepositoryRoutes(V2Routes):
         if unsupported:
             raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
                                "(a config or files sent with the request); put the model's folder in the repository")
-        try:
-            entry = self.repo.peek(name)  # taken once every replica serves it
+        try:  # taken once every replica serves it; a thread: a remote model may download
+            entry = await asyncio.to_thread(self.repo.peek, name)
         except ConfigError as e:  # a config the sender wrote: 400
             raise InvalidInput(f"failed to load '{name}': {e.message}") from None
         except LoadFault as e:  # a model file it cannot read: the server's, 500
@@ -333,7 +340,9 @@ class RepositoryRoutes(V2Routes):
     @answers_errors
     async def memory(self, request: Request) -> JSONResponse:
         """Resident memory: the cache of one pool replica (status + load/evict timeline; the
-        ``replica`` field names which) and each ready dedicated model's footprint (one replica's)."""
+        ``replica`` field names which), each ready dedicated model's footprint (one replica's)
+        and, for a repository in an object store, the node caches of model files as this
+        router's node sees them (``model_cache``: ``NodeCache.status``; null for a local one)."""
         engines = [n for n in sorted(self.client.dedicated)
                    if self.states.is_ready(n) and not self.repo.get(n).config.pipeline]
         calls = [self.client.memory(n) for n in engines]
@@ -344,4 +353,5 @@ class RepositoryRoutes(V2Routes):
         except asyncio.TimeoutError:
             raise InferenceTimeout(f"memory status did not arrive within {self.request_timeout_s:g} s") from None
         pool = answers.pop() if self.client.pool is not None else None
-        return JSONResponse({"pool": pool, "dedicated": dict(zip(engines, answers))})
+        cache = await asyncio.to_thread(self.repo.store.status)
+        return JSONResponse({"pool": pool, "dedicated": dict(zip(engines, answers)), "model_cache": cache})

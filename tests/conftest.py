@@ -29,3 +29,14 @@ def prepared_engines() -> Path:
 def model_repository(prepared_engines: Path) -> ModelRepository:
     """``ModelRepository`` over the prepared ``engines/``."""
     return ModelRepository(prepared_engines)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """A real S3 server (``tests/seaweed.py``: SeaweedFS on loopback ports, random credentials,
+    bucket ``models``), stopped by its process id at the end of the session."""
+    from .seaweed import SeaweedFS
+
+    store = SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield store
+    store.stop()

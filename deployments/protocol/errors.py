@@ -37,6 +37,7 @@ from ..runtime.contract.errors import (
     RequestTimeout,
     ServingError,
     SharedMemoryError,
+    StoreUnavailable,
     UnsupportedMediaType,
 )
 
@@ -66,6 +67,7 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     ModelNotReady: 503,
+    StoreUnavailable: 503,
     OverBudget: 503,
     DeviceOutOfMemory: 503,
     Overloaded: 503,

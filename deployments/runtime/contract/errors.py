@@ -74,6 +74,13 @@ class ModelNotReady(ServingError):
     """The model exists but is not loaded or still loading (HTTP 503)."""
 
 
+class StoreUnavailable(ModelNotReady):
+    """The model store (an object store holding the repository) did not answer within its
+    bounded tries, or refused access: a load or a read of the repository fails, the models
+    already loaded keep serving (HTTP 503). The message names the model and the store's URL
+    and endpoint, never credentials nor the store's own error text."""
+
+
 class OverBudget(ServingError):
     """Loading the model would exceed the memory budget (HTTP 503)."""
 

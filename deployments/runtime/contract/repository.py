@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .completion import complete_config
 from .config import ModelConfig, load_model_config, read_config_file
 from .errors import ConfigError, ModelNotFound, unknown_model
+from .store import CONFIG_FILENAME, MODEL_FILENAME, Store, is_version
 
-MODEL_FILENAME = "model.onnx"
-CONFIG_FILENAME = "config.yaml"
-_VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
 
 
 
@@ -69,7 +66,10 @@ class ModelEntry:
 
 class ModelRepository:
     """Index of the model folders under ``root``: ``<model>/config.yaml`` and/or integer version
-    folders ``<model>/<version>/model.onnx``.
+    folders ``<model>/<version>/model.onnx``. ``root`` is a local folder or an object store's
+    URL (``s3://bucket/prefix``, ``store.Store``): both are listed the same way; a remote
+    model's files are read from this node's cache (``node``: its key, the Ray node id in a
+    replica), fetched there first where they are missing.
 
     Each config is completed from the model file once, when its folder is read (at
     construction, or by ``read`` for a model added later): what ``config.yaml`` leaves out (the
@@ -86,9 +86,15 @@ class ModelRepository:
     ``entries``: index these, read earlier (the application's build), instead of reading the
     folders now: a replica that starts later (a replacement, a scale-out) serves the config the
     application was deployed with, and a ``config.yaml`` edited since, even into an invalid
-    one, cannot stop it (``read``, a load through model control, reads a folder again).
+    one, cannot stop it (``read``, a load through model control, reads a folder again). A
+    remote model's served versions are fetched into this node's cache (``Store.localize``).
+
+    ``keep_files``: pin, in the node cache, the remote versions of every entry this index
+    serves (a replica that loads models from them) until ``release`` or a newer reading of the
+    model; otherwise (a router: it only describes them) they are pinned only while read.
 
     Raises:
+        StoreUnavailable: at construction, a remote root that did not answer.
         ConfigError: at construction, for a missing root, a bad config (or one the model file
             contradicts), a model with no ``<version>/model.onnx`` (the message says to run
             ``make models``), or a name in ``names`` that has no folder (or no entry in
@@ -96,17 +102,22 @@ class ModelRepository:
     """
 
     def __init__(self, root: str | Path, names: list[str] | None = None, *, require_versions: bool = True,
-                 entries: list[ModelEntry] | None = None) -> None:
-        self.root = Path(root).resolve()
+                 entries: list[ModelEntry] | None = None, node: str | None = None, keep_files: bool = False) -> None:
+        self.store = Store(root, node)
+        self.root = self.store.root
         self.require_versions = require_versions
+        self.keep_files = keep_files
         if entries is not None:
             given = {e.name: e for e in entries}
             missing = sorted(set(names or ()) - given.keys())
             if missing:
                 raise ConfigError(f"models {missing} were not read at build from {self.root}")
-            self._entries = {n: given[n] for n in (names if names is not None else sorted(given))}
+            self._entries = {}
+            for n in (names if names is not None else sorted(given)):
+                self._entries[n] = self.store.localize(given[n])
+                self._kept(self._entries[n])
             return
-        if not self.root.is_dir():
+        if not self.store.exists():
             raise ConfigError(f"model repository {self.root} does not exist")
         found: dict[str, ModelEntry] = {}
         folders = self.folders()
@@ -117,20 +128,24 @@ class ModelRepository:
                                   f"<version>/{MODEL_FILENAME} in {self.root}")
             folders = [f for f in folders if f in names]
         for folder in folders:
-            entry = self._read(self.root / folder)
+            entry = self._read(folder)
             found[entry.name] = entry
+            self._kept(entry)
         if not found:
             raise ConfigError(f"model repository {self.root} holds no model folder (<model>/{CONFIG_FILENAME} "
                               f"or <model>/<version>/{MODEL_FILENAME})")
         self._entries = found
 
-    def _read(self, folder: Path, served: tuple[int, ...] | None = None) -> ModelEntry:
+    def _read(self, name: str, served: tuple[int, ...] | None = None) -> ModelEntry:
         """One model folder's entry: its config, completed from the model file and checked
         against it, and its version folders; ``served``: these versions (``peek``), not the
-        ``version_policy``'s."""
+        ``version_policy``'s. A remote model's files are fetched into the node cache first:
+        those outside version folders, then the served versions (pinned: ``_kept``)."""
+        listing = self.store.listing(name)
+        folder = self.store.fetch(listing, ())
         config_path = folder / CONFIG_FILENAME
         given = read_config_file(config_path)
-        versions = (1,) if given.pipeline else _versions(folder)
+        versions = (1,) if given.pipeline else listing.versions
         if not versions and self.require_versions:
             raise ConfigError(
                 f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
@@ -146,6 +161,8 @@ class ModelRepository:
                 raise ConfigError(f"{folder}: version folder(s) {gone} (<version>/{MODEL_FILENAME}) are gone; "
                                   f"versions on disk: {list(versions)}")
             served = tuple(sorted(served))
+        if not given.pipeline:
+            self.store.fetch(listing, served)
         if given.pipeline or not served:
             config = load_model_config(config_path)
         else:
@@ -153,10 +170,23 @@ class ModelRepository:
         return ModelEntry(config=config, path=folder, versions=versions, served=served)
 
     def folders(self) -> list[str]:
-        """Names of the model folders on disk now, read or not: those holding a ``config.yaml``
-        or a ``<version>/model.onnx``."""
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and ((p / CONFIG_FILENAME).is_file() or _versions(p)))
+        """Names of the model folders in the repository now, read or not: those holding a
+        ``config.yaml`` or a ``<version>/model.onnx``.
+
+        Raises:
+            StoreUnavailable: a remote repository did not answer.
+        """
+        return self.store.folders()
+
+    def _kept(self, entry: ModelEntry) -> None:
+        """After ``entry`` was read: keep its served versions pinned in the node cache where
+        this index keeps files (``keep_files``), its other versions unpinned; none otherwise."""
+        self.store.release(entry.name, entry.served if self.keep_files else ())
+
+    def release(self, name: str) -> None:
+        """Unpin model ``name``'s versions in the node cache (a replica unloaded it): the cache
+        may evict them; a later load pins them again (fetching them where they were evicted)."""
+        self.store.release(name)
 
     def read(self, name: str) -> ModelEntry:
         """Read model ``name``'s folder again (a model added or changed after start), with the
@@ -167,6 +197,7 @@ class ModelRepository:
         """
         entry = self.peek(name)
         self._entries[name] = entry
+        self._kept(entry)
         return entry
 
     def peek(self, name: str, served: tuple[int, ...] | None = None) -> ModelEntry:
@@ -178,20 +209,27 @@ class ModelRepository:
         Raises:
             ModelNotFound: no model folder ``<root>/<name>`` (``folders``; ``name`` is matched
                 against the folder names on disk, never joined to a path unchecked).
+            StoreUnavailable: a remote repository did not answer.
+            OverBudget: a remote version does not fit in the node cache.
             ConfigError: a bad config (or one the model file contradicts), no version folder,
                 or a version of ``served`` without one; names the file and field (or folder).
             LoadFault: the config leaves fields to complete from a model file that cannot be read.
         """
-        if name not in self.folders():
+        folders = self.store.folders(name)
+        if name not in folders:
             # the repository's path stays out: a client reads this (the load route's 404)
             raise ModelNotFound(f"no model folder '{name}' with a {CONFIG_FILENAME} or a <version>/{MODEL_FILENAME} "
-                                f"in the model repository; folders: {self.folders()}")
-        return self._read(self.root / name, served)
+                                f"in the model repository; folders: {folders}")
+        entry = self._read(name, served)
+        if not self.keep_files:
+            self.store.release(name)
+        return entry
 
     def take(self, entry: ModelEntry) -> None:
         """Serve ``entry`` from now on: one that ``peek`` gave, or that ``read`` gave another
         index of the same root, so that both describe the same reading of the folder."""
         self._entries[entry.name] = entry
+        self._kept(entry)
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -209,7 +247,7 @@ class ModelRepository:
         if entry is None:
             raise unknown_model(name, f"available models: {self.names()}")
         if version is not None:
-            if not _VERSION.fullmatch(version) or int(version) not in entry.versions:
+            if not is_version(version) or int(version) not in entry.versions:
                 raise unknown_model(name, f"model '{name}' has no version '{version}'; versions: "
                                     f"{list(entry.versions)}", version)
             if int(version) not in entry.served:
@@ -218,7 +256,3 @@ class ModelRepository:
         return entry
 
 
-def _versions(folder: Path) -> tuple[int, ...]:
-    """The version numbers (ascending) of ``folder``'s ``<version>/model.onnx`` files."""
-    return tuple(sorted(int(p.name) for p in folder.iterdir()
-                        if p.is_dir() and _VERSION.fullmatch(p.name) and (p / MODEL_FILENAME).is_file()))
