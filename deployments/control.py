@@ -44,7 +44,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from ray import serve
 
@@ -259,6 +259,17 @@ def config_kept(entry: ModelEntry, deployed: ModelConfig, what: str) -> None:
         "server); a load takes a new version folder whose config is unchanged")
 
 
+async def sync_forever(sync: Callable[[], Awaitable[Any]], every_s: float, unavailable: str) -> None:
+    """Call ``sync`` every ``every_s`` seconds, for ever: a failure (the deployment it reads is
+    restarting) is logged as ``unavailable`` and tried again at the next turn."""
+    while True:
+        try:
+            await sync()
+        except Exception:
+            logger.warning(unavailable, exc_info=True)
+        await asyncio.sleep(every_s)
+
+
 class Follower:
     """A replica's side of model control: ``run`` polls the control deployment forever.
 
@@ -330,12 +341,7 @@ class Follower:
         await self._first.wait()
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except Exception:  # the control replica is restarting: try again
-                logger.warning("model control: the desired state is unavailable", exc_info=True)
-            await asyncio.sleep(POLL_S)
+        await sync_forever(self.sync, POLL_S, "model control: the desired state is unavailable")
 
 
 def loaded_at_start(initial: Desired | None, name: str) -> bool:

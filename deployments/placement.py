@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable
 
 from ray import serve
 
-from .control import GcsStore
+from .control import GcsStore, sync_forever
 from .loopback import replica_grpc_on_loopback
 from .runtime.residency.placement import ModelDemand, Placement, PlacementOptions, ReplicaView, place
 
@@ -264,12 +264,7 @@ class PlacementFollower:
             self._applying = asyncio.ensure_future(asyncio.to_thread(self.apply, decision))
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except Exception:  # the placement replica is restarting: try again
-                logger.warning("placement: the decision is unavailable", exc_info=True)
-            await asyncio.sleep(SYNC_S)
+        await sync_forever(self.sync, SYNC_S, "placement: the decision is unavailable")
 
     def visible(self) -> dict[str, Any]:
         """For ``/v2/memory``: the decision this replica follows, and its part of it."""

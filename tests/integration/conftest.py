@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = str(ROOT / "engines")
@@ -19,6 +20,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def runner_config(folder: Path, **args) -> tuple[Path, int]:
+    """``serve_config.yaml`` for ``make serve``'s runner in ``folder``: the router application's
+    args updated with ``args`` (a dict merged into the arg's own, e.g. ``pool={"num_gpus": 0}``;
+    the metrics on a free port), the HTTP port free, and the models' applications written again
+    for those args (``deployments.check.write``); returns (its path, the HTTP port)."""
+    from deployments.check import write
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    port = _free_port()
+    config["http_options"]["port"] = port
+    config["applications"] = [app := config["applications"][0]]  # the models' are written below
+    for name, value in {"metrics": {"port": _free_port()}, **args}.items():
+        given = app["args"].get(name)
+        app["args"][name] = dict(given, **value) if isinstance(given, dict) and isinstance(value, dict) else value
+    path = folder / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    write(path)
+    return path, port
 
 
 @pytest.fixture(scope="session")

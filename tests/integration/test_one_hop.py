@@ -27,7 +27,7 @@ import yaml
 from bench.autoscale import start_runner
 from bench.replicas import gone_at, interrupt_group, kill_replica, replica_pids
 
-from .conftest import REPOSITORY, _free_port
+from .conftest import REPOSITORY, runner_config
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +42,6 @@ BODY = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP3
 @pytest.fixture(scope="module")
 def one_hop(tmp_path_factory):
     """(process, base URL, repository) of ``make serve``'s runner on the module's repository."""
-    from deployments.check import write
-
     tmp = tmp_path_factory.mktemp("one_hop")
     root = tmp / "engines"
     (root / "tiny_cnn" / "1").mkdir(parents=True)
@@ -58,18 +56,10 @@ def one_hop(tmp_path_factory):
     (root / "simple" / "1").mkdir(parents=True)
     shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / "simple" / "config.yaml")
     (root / "simple" / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
-    port = _free_port()
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = port
-    config["applications"] = [app := config["applications"][0]]
     # use_gpus: true on a machine without GPUs: gpu_cnn's replica can never be placed (the pool
     # and lost_cnn reserve none).
-    app["args"].update(repository=str(root), use_gpus=True, request_timeout_s=30,
-                       pool=dict(app["args"]["pool"], num_gpus=0), metrics={"port": _free_port()},
-                       router={"autoscaling": ROUTER_SCALING})
-    path = tmp / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    write(path)
+    path, port = runner_config(tmp, repository=str(root), use_gpus=True, request_timeout_s=30,
+                               pool={"num_gpus": 0}, router={"autoscaling": ROUTER_SCALING})
     log = tmp / "out.log"
     proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"

@@ -16,12 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-import yaml
 
 from bench.autoscale import start_runner
 from bench.replicas import interrupt_group, kill_replica
 
-from .conftest import REPOSITORY, _free_port
+from .conftest import REPOSITORY, runner_config
 
 pytestmark = pytest.mark.integration
 
@@ -50,24 +49,15 @@ def until(condition, what: str, timeout_s: float = 120.0):
 @pytest.fixture(scope="module")
 def placed(tmp_path_factory):
     """(process, base URL) of the runner on the module's repository."""
-    from deployments.check import write
-
     tmp = tmp_path_factory.mktemp("placement")
     root = tmp / "engines"
     for name in MODELS:
         (root / name / "1").mkdir(parents=True)
         shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / name / "config.yaml")
         (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
-    port = _free_port()
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    config["http_options"]["port"] = port
-    config["applications"] = [app := config["applications"][0]]
-    app["args"].update(repository=str(root), request_timeout_s=30, metrics={"port": _free_port()},
-                       pool=dict(app["args"]["pool"], num_gpus=0, num_replicas=2, placement="bytes",
-                                 max_num_models_per_replica=6))
-    path = tmp / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    write(path)
+    path, port = runner_config(tmp, repository=str(root), request_timeout_s=30,
+                               pool={"num_gpus": 0, "num_replicas": 2, "placement": "bytes",
+                                     "max_num_models_per_replica": 6})
     log = tmp / "out.log"
     proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"

@@ -31,7 +31,7 @@ import yaml
 
 from bench import faults
 
-from .conftest import ROOT, _free_port, wait_ready
+from .conftest import ROOT, _free_port, runner_config, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -76,18 +76,10 @@ def _beyond_loopback(listeners: list[tuple[str, int, str, str, int]]) -> list[tu
 def make_serve(tmp_path_factory):
     """(URL, pid) of ``python -m deployments.run`` on serve_config.yaml with free ports for the
     API and the metrics, run with the Makefile's environment; stopped with Ctrl-C (SIGINT)."""
-    from deployments.check import write
-
-    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    port = _free_port()
-    config["http_options"]["port"] = port
-    config["applications"] = [app := config["applications"][0]]  # the models' are written below
-    app["args"]["repository"] = str(ROOT / app["args"]["repository"])
-    app["args"]["metrics"] = dict(app["args"].get("metrics") or {}, port=_free_port())
-    app["args"]["grpc_port"] = _free_port()
-    path = tmp_path_factory.mktemp("make-serve") / "serve_config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    write(path)  # the models' applications again, with the router's args as changed here
+    repository = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]["repository"]
+    metrics_port, grpc_port = _free_port(), _free_port()
+    path, port = runner_config(tmp_path_factory.mktemp("make-serve"), repository=str(ROOT / repository),
+                               metrics={"port": metrics_port}, grpc_port=grpc_port)
     log = path.with_suffix(".log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "deployments.run", str(path)], cwd=ROOT, env=_serve_env(),
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -101,7 +93,7 @@ def make_serve(tmp_path_factory):
                 break
             except (requests.RequestException, TimeoutError):
                 assert time.monotonic() < deadline, "make serve not ready in 240 s"
-        yield url, server.pid, app["args"]["metrics"]["port"], app["args"]["grpc_port"]
+        yield url, server.pid, metrics_port, grpc_port
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:
