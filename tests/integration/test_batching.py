@@ -3,7 +3,7 @@
 A second application ("batching", under /batching) serves copies of ocr_cls and ocr_rec with a
 wide batching window (``max_queue_delay_ms: 500``), so requests that arrive while the model is
 busy land in one batch, ``ocr_cls_padded``, batches padded to preferred sizes 4 and 8 (forced:
-on CPU ``auto`` does not pad), and ``encoder``, all-MiniLM-L6-v2 with sequence buckets; the
+on CPU ``auto`` does not pad), and ``encoder``, all-MiniLM-L6-v2 with sequence buckets (forced too); the
 replica's own counters (``ModelDeployment.batching``) say what it ran.
 """
 
@@ -36,7 +36,7 @@ def batching_server(serve_instance, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("batching-repo")
     padded = {"preferred_batch_size": [4, 8], "pad_to_preferred": True}
-    buckets = {"sequence_buckets": [16, 32, 64]}
+    buckets = {"sequence_buckets": [16, 32, 64], "pad_to_preferred": True}  # buckets on the CPU too
     for name, base, extra in [(m, m, {}) for m in MODELS] + [("ocr_cls_padded", "ocr_cls", padded),
                                                              ("encoder", ENCODER, buckets)]:
         raw = yaml.safe_load((Path(REPOSITORY) / base / "config.yaml").read_text())

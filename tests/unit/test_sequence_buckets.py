@@ -77,8 +77,20 @@ def test_buckets_need_a_dynamic_sequence_axis():
             "outputs": [{"name": "y", "datatype": "FP32", "dims": [-1, 3]}]})
 
 
-def test_requests_of_different_lengths_join_one_batch_and_each_gets_its_answer_alone(encoder, session):
+def test_buckets_apply_on_a_gpu_backend_or_when_forced_never_on_the_cpu_by_default(encoder):
+    """On ONNX Runtime CPU a new length costs nothing and padding only wastes (``BatchPolicy.of``)."""
     config = with_batching(encoder.config, sequence_buckets=BUCKETS)
+    assert BatchPolicy.of(config, "onnxruntime", encoder.entry.onnx_path()).sequence is None
+    for backend in ("onnxruntime_cuda", "tensorrt"):
+        assert BatchPolicy.of(config, backend, encoder.entry.onnx_path()).sequence.buckets == tuple(BUCKETS)
+    forced = with_batching(encoder.config, sequence_buckets=BUCKETS, pad_to_preferred=True)
+    assert BatchPolicy.of(forced, "onnxruntime", encoder.entry.onnx_path()).sequence.buckets == tuple(BUCKETS)
+    off = with_batching(encoder.config, sequence_buckets=BUCKETS, pad_to_preferred=False)
+    assert BatchPolicy.of(off, "onnxruntime_cuda", encoder.entry.onnx_path()).sequence is None
+
+
+def test_requests_of_different_lengths_join_one_batch_and_each_gets_its_answer_alone(encoder, session):
+    config = with_batching(encoder.config, sequence_buckets=BUCKETS, pad_to_preferred=True)  # buckets on the CPU too
     policy = BatchPolicy.of(config, "onnxruntime", encoder.entry.onnx_path())
     requests = [tokens(1, 5, 1), tokens(2, 12, 2), tokens(1, 16, 3), tokens(1, 20, 4), tokens(1, 300, 5)]
     items = [BatchItem.of(config, r, None, policy.sequence) for r in requests]

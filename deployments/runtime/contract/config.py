@@ -171,7 +171,8 @@ class DynamicBatching(_Frozen):
     plans whenever a run's shape differs from the previous run's (resnet18 ~30 ms, the PaddleOCR
     models ~0.5 s a change on the H200: docs/performance.md, "Dynamic batching on the GPU") while a larger batch costs little
     (resnet18 batch 8: 1.3x batch 1). Not on CPU, where every padded row costs its full
-    compute. ``true`` / ``false`` force it; padding needs ``preferred_batch_size``.
+    compute. ``true`` / ``false`` force it; padding needs ``preferred_batch_size`` (rows) or
+    ``sequence_buckets`` (lengths).
 
     ``sequence_buckets`` (ascending lengths, e.g. ``[16, 32, 64, 128, 256]``; default none):
     for a model with a dynamic sequence axis (axis 1 after the batch axis), each request's
@@ -180,6 +181,9 @@ class DynamicBatching(_Frozen):
     cut back to each request's length (``deployments.batching.SequenceAxis`` says which tensors
     carry the axis). Only for models whose attention mask makes the padded positions inert
     (BERT-like encoders), hence opt-in. Each bucket lies within every such input's axis-1 range.
+    Applied as ``pad_to_preferred`` says: ``auto`` on a GPU backend only (on ONNX Runtime CPU a
+    new length costs nothing, while padding a passage to its bucket costs its attention up to
+    3x); ``true`` everywhere; ``false`` nowhere.
     """
 
     enabled: bool = True
@@ -190,8 +194,9 @@ class DynamicBatching(_Frozen):
 
     @model_validator(mode="after")
     def _padding_needs_sizes(self) -> "DynamicBatching":
-        if self.pad_to_preferred is True and not self.preferred_batch_size:
-            raise ValueError("dynamic_batching.pad_to_preferred needs preferred_batch_size (the sizes to pad to)")
+        if self.pad_to_preferred is True and not (self.preferred_batch_size or self.sequence_buckets):
+            raise ValueError("dynamic_batching.pad_to_preferred needs preferred_batch_size (the sizes to pad to) "
+                             "or sequence_buckets (the lengths to pad to)")
         buckets = list(self.sequence_buckets)
         if buckets != sorted(set(buckets)) or any(b < 1 for b in buckets):
             raise ValueError(f"dynamic_batching.sequence_buckets must be positive lengths in ascending order, got {buckets}")
