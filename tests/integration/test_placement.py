@@ -109,6 +109,14 @@ def answer(url: str, model: str) -> dict | None:
     return outputs
 
 
+def _settled(url: str) -> bool:
+    """Every model ready exactly on the replicas the decision routes it to (prefetched where
+    placed, released where not)."""
+    now = pool_replicas(url)
+    routed = {m: set(w["routed"]) for m, w in next(iter(now.values()))["placement"]["models"].items()}
+    return {m: {r for r in now if now[r]["models"][m]["state"] == "ready"} for m in MODELS} == routed
+
+
 def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(placed):
     _, url = placed
     replicas = pool_replicas(url)
@@ -121,10 +129,13 @@ def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(plac
     after = pool_replicas(url)
     loaded = {m: {r for r in after if after[r]["models"][m]["loads"] > replicas[r]["models"][m]["loads"]}
               for m in MODELS}
-    ready = {m: {r for r in after if after[r]["models"][m]["state"] == "ready"} for m in MODELS}
+    # The decision may move a model while the requests run (its rate rose): a replica it names
+    # after them loads it as well (prefetch), which is placement, not hashing.
+    routed_after = {m: set(w["routed"]) for m, w in next(iter(after.values()))["placement"]["models"].items()}
+    placed_at_some_point = {m: routed[m] | routed_after[m] for m in MODELS}
     # hashing by name would have sent some models to the replica that does not hold them, which loads them too
-    assert all(loaded[m] <= routed[m] for m in MODELS), (loaded, routed)
-    assert ready == routed, (ready, routed)  # prefetched where placed, released where not
+    assert all(loaded[m] <= placed_at_some_point[m] for m in MODELS), (loaded, routed, routed_after)
+    until(lambda: _settled(url), "every model ready where it is placed and nowhere else", 30)
 
 
 def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(placed):
