@@ -257,9 +257,11 @@ class PoolDeployment:
                       "backend": self.backends[name]} for key, (name, _) in self.keys.items() if key in cached}
 
     def memory(self) -> dict[str, Any]:
-        """This replica's cache status and load/evict/reload timeline (JSON-ready)."""
+        """This replica's cache status and load/evict/reload timeline (JSON-ready), with its Ray
+        ``node`` and ``request_rates``: its requests per second by model, decayed (``RateMeter``)."""
         context = serve.get_replica_context()
-        status = {"replica": context.replica_id.unique_id, "pid": os.getpid(), **self.cache.status()}
+        status = {"replica": context.replica_id.unique_id, "pid": os.getpid(), "node": node_id(),
+                  "request_rates": self.rates.rates(), **self.cache.status()}
         if any(m["device"] == "gpu" for m in status["models"].values()):
             reading = process_gpu_bytes()  # this replica's own GPU bytes (CUDA context included)
             status.update(process_gpu_bytes=reading.bytes, gpu_source=reading.source)
