@@ -25,8 +25,10 @@ reading, which every replica and router started from.
 
 A load that fails on a replica (at once or after the router's request timed out) is rolled
 back by the control deployment itself when that replica reports it (``ControlDeployment.report``):
-the model becomes not loaded, with the failure as its ``reason``, which the routers' index and
-the model's requests then give; a later load is a new generation, which every replica tries again.
+a model that served when the load was asked for serves the reading it served before again (its
+versions and config: the router passes it as ``kept``), a new version's failure changing nothing;
+any other becomes not loaded. The failure is its ``reason``, which the routers' index and a not
+loaded model's requests give; a later load is a new generation, which every replica tries again.
 
 Restarts: the state is kept in Ray's GCS key-value store (``GcsStore``), written before a change
 is answered, under the router application's name and the id of the build that deployed it. A
@@ -65,7 +67,7 @@ REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: no
 KV_NAMESPACE = "trt_serve_control"  # the GCS key-value namespace of the desired states
 
 # model -> {"loaded": bool, "placement": str, "generation": int[, "versions": [int], "digest": str]
-#           [, "reason": str]}
+#           [, "kept": {"versions", "digest"}][, "reason": str]}
 Desired = dict[str, dict[str, Any]]
 
 
@@ -141,32 +143,46 @@ class ControlDeployment:
         self.revision, self.models = self.revision + 1, models
         return {"incarnation": self.incarnation, "revision": self.revision}
 
-    def set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None) -> dict[str, Any]:
+    def set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None,
+            kept: dict[str, Any] | None = None) -> dict[str, Any]:
         """Model ``name`` should (not) serve from ``placement``; a load serves ``read``
         (``reading``: what the router read in its folder; None: whatever each replica reads).
-        Returns the new state's ``{"incarnation", "revision"}`` (what ``applied`` takes)."""
+        ``kept``: the reading served now, of a model loaded now (``reading``), which ``report``
+        restores if this load fails. Returns the new state's ``{"incarnation", "revision"}``
+        (what ``applied`` takes)."""
         if not loaded:
             generation = self.models.get(name, {}).get("generation", 0)
             return self._change(name, {"loaded": False, "placement": placement, "generation": generation})
+        keep = {"kept": kept} if kept is not None and self.models.get(name, {}).get("loaded") else {}
         return self._change(name, {"loaded": True, "placement": placement, "generation": self.revision + 1,
-                                   **(read or {})})
+                                   **(read or {}), **keep})
 
     def report(self, replica: str, deployment: str, state: dict[str, Any], models: dict[str, dict[str, Any]]) -> None:
         """A replica applied ``state`` (``{"incarnation", "revision"}``); ``models``: per model of
         its own, ``{"loaded": bool, "backend": str, "error": ServingError | None}``. A load this
-        report says failed (the model's current generation) is rolled back: the model is not
-        loaded, with the error as its ``reason``."""
+        report says failed (the model's current generation) is rolled back: a model that served
+        another reading when it was asked for (``set``'s ``kept``) serves that one again, under a
+        new generation; any other is not loaded. Either way the error is its ``reason``; a
+        rollback is never rolled back again (the replica that failed keeps reporting why)."""
         self.reports[replica] = {"replica": replica, "deployment": deployment, **state,
                                  "models": models, "time": time.monotonic()}
         if state["incarnation"] != self.incarnation:
             return
         for name, line in models.items():
             entry = self.models.get(name)
-            if (line["error"] is not None and entry is not None and entry["loaded"]
-                    and state["revision"] >= entry["generation"]):
-                logger.warning("model control: the load of '%s' failed on replica %s; it is not loaded: %s",
-                               name, replica, line["error"].message)
-                self._change(name, {**entry, "loaded": False, "reason": f"failed to load: {line['error'].message}"})
+            if (line["error"] is None or entry is None or not entry["loaded"] or "reason" in entry
+                    or state["revision"] < entry["generation"]):
+                continue
+            reason = f"failed to load: {line['error'].message}"
+            if "kept" in entry:
+                logger.warning("model control: the load of '%s' failed on replica %s; it serves versions %s "
+                               "again: %s", name, replica, entry["kept"]["versions"], line["error"].message)
+                self._change(name, {"loaded": True, "placement": entry["placement"],
+                                    "generation": self.revision + 1, **entry["kept"], "reason": reason})
+                continue
+            logger.warning("model control: the load of '%s' failed on replica %s; it is not loaded: %s",
+                           name, replica, line["error"].message)
+            self._change(name, {**entry, "loaded": False, "reason": reason})
 
     def applied(self, deployment: str, state: dict[str, Any]) -> list[dict[str, Any]]:
         """The fresh reports of ``deployment``'s replicas that applied ``state``

@@ -11,6 +11,7 @@ handles.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -34,6 +35,8 @@ from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.gate import Gate
 from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
+
+logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment
@@ -134,8 +137,13 @@ class ModelDeployment:
             return {}
         try:
             if state["loaded"]:
-                entry = self._take_new_version(state)
-                self.host.load()
+                entry, replaced = self._take_new_version(state)
+                try:
+                    self.host.load()
+                except Exception:
+                    if replaced is not None:
+                        self._serve_again(replaced)
+                    raise
                 self.repo.take(entry)  # its routes describe the version once it serves
                 self._policy = self._loaded_policy()
                 self.gate.open()
@@ -148,8 +156,24 @@ class ModelDeployment:
             return {self.host.name: outcome(None, False)}
         except Exception as error:
             line = outcome(error, False)
-            self.routes.model_unloaded(f"failed to load: {line['error'].message}")
+            if not (self.host.ready and self.gate.is_open):  # one that serves keeps serving what it served
+                self.routes.model_unloaded(f"failed to load: {line['error'].message}")
             return {self.host.name: line}
+
+    def _serve_again(self, host: ModelHost) -> None:
+        """After the load of a new version failed: serve ``host``, the version it replaced, again
+        (loaded again, its batch shapes warmed), its files pinned in the node cache as before.
+        Blocking. Logs and leaves the model unloaded when that load fails too."""
+        self.host = host
+        self.repo.take(self.repo.get(host.name))  # unpins the new version's files
+        try:
+            host.load()
+            self._policy = self._loaded_policy()
+        except Exception:
+            logger.exception("model control: '%s' failed to load version %d again after a new version's load "
+                             "failed", host.name, host.version)
+            return
+        self.gate.open()
 
     def _loaded_policy(self) -> BatchPolicy | None:
         """The batch policy for the loaded model's backend, its padded sizes warmed
@@ -160,7 +184,7 @@ class ModelDeployment:
             self.host.warm(shapes)
         return policy
 
-    def _take_new_version(self, state: dict[str, Any]) -> ModelEntry:
+    def _take_new_version(self, state: dict[str, Any]) -> tuple[ModelEntry, ModelHost | None]:
         """Before a load: read the model's folder again for exactly what the router read
         (``control.read_as_desired``: the versions its desired ``state`` names, a version folder
         added since not among them) and serve the newest of them from now on, as the routers
@@ -169,23 +193,31 @@ class ModelDeployment:
         version, and a request labelled with the old version that arrives later is refused
         (``infer``). The config must be the one this replica started with (its batch queue was
         built from it; the router refuses a load of a changed one before it reaches a replica,
-        and ``read_as_desired`` one changed since). Returns the entry read.
+        and ``read_as_desired`` one changed since). The new version's file is checked before
+        the old version is unloaded (``ModelEntry.check_files``: one engine at a time, as the
+        replica's memory was sized for one). Returns the entry read and the loaded host it
+        replaced (None: none), which ``apply`` serves again if the new one fails to load.
 
         Raises:
             ConfigError, InvalidInput, LoadFault, ModelNotFound: as ``control.read_as_desired``
                 (a folder changed since the router read it); nothing changed here.
             InvalidInput: the config changed (``control.config_kept``); nothing changed here.
+            LoadFault: the new version's model file does not read (``check_files``); nothing
+                changed here.
         """
         entry = read_as_desired(self.repo, self.host.name, state)  # not served before it loads
         config_kept(entry, self.host.config, "this dedicated model's deployment")
+        replaced = None
         if entry.latest != self.host.version:
             if self.host.ready:
+                entry.at(entry.latest).check_files()
                 self.gate.close()
                 self.host.unload()
+                replaced = self.host
             host = ModelHost(entry, self.host.backend_request, self.host.checkout_timeout_s)
             host.on_execution = self.host.on_execution
             self.host = host
-        return entry
+        return entry, replaced
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.routes.build_app()

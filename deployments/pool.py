@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 from typing import Any, Iterable
 
@@ -37,6 +38,8 @@ from .runtime.contract.errors import ConfigError, ModelNotFound
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .runtime.residency.cache import ModelCache
 from .runtime.residency.placement import RateMeter
+
+logger = logging.getLogger("ray.serve")
 
 
 def _backend_here(requested: str) -> str:
@@ -192,11 +195,13 @@ class PoolDeployment:
         served yet (added to the repository after start) is added; one whose folder changed (a
         new version, another config) is unloaded (its requests in flight finish on the engine
         they were labelled for), takes the new entry and loads again, so that the engine, the
-        labels, the metadata and the validation all follow the same reading. Blocking."""
+        labels, the metadata and the validation all follow the same reading; if that load
+        fails, it serves what it served before (``_load_reading``). Blocking."""
         done = {}
         for name, state in changed.items():
             if state["placement"] != "pool":
                 continue
+            served = self.entries.get(name) if self.cache.serves(name) else None  # what it serves now
             try:
                 if not state["loaded"]:
                     self.routes.model_unloaded(name, state.get("reason"))
@@ -206,17 +211,48 @@ class PoolDeployment:
                     done[name] = outcome(None, False)
                     continue
                 entry = read_as_desired(self.repo, name, state)
-                self.repo.take(entry)
-                if entry != self.entries.get(name):
-                    self._take(entry)
-                for key in self._keys_of(name):
-                    self.cache.load(key)
+                self._load_reading(entry)
                 self.routes.pool_model_loaded(entry, self.backends[name])
                 done[name] = outcome(None, True, self.backends[name])
             except Exception as error:
                 done[name] = outcome(error, False)
-                self.routes.model_unloaded(name, f"failed to load: {done[name]['error'].message}")
+                if served is None or self.entries.get(name) != served or not self.cache.serves(name):
+                    self.routes.model_unloaded(name, f"failed to load: {done[name]['error'].message}")
         return done
+
+    def _load_reading(self, entry: ModelEntry) -> None:
+        """Serve ``entry`` (its folder as the load read it) and load it. A model that serves
+        another reading keeps it when this one fails, so a failed load changes nothing: the new
+        versions' files are checked (``ModelEntry.check_files``) before the old versions are
+        unloaded, and if the new engines still fail to load, the old reading is taken back and
+        loaded again (one engine set at a time: both may not fit the pool's byte budget).
+        Blocking.
+
+        Raises: as ``ModelCache.load``; ``LoadFault`` (``check_files``).
+        """
+        name = entry.name
+        old = self.entries.get(name) if self.cache.serves(name) and entry != self.entries.get(name) else None
+        if old is not None:
+            entry.check_files()
+        self.repo.take(entry)
+        if entry != self.entries.get(name):
+            self._take(entry)
+        try:
+            for key in self._keys_of(name):
+                self.cache.load(key)
+        except Exception:
+            if old is None:
+                raise
+            self.repo.take(old)
+            self._take(old)
+            try:
+                for key in self._keys_of(name):
+                    self.cache.load(key)
+            except Exception:
+                self._unload(name)
+                logger.exception("model control: '%s' failed to load its versions %s again after the load of %s "
+                                 "failed", name, list(old.served), list(entry.served))
+            raise
 
     def _take(self, entry: ModelEntry) -> None:
         """Serve ``entry`` (a model new to this replica, or its folder read again with a new
@@ -257,9 +293,11 @@ class PoolDeployment:
                       "backend": self.backends[name]} for key, (name, _) in self.keys.items() if key in cached}
 
     def memory(self) -> dict[str, Any]:
-        """This replica's cache status and load/evict/reload timeline (JSON-ready)."""
+        """This replica's cache status and load/evict/reload timeline (JSON-ready), with its Ray
+        ``node`` and ``request_rates``: its requests per second by model, decayed (``RateMeter``)."""
         context = serve.get_replica_context()
-        status = {"replica": context.replica_id.unique_id, "pid": os.getpid(), **self.cache.status()}
+        status = {"replica": context.replica_id.unique_id, "pid": os.getpid(), "node": node_id(),
+                  "request_rates": self.rates.rates(), **self.cache.status()}
         if any(m["device"] == "gpu" for m in status["models"].values()):
             reading = process_gpu_bytes()  # this replica's own GPU bytes (CUDA context included)
             status.update(process_gpu_bytes=reading.bytes, gpu_source=reading.source)

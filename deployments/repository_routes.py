@@ -260,6 +260,10 @@ class RepositoryRoutes(V2Routes):
         that fails leaves them as they were (a model new to it is known from then on, with the
         failure as its reason).
 
+        A load that fails on a replica (a new version's truncated or deleted file) changes
+        nothing for a model that served: every replica serves the versions and config it served
+        before (``ControlDeployment.report``); the answer is the error.
+
         A dedicated model or pipeline takes a new version folder, not a changed config: its
         replicas were built from the config it was deployed with, so a load of a changed one
         (or of a pool model a pipeline calls as a step) is 400 and changes nothing
@@ -281,17 +285,25 @@ class RepositoryRoutes(V2Routes):
         placement = self._placement(entry, "load")
         self._keeps_deployed_config(entry, placement)
         async with self._control_lock(name):
+            served = self.repo.get(name) if self.states.is_ready(name) and name in self.repo.names() else None
             self.changing[name] = "LOADING"
             going_on = False
             try:
-                state = await self.client.control_set(name, True, placement, reading(entry))
+                state = await self.client.control_set(name, True, placement, reading(entry),
+                                                      served and reading(served))
                 reports = await self._wait_applied(name, placement, state, "load")
                 outcomes = [r["models"][name] for r in reports if name in r["models"]]
                 errors = [o["error"] for o in outcomes if o["error"] is not None]
                 if errors or not all(o["loaded"] for o in outcomes):
-                    # as Triton, a failed load leaves the model unavailable: the control
-                    # deployment has rolled it back (``ControlDeployment.report``), with its reason
-                    reason = (await self.client.control_desired())["models"].get(name, {}).get("reason")
+                    # the control deployment has rolled it back (``ControlDeployment.report``),
+                    # with its reason: as Triton, a model that served keeps what it served (a
+                    # failed load changes nothing), any other is unavailable
+                    desired = (await self.client.control_desired())["models"].get(name, {})
+                    if errors and served is not None and desired.get("loaded") and desired.get("versions") == list(
+                            served.served):
+                        raise type(errors[0])(f"failed to load '{name}': {errors[0].message}; it serves versions "
+                                              f"{list(served.served)} as before")
+                    reason = desired.get("reason")
                     self._settle_failed(name, entry)
                     self._mark_unloaded(name, reason or "unloaded while it loaded")
                     if errors:

@@ -141,8 +141,12 @@ class LocalCluster:
 
 
 @pytest.fixture(scope="package")
-def ray_cluster(prepared_engines) -> Iterator[LocalCluster]:
+def ray_cluster(prepared_engines, seaweedfs) -> Iterator[LocalCluster]:
     """A head node (2 logical CPUs, no GPU) and one GPU node (2 CPUs, 1 GPU), Serve on a free port.
+
+    Every node's environment carries the S3 store's endpoint and credentials (``seaweedfs``) and
+    a private node cache folder, as a real cluster's nodes would: a raylet and its workers take
+    the environment of the process that started them, here this one, before the nodes start.
 
     Serve's proxy runs on the head node only: every node here shares 127.0.0.1, so proxies on
     every node would fight for one port (``proxy_location: EveryNode`` is checked in the config
@@ -167,6 +171,8 @@ def ray_cluster(prepared_engines) -> Iterator[LocalCluster]:
         "ORT_INTRA_OP_THREADS": "1",
         "RAY_SERVE_SLOW_STARTUP_WARNING_S": str(SLOW_STARTUP_WARNING_S),
         "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": str(SLOW_STARTUP_WARNING_S),
+        **seaweedfs.env,
+        "TRT_SERVE_CACHE_DIR": os.path.join(temp_dir, "model-cache"),
     })
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False

@@ -159,6 +159,31 @@ def test_memory_shows_the_node_cache_with_one_download_per_version(remote_serve)
     assert all(e["pinned"] for e in node["entries"] if (e["model"], e["version"]) != ("tiny_cnn", 1))
 
 
+def test_a_truncated_upload_of_a_new_version_fails_its_load_and_the_served_version_keeps_serving(remote_serve,
+                                                                                                   seaweedfs):
+    """Runs after the memory test (it downloads version 3). A truncated model file in a new
+    version failed the load and unloaded version 2, which had served until then."""
+    base, _, url, *_ = remote_serve
+    prefix = url.split("/", 3)[3]
+    key = f"{seaweedfs.bucket}/{prefix}/tiny_cnn/3/model.onnx"
+    data = (ENGINES / "tiny_cnn/1/model.onnx").read_bytes()
+    fs = seaweedfs.filesystem()
+    fs.pipe(key, data[:len(data) // 3])
+    try:
+        r = requests.post(f"{base}/v2/repository/models/tiny_cnn/load", timeout=120)
+        assert (r.status_code, r.json()["error"]) == (
+            500, "failed to load 'tiny_cnn': model 'tiny_cnn': the model file of version 3 is missing, truncated or "
+                 "not an ONNX model; it serves versions [2] as before"), r.text
+        for path in ("/v2/models/tiny_cnn/infer", "/v2/models/tiny_cnn/versions/2/infer"):
+            r = _infer_tiny(base, path)
+            assert r.status_code == 200 and r.json()["model_version"] == "2", r.text
+            got = np.array(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(1, 1000)
+            np.testing.assert_allclose(got, _onnxruntime(ENGINES / "tiny_cnn/1/model.onnx"), rtol=1e-6, atol=1e-6)
+        assert _index(base)[("tiny_cnn", "2")]["state"] == "READY"
+    finally:
+        fs.rm(key)
+
+
 def test_a_slow_store_fails_a_load_with_503_naming_model_and_store_while_loaded_models_serve(remote_serve, seaweedfs):
     base, proxy, url, *_ = remote_serve
     prefix = url.split("/", 3)[3]

@@ -112,6 +112,39 @@ def test_a_dedicated_model_serves_its_newest_version_only(versions):
     assert requests.get(f"{url}/v2/models/simple_dedicated").json()["versions"] == ["2"]
 
 
+def test_a_new_version_with_a_truncated_model_file_fails_its_load_and_changes_nothing(versions):
+    """A truncated ``model.onnx`` in a new version folder failed the load, and the versions that
+    served until then were gone: the pool model and the dedicated one answered 503 "not loaded".
+    Now the load answers 500 naming the version's file, and every version served before answers
+    as before (the new file is checked before the old versions are unloaded)."""
+    url, root = versions
+    pair = [{"name": f"INPUT{i}", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))} for i in range(2)]
+    cases = (("cnn", 4, root / "cnn" / "1" / "model.onnx"),
+             ("simple_dedicated", 3, root / "simple_dedicated" / "2" / "model.onnx"))
+    try:
+        for name, version, source in cases:
+            data = source.read_bytes()
+            (root / name / str(version)).mkdir()
+            (root / name / str(version) / "model.onnx").write_bytes(data[:len(data) // 3])
+            r = requests.post(f"{url}/v2/repository/models/{name}/load", timeout=120)
+            assert r.status_code == 500, r.text
+            error = r.json()["error"]
+            assert error.startswith(f"failed to load '{name}': model '{name}': the model file of version {version} is "
+                                    "missing, truncated or not an ONNX model"), error
+            assert error.endswith("as before"), error
+        for version in (1, 2):
+            r = infer(url, f"cnn/versions/{version}")
+            expected = ort.InferenceSession(str(root / "cnn" / str(version) / "model.onnx")).run(None, {"input": X})[0]
+            assert r.status_code == 200 and r.json()["model_version"] == str(version), r.text
+            np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"], np.float32).reshape(expected.shape),
+                                       expected, rtol=1e-4, atol=1e-5)
+        r = requests.post(f"{url}/v2/models/simple_dedicated/infer", json={"inputs": pair})
+        assert r.status_code == 200 and r.json()["model_version"] == "2", r.text
+    finally:
+        for name, version, _ in cases:
+            shutil.rmtree(root / name / str(version), ignore_errors=True)
+
+
 def index_versions(url: str, model: str) -> list[str] | None:
     """``model``'s versions in one repository index answer (None: no answer in time)."""
     try:

@@ -205,8 +205,9 @@ class FakeControlClient:
     async def control_desired(self) -> dict[str, Any]:
         return self.control.desired()
 
-    async def control_set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None):
-        return self.control.set(name, loaded, placement, *([read] if read is not None else []))
+    async def control_set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None,
+                          kept: dict[str, Any] | None = None):
+        return self.control.set(name, loaded, placement, read, kept)
 
     async def control_applied(self, name: str, placement: str, state: dict[str, Any]):
         await self.poll()
@@ -689,7 +690,7 @@ def test_a_failed_load_of_a_changed_pool_model_leaves_the_routers_view_as_the_re
     if replica_fails:
         edit_config(root, "simple", max_batch_size=4)
         fake.replicas["r1"].fail = OverBudget("model 'simple' needs 9.0 MiB")
-        expected = (503, "failed to load 'simple': model 'simple' needs 9.0 MiB")
+        expected = (503, "failed to load 'simple': model 'simple' needs 9.0 MiB; it serves versions [1] as before")
     else:
         edit_config(root, "simple", max_batch_size=4, deployment={"mode": "dedicated"})
         expected = (400, f"failed to load 'simple': {root}/simple/config.yaml: deployment.mode: a dedicated model "
@@ -704,6 +705,41 @@ def test_a_failed_load_of_a_changed_pool_model_leaves_the_routers_view_as_the_re
     edit_config(root, "simple", max_batch_size=4, deployment={"mode": "pool"})
     assert http.post("/v2/repository/models/simple/load").status_code == 200
     assert http.get("/v2/models/simple/config").json()["max_batch_size"] == 4
+
+
+def test_a_failed_load_of_a_new_version_of_a_loaded_model_changes_nothing_and_the_old_version_serves(root):
+    """A load of a new version that a replica failed (a truncated model file) rolled the model
+    back to not loaded: its old version, which served until then, answered 503 everywhere.
+    Now the control deployment restores the reading served before (its versions and config):
+    the answer is the load's error, and version 1 keeps serving, its index line as before."""
+    from deployments.runtime.contract.errors import LoadFault
+
+    app, fake, http = explicit_router(root)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    served = http.post("/v2/repository/index").json()
+    (root / "simple" / "2").mkdir()
+    shutil.copy(ENGINES / "simple" / "1" / "model.onnx", root / "simple" / "2" / "model.onnx")
+    fake.replicas["r1"].fail = LoadFault("model 'simple': onnx could not read its model file (DecodeError)")
+    r = http.post("/v2/repository/models/simple/load")
+    assert (r.status_code, r.json()["error"]) == (
+        500, "failed to load 'simple': model 'simple': onnx could not read its model file (DecodeError); "
+             "it serves versions [1] as before")
+    state = fake.desired["simple"]
+    assert (state["loaded"], state["versions"], state["reason"]) == (
+        True, [1], "failed to load: model 'simple': onnx could not read its model file (DecodeError)")
+    for _ in range(3):  # the failing replica keeps reporting its error: no second rollback
+        asyncio.run(fake.poll())
+    assert fake.desired["simple"]["loaded"]
+    body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+                       for n, a in PAIR.items()]}
+    r = http.post("/v2/models/simple/infer", json=body)
+    assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
+    assert http.post("/v2/repository/index").json() == served  # version 1 as the pool replica holds it
+
+    fake.replicas["r1"].fail = None  # the file repaired, a load takes version 2
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    r = http.post("/v2/models/simple/infer", json=body)
+    assert r.status_code == 200 and r.json()["model_version"] == "2", r.text
 
 
 def test_a_failed_load_of_a_model_new_to_the_router_gives_its_reason(root):
@@ -852,6 +888,7 @@ def test_a_replica_serves_exactly_the_versions_the_load_read_or_fails_it_with_wh
     asyncio.run(follower.sync())
     assert control.models["cnn"]["reason"] == (f"failed to load: {root}/cnn: version folder(s) [2] "
                                                "(<version>/model.onnx) are gone; versions on disk: [1]")
+    asyncio.run(follower.sync())  # the rollback (nothing was kept: a load asked for without it) reaches it
     assert pool.routes.states.get("cnn").reason == control.models["cnn"]["reason"]
     pool.cache.close()
     dedicated.host.unload()

@@ -205,3 +205,53 @@ def test_a_pool_model_loaded_again_with_a_changed_config_is_described_and_valida
             pool.cache.infer(key, {"input": batch})
         assert pool.cache.infer(key, {"input": batch[:2]})["logits"].shape == (2, 1000)
     pool.cache.close()
+
+
+def _refused_by_onnxruntime(path: Path) -> None:
+    """An ONNX file with tiny_cnn's inputs and outputs that reads (``onnx.load``) but that ONNX
+    Runtime refuses to load: its one node is an operator no one defines."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("NoSuchOperator", ["input"], ["logits"])], "refused",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 1000])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    onnx.save(model, path)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "refused"])
+def test_a_failed_load_of_a_new_version_leaves_each_replica_serving_the_version_it_served(tmp_path, fault):
+    """A new version whose model file is truncated (checked before anything is unloaded), or
+    reads but its engine fails to load (the old version is loaded again), failed the load with
+    version 1 already unloaded: the pool replica and the dedicated one answered 503 "not
+    loaded". Now both serve version 1 as before, its answers ONNX Runtime's on its file."""
+    from deployments.control import reading
+    from deployments.states import Status
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    pool, dedicated = replicas_of_cnn(root)
+    (root / "cnn" / "2").mkdir()
+    if fault == "truncated":
+        data = (root / "cnn" / "1" / "model.onnx").read_bytes()
+        (root / "cnn" / "2" / "model.onnx").write_bytes(data[:len(data) // 3])
+    else:
+        _refused_by_onnxruntime(root / "cnn" / "2" / "model.onnx")
+    state = {"loaded": True, "placement": "pool", "generation": 1, **reading(ModelRepository(root).peek("cnn"))}
+    assert state["versions"] == [2]
+    errors = [pool.apply({"cnn": state})["cnn"]["error"],
+              dedicated.apply({"cnn": {**state, "placement": "dedicated"}})["cnn"]["error"]]
+    if fault == "truncated":
+        assert [e.message for e in errors] == ["model 'cnn': the model file of version 2 is missing, truncated or not "
+                                               "an ONNX model"] * 2
+    else:
+        assert all(e is not None for e in errors)
+    expected = ort.InferenceSession(str(root / "cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]
+    assert pool.keys == {"cnn": ("cnn", 1)} and pool.routes.states.get("cnn").status is Status.READY
+    np.testing.assert_allclose(pool.cache.infer("cnn", {"input": X})["logits"], expected, rtol=1e-4, atol=1e-5)
+    assert dedicated.host.version == 1 and dedicated.gate.is_open and dedicated.routes.states.get("cnn").status is \
+        Status.READY
+    np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], expected, rtol=1e-4, atol=1e-5)
+    pool.cache.close()
+    dedicated.host.unload()

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .completion import complete_config
+from .completion import complete_config, read_onnx_signature
 from .config import ModelConfig, load_model_config, read_config_file
-from .errors import ConfigError, ModelNotFound, unknown_model
+from .errors import ConfigError, LoadFault, ModelNotFound, unknown_model
 from .store import CONFIG_FILENAME, MODEL_FILENAME, Store, is_version
 
 
@@ -62,6 +62,20 @@ class ModelEntry:
     def onnx_path(self, version: int | None = None) -> Path:
         """Path of ``<version>/model.onnx`` (latest version by default)."""
         return self.path / str(self.latest if version is None else version) / MODEL_FILENAME
+
+    def check_files(self) -> None:
+        """Check that each served version's ``model.onnx`` reads as an ONNX model
+        (``completion.read_onnx_signature``): what a replica does before this reading replaces
+        the versions it serves, so that a missing, truncated or damaged file fails the load
+        before anything is unloaded.
+
+        Raises:
+            LoadFault: a file that does not read, naming the model and its version.
+        """
+        for version in self.served:
+            if read_onnx_signature(self.onnx_path(version)) is None:
+                raise LoadFault(f"model '{self.name}': the model file of version {version} is missing, truncated "
+                                "or not an ONNX model")
 
 
 class ModelRepository:
