@@ -23,7 +23,9 @@ does with no server around it.
 
 Reported per variant and client count: texts/s, p50, p99, errors, and from the encoder
 replica's batch counters the padding waste (padded sequence positions over all positions the
-encoder ran).
+encoder ran) and the rows per encoder call, and from ``/proc`` the CPU milliseconds per text of
+the pipeline's replicas and of the encoder's (``bench.replicas.CpuSampler``, over the measured
+window: every thread of those processes).
 
     python -m bench.embed [--clients 1,16,64,256] [--duration-s 10] [--gpu-fraction 0.25]
         [--variants unbatched,bucketed] [--out bench/results/embed.json]
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -45,7 +48,9 @@ import numpy as np
 import yaml
 
 from bench.loadgen import Expected, Workload, run
+from bench.replicas import CpuSampler, replica_pids
 from bench.throughput import ROOT, Server, _write_model
+from deployments.client import deployment_name
 
 ENCODER = "all-MiniLM-L6-v2"
 PIPELINE = "embed"
@@ -171,6 +176,7 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--variants", default="unbatched,bucketed")
     p.add_argument("--duration-s", type=float, default=10.0)
     p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--in-process", default="1,32", help="texts per in-process call, one row each ('': none)")
     p.add_argument("--texts", type=int, default=64, help="texts in the mix (half queries, half passages)")
     p.add_argument("--gpu-fraction", type=float, default=0.0, help="the encoder's num_gpus (0: CPU)")
     p.add_argument("--replicas", type=int, default=1, help="replicas of the encoder")
@@ -181,6 +187,7 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "embed.json"))
     a = p.parse_args(argv)
     clients = [int(c) for c in a.clients.split(",")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # Ray's workers
     atol = a.atol if a.atol is not None else (2e-3 if a.gpu_fraction else 1e-4)
     texts = make_texts(a.texts)
     reference = Reference()
@@ -188,7 +195,7 @@ def main(argv: Sequence[str]) -> None:
     rows: list[dict[str, Any]] = []
     providers = ["CUDAExecutionProvider"] if a.gpu_fraction else ["CPUExecutionProvider"]
     engine = reference if not a.gpu_fraction else Reference(providers)
-    for batch in (1, 32):
+    for batch in [int(b) for b in a.in_process.split(",") if b]:
         rows.append(in_process(engine, texts, batch, a.duration_s))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for variant in a.variants.split(","):
@@ -196,17 +203,24 @@ def main(argv: Sequence[str]) -> None:
                        a.pipeline_replicas)
         with Server("ray", repo, "fast", replicas=1, backend=a.backend) as server:
             w = workload(server.url, texts, references, atol)
+            pids = {role: replica_pids(server.process.pid, "models", deployment_name(model, role == "pipeline"))
+                    for role, model in (("pipeline", PIPELINE), ("encoder", ENCODER))}
             for c in clients:
                 before = server.batch_stats(ENCODER)
-                (r,) = run([(w, c)], a.duration_s, a.warmup_s, a.processes)
+                samplers = {role: CpuSampler(p) for role, p in pids.items()}
+                with samplers["pipeline"], samplers["encoder"]:
+                    (r,) = run([(w, c)], a.duration_s, a.warmup_s, a.processes)
                 after = server.batch_stats(ENCODER)
+                cpu = {f"{role}_cpu_ms_per_text": round(s.window(a.duration_s)[1] * 1e3 / r.qps, 3) if r.qps else None
+                       for role, s in samplers.items()}
                 delta = {k: after[k] - before.get(k, 0) for k in ("padded_positions", "positions", "rows", "batches")
                          if k in after}
                 rows.append({"variant": variant, "clients": c, "texts_per_s": r.qps, "p50_ms": r.p50_ms,
                              "p99_ms": r.p99_ms, "errors": r.errors, "error_statuses": r.error_statuses,
                              "error_examples": r.error_examples,
                              "padding_waste": padding_waste(delta),
-                             "rows_per_call": round(delta["rows"] / delta["batches"], 2) if delta.get("batches") else None})
+                             "rows_per_call": round(delta["rows"] / delta["batches"], 2) if delta.get("batches") else None,
+                             **cpu})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

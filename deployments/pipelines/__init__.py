@@ -9,8 +9,9 @@ only when built (the OCR one pulls in OpenCV and rapidocr, the embed one tokeniz
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -87,6 +88,74 @@ async def map_bounded(call: Callable[[I], Awaitable[T]], items: Sequence[I], lim
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [task.result() for task in tasks]
+
+
+class JoinedCalls(Generic[I, T]):
+    """A step's calls from concurrent requests joined into fewer, larger calls.
+
+    ``await joined(items)`` returns ``call(items)``'s rows for ``items``. While fewer than
+    ``calls_in_flight`` calls run, it is sent at once (one request alone waits for nothing);
+    otherwise it waits, and when a call ends, the waiting items go together, up to ``max_rows``
+    items a call, in arrival order. Each hop to a step's replica costs CPU at both ends, per
+    call, whatever its rows, and a step replica's event loop takes calls in only so fast, so
+    its own batch queue saw one or two at a time (docs/performance.md, "The embed path"):
+    joined, the replicas pay the hop once for many requests' rows, and the step's dynamic
+    batching still joins calls from other callers.
+
+    ``call(items)`` returns a sequence of one result per item (e.g. an ``(N, H)`` array), which
+    is split back to its callers. A call that raises raises in each of its callers. A caller
+    that is cancelled (its request timed out or its client left) leaves its call; a call whose
+    callers all left is cancelled (``ModelClient`` cancels it at the step's replica too).
+    """
+
+    def __init__(self, call: Callable[[list[I]], Awaitable[Sequence[T]]], max_rows: int, calls_in_flight: int) -> None:
+        self._call = call
+        self.max_rows = max_rows
+        self.calls_in_flight = calls_in_flight
+        self._waiting: collections.deque[tuple[list[I], asyncio.Future]] = collections.deque()
+        self._running: set[asyncio.Task] = set()
+
+    async def __call__(self, items: Sequence[I]) -> Sequence[T]:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((list(items), future))
+        self._send()
+        return await future
+
+    def _send(self) -> None:
+        while self._waiting and len(self._running) < self.calls_in_flight:
+            taken: list[tuple[list[I], asyncio.Future]] = []
+            rows = 0
+            while self._waiting and (not taken or rows + len(self._waiting[0][0]) <= self.max_rows):
+                items, future = self._waiting.popleft()
+                if not future.done():  # its caller left while it waited
+                    taken.append((items, future))
+                    rows += len(items)
+            if not taken:
+                return
+            task = asyncio.get_running_loop().create_task(self._run(taken))
+            self._running.add(task)
+            futures = [future for _, future in taken]
+            for future in futures:
+                future.add_done_callback(lambda _, t=task, f=futures: t.cancel() if all(x.cancelled() for x in f) else None)
+
+    async def _run(self, taken: list[tuple[list[I], asyncio.Future]]) -> None:
+        try:
+            results = await self._call([item for items, _ in taken for item in items])
+        except BaseException as e:  # a cancelled call: all its callers left
+            for _, future in taken:
+                if not future.done():
+                    future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            start = 0
+            for items, future in taken:
+                if not future.done():
+                    future.set_result(results[start:start + len(items)])
+                start += len(items)
+        finally:
+            self._running.discard(asyncio.current_task())
+            self._send()
 
 
 def create_pipeline(repository: ModelRepository, name: str, infer: InferFn) -> Pipeline:

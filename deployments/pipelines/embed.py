@@ -16,14 +16,19 @@ Contract (``engines/embed/config.yaml``)::
 Tokenization is the ``tokenizers`` library with the encoder's ``tokenizer.json`` (beside its
 ``model.onnx``), truncating at ``max_seq_length`` (sentence-transformers' ``max_seq_length``:
 256 for all-MiniLM-L6-v2; its ``tokenizer.json`` itself says 128) and without the file's padding
-(fixed to 128 in that file). Texts go to the encoder sorted by length, in calls of
-``batch_size``, ``step_calls_in_flight`` calls at a time (``pipelines.map_bounded``); each
-call pads its texts to its longest. The encoder's own dynamic batching pads each call further
-to a sequence bucket (its ``dynamic_batching.sequence_buckets``, ``deployments.batching``), so
-calls of different lengths join and the encoder sees a few sequence lengths: on a GPU each new
-shape costs a plan rebuild (ONNX Runtime CUDA) or must sit in a TensorRT profile. The attention
-mask keeps the padding out of attention and out of the mean, so a text's embedding depends
-neither on its padding nor on the other texts of its request.
+(fixed to 128 in that file); a request of a few short texts (``INLINE_CHARACTERS``) is tokenized
+on the event loop, a longer one in a worker thread. Texts go to the encoder sorted by length, in
+calls of ``batch_size``, ``step_calls_in_flight`` calls of a request at a time
+(``pipelines.map_bounded``); the replica has ``replica_calls_in_flight`` encoder calls running at
+once, all requests together, and the texts that wait meanwhile join into the next call, up to
+``batch_size`` (``pipelines.JoinedCalls``): one text per request, as a query path sends, would
+otherwise cost a hop per text. Each call pads its texts to its longest. The encoder's own
+dynamic batching pads each call further to a sequence bucket (its
+``dynamic_batching.sequence_buckets``, ``deployments.batching``), so calls of different lengths
+join and the encoder sees a few sequence lengths: on a GPU each new shape costs a plan rebuild
+(ONNX Runtime CUDA) or must sit in a TensorRT profile. The attention mask keeps the padding out
+of attention and out of the mean, so a text's embedding depends neither on its padding nor on
+the other texts of its call, its request's or other requests'.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from pydantic import Field
 from tokenizers import Tokenizer
 
-from . import PipelineParameters, map_bounded
+from . import JoinedCalls, PipelineParameters, map_bounded
 from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.errors import ConfigError, InvalidInput, PayloadTooLarge
 from ..runtime.contract.outputs import Outputs
@@ -49,6 +54,9 @@ ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # token_type
 ENCODER_OUTPUT = "last_hidden_state"
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's eps, which sentence-transformers' Normalize uses
 TEXT = "text"
+# Texts of at most this many characters in all are tokenized on the event loop: for a query
+# the hop to a worker thread and back costs more than the tokenizer (tens of µs).
+INLINE_CHARACTERS = 256
 
 
 class EmbedParameters(PipelineParameters):
@@ -59,6 +67,7 @@ class EmbedParameters(PipelineParameters):
     on_overlength: Literal["truncate", "reject"] = "truncate"  # reject: 413
     max_texts: int = Field(2048, ge=1)  # texts per request; more: 413
     batch_size: Optional[int] = Field(None, ge=1)  # texts per encoder call; None: its max_batch_size
+    replica_calls_in_flight: int = Field(4, ge=1)  # encoder calls of all requests at once; more join (JoinedCalls)
 
 
 def load_tokenizer(path: str, max_seq_length: int) -> Tokenizer:
@@ -147,6 +156,7 @@ class EmbedPipeline:
         self._inputs = self._check_encoder(encoder, dimension)
         limit = min(encoder.max_batch_size or 1, *(spec.bounds()[1][0] for spec in encoder.inputs))
         self._batch = min(parameters.batch_size or limit, limit)
+        self._joined = JoinedCalls(self._embed, self._batch, parameters.replica_calls_in_flight)
 
     def _check_encoder(self, encoder: ModelConfig, dimension: int | None) -> tuple[str, ...]:
         """The encoder inputs the pipeline sends; raises ConfigError where it cannot serve."""
@@ -217,7 +227,10 @@ class EmbedPipeline:
             InferenceError, ModelNotReady, InferenceTimeout: passed on from ``infer``; its
                 ``InvalidInput`` names the step (``pipelines.step_caller``).
         """
-        encodings = await asyncio.to_thread(self._tokenizer.encode_batch, list(texts))
+        if sum(map(len, texts)) <= INLINE_CHARACTERS:
+            encodings = self._tokenizer.encode_batch(list(texts))
+        else:
+            encodings = await asyncio.to_thread(self._tokenizer.encode_batch, list(texts))
         cut = [i for i, e in enumerate(encodings) if e.overflowing]
         limit = self.parameters.max_seq_length
         if cut and self.parameters.on_overlength == "reject":
@@ -227,8 +240,11 @@ class EmbedPipeline:
         lengths = np.array([len(e.ids) for e in encodings], np.int64)
         order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
         groups = [order[i:i + self._batch] for i in range(0, len(order), self._batch)]
-        pooled = await map_bounded(lambda group: self._embed([encodings[i] for i in group]), groups,
-                                   self.parameters.step_calls_in_flight)
+        if len(groups) == 1:
+            pooled = [await self._joined([encodings[i] for i in groups[0]])]
+        else:
+            pooled = await map_bounded(lambda group: self._joined([encodings[i] for i in group]), groups,
+                                       self.parameters.step_calls_in_flight)
         embedding = np.empty((len(encodings), pooled[0].shape[1]), np.float32)
         for group, rows in zip(groups, pooled):
             embedding[group] = rows

@@ -241,6 +241,42 @@ def test_a_request_has_at_most_step_calls_in_flight_encoder_calls_running_at_onc
     assert pipeline.parameters.step_calls_in_flight == 4 and counting.most == 4
 
 
+def test_concurrent_requests_texts_join_into_one_encoder_call_and_each_gets_its_own_rows(model_repository,
+                                                                                         recording):
+    """Requests that arrive while the replica's encoder calls run wait, then go together in one
+    call (each hop costs the replicas CPU per call, whatever its rows); each request gets the
+    embedding it gets alone."""
+    encoder = model_repository.get(ENCODER)
+    tokenizer = load_tokenizer(str(encoder.onnx_path().parent / "tokenizer.json"), 256)
+    pipeline = EmbedPipeline(recording, tokenizer, encoder.config, {"replica_calls_in_flight": 1})
+    words = [f"text number {i} " * (1 + i % 4) for i in range(12)]
+
+    async def together():
+        return await asyncio.gather(*(pipeline.infer(texts(w)) for w in words))
+
+    joined = asyncio.run(together())
+    assert [shape[0] for shape in recording.shapes] == [1, 11]  # the first alone, the 11 that waited joined
+    for word, out in zip(words, joined):
+        np.testing.assert_allclose(out["embedding"], embed(pipeline, word)["embedding"], atol=1e-5)
+        assert out["tokens"].tolist() == [len(tokenizer.encode(word).ids)]
+
+
+def test_a_request_that_leaves_while_its_texts_wait_to_join_leaves_the_others_answered(model_repository, recording):
+    encoder = model_repository.get(ENCODER)
+    tokenizer = load_tokenizer(str(encoder.onnx_path().parent / "tokenizer.json"), 256)
+    pipeline = EmbedPipeline(recording, tokenizer, encoder.config, {"replica_calls_in_flight": 1})
+
+    async def one_leaves():
+        first, leaving, staying = (asyncio.ensure_future(pipeline.infer(texts(w))) for w in ("a", "b c", "d e f"))
+        await asyncio.sleep(0)  # all three reached the encoder's queue: "a" runs, the others wait
+        leaving.cancel()
+        return await first, await staying, leaving.cancelled()
+
+    first, staying, cancelled = asyncio.run(one_leaves())
+    assert cancelled and [shape[0] for shape in recording.shapes] == [1, 1]  # "b c" never reached the encoder
+    np.testing.assert_allclose(staying["embedding"], embed(pipeline, "d e f")["embedding"], atol=1e-5)
+
+
 def test_a_refused_encoder_call_stops_the_requests_other_calls_from_running(model_repository, encoder):
     counting = CountingEncoder(encoder, refuse=True)
     pipeline = create_pipeline(model_repository, "embed", counting)
