@@ -31,8 +31,14 @@ the hot set changes) and the cold-load rate is reported per ``BUCKET_S`` after i
 and the requests that were not answered 200 from the kill on are counted (``lost``, with their
 statuses).
 
-    .venv/bin/python -m bench.placement --quick --out /tmp/placement.json    # under 8 min on 2 cores
-    .venv/bin/python -m bench.placement --out /tmp/placement.json            # 4 replicas, 16 and 64 clients, shift, kill
+Defaults: 4 pool replicas, a third of the bytes each, Zipf s = 1; ``--quick``: 30 models, 16
+clients, 25 s warm-up and a 30 s window per policy (about 4 minutes on 2 cores); else 48
+models, 16 and 64 clients, 40 s and 60 s, then the shift (``--shift-s`` 40) and the kill
+(``--kill-s`` 30) at each client count. Ray's plain ``@serve.multiplexed`` routing (issue 31's
+anchor) is not measured here.
+
+    .venv/bin/python -m bench.placement --quick --out /tmp/placement.json
+    .venv/bin/python -m bench.placement --out /tmp/placement.json
 """
 
 from __future__ import annotations
@@ -469,6 +475,7 @@ class Bench:
             await asyncio.sleep(a.duration_s)
             stop_s = time.monotonic()
             watch.read()
+            extra["load_average_1m"] = round(os.getloadavg()[0], 1)  # the machine is shared: its noise
             extra["replica_cpu_s"] = sorted((round(cpu_seconds(p) - t, 2) for p, t in cpu.items()), reverse=True)
             steady = window_stats(load.answers, start, stop_s)
             extra["replica_cache_events"] = {  # loads + reloads (prefetches included), evictions (releases included)
@@ -518,7 +525,7 @@ class Bench:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 replicas, 16 clients, 30 models, no shift or kill")
+    parser.add_argument("--quick", action="store_true", help="16 clients, 30 models, shorter windows, no shift or kill")
     parser.add_argument("--out", type=Path, required=True, help="JSON rows are written here")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--models", type=int)
@@ -534,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     quick = a.quick
     a.models = a.models or (30 if quick else 48)
-    a.replicas = a.replicas or (2 if quick else 4)
+    a.replicas = a.replicas or 4
     a.clients = [int(c) for c in (a.clients or ("16" if quick else "16,64")).split(",")]
     a.warmup_s = a.warmup_s if a.warmup_s is not None else (25.0 if quick else 40.0)
     a.duration_s = a.duration_s if a.duration_s is not None else (30.0 if quick else 60.0)
