@@ -9,8 +9,10 @@ routes by its answer. Its promises (tests/unit/test_placement.py):
 * **Fits.** The models placed on a replica fit its ``budget_bytes`` and ``max_models`` whenever
   some placement of every model's first copy fits (first-fit decreasing by bytes, which finds
   one in the cases it is used for: a handful of sizes, budgets of a few models each). A model
-  that fits nowhere goes where it evicts least: the replica whose coldest models that would
-  make room for it carry the least request rate (its ``why`` says ``evicts``).
+  that fits nowhere stays on the replica it had (its ``why`` says ``kept where it was``: elsewhere
+  it would evict as well, and re-placing the tail at every recompute by rates that wobble moved
+  models back and forth); a new one goes where it evicts least: the replica whose coldest
+  models that would make room for it carry the least request rate (``why`` says ``evicts``).
 * **Copies for hot models.** A model gets ``ceil(rate / (copy_share x fair))`` copies, ``fair``
   the rate one replica would get if load were even (total rate / replicas), at least 1, at
   most the replicas (or ``max_copies``); extra copies only where they fit without pushing any
@@ -157,7 +159,7 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
     previous copies on replicas that still exist are kept, up to the copies; (3) a replica over
     its limits drops its coldest kept models until it fits; (4) every model without a copy is
     placed, largest first, on a replica it fits (already resident there first, then the least
-    loaded, then the most free bytes), else where it evicts least; (5) extra copies of hot
+    loaded, then the most free bytes), else on the replica it had, else where it evicts least; (5) extra copies of hot
     models, hottest first, where they fit; (6) balance (``_balance``).
     """
     ids = sorted(replicas)
@@ -202,6 +204,9 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
         if fitting:
             target = best(model, fitting)
             reasons.setdefault(model, "fits")
+        elif kept := [r for r in before.get(model, ()) if r in rooms]:  # stays: elsewhere it would evict too
+            target = kept[0]
+            reasons[model] = "fits no replica: kept where it was"
         else:
             target = min(ids, key=lambda r: (_eviction_cost(rooms[r], nbytes, rates), -rooms[r].free_bytes(),
                                              rooms[r].load, r))

@@ -1,0 +1,108 @@
+"""The pure parts of ``bench.placement``: Zipf popularity and sampling, the cache counters read
+from ``/metrics``, the over-budget figure from ``/v2/memory``, and the rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.placement import (Answer, Sampler, cache_counters, cold_loads, over_budget_bytes, popularity, row,
+                             verdict, window_stats, zipf_weights)
+
+
+def test_zipf_weights_fall_as_one_over_rank_and_sum_to_one():
+    w = zipf_weights(4, 1.0)
+    harmonic = 1 + 1 / 2 + 1 / 3 + 1 / 4
+    assert w == pytest.approx([1 / harmonic, 1 / 2 / harmonic, 1 / 3 / harmonic, 1 / 4 / harmonic])
+    assert zipf_weights(3, 0.0) == pytest.approx([1 / 3] * 3)
+    with pytest.raises(ValueError, match="at least one model"):
+        zipf_weights(0)
+
+
+def test_popularity_shift_rotates_the_ranking_so_the_cold_half_becomes_hot():
+    models = ["a", "b", "c", "d"]
+    assert max(popularity(models), key=popularity(models).get) == "a"
+    shifted = popularity(models, shift=2)
+    assert [m for m, _ in sorted(shifted.items(), key=lambda kv: -kv[1])] == ["c", "d", "a", "b"]
+    assert sum(shifted.values()) == pytest.approx(1.0)
+
+
+def test_sampler_draws_models_in_their_zipf_shares_and_follows_a_new_popularity():
+    shares = popularity([f"m{k}" for k in range(10)])
+    sampler = Sampler(shares, np.random.default_rng(0))
+    n = 40_000
+    counts = {m: 0 for m in shares}
+    for _ in range(n):
+        counts[sampler.draw()] += 1
+    for model, share in shares.items():  # binomial: 4 standard deviations
+        assert abs(counts[model] / n - share) < 4 * (share * (1 - share) / n) ** 0.5, (model, counts[model])
+    sampler.set({"m3": 1.0, "m4": 0.0})
+    assert {sampler.draw() for _ in range(200)} == {"m3"}
+
+
+METRICS = """\
+# HELP trt_serve_cache_loads_total Pool cache: first loads of a model
+# TYPE trt_serve_cache_loads_total counter
+trt_serve_cache_loads_total{model="m00",replica="r1"} 3.0
+trt_serve_cache_loads_total{model="m01",replica="r1"} 1.0
+trt_serve_cache_loads_total{model="m00",replica="r2"} 2.0
+# HELP trt_serve_cache_reloads_total Pool cache: loads of a model after its eviction
+# TYPE trt_serve_cache_reloads_total counter
+trt_serve_cache_reloads_total{model="m01",replica="r2"} 5.0
+# HELP trt_serve_cache_evictions_total Pool cache: evictions
+# TYPE trt_serve_cache_evictions_total counter
+trt_serve_cache_evictions_total{model="m01",replica="r2"} 6.0
+# HELP trt_serve_cache_resident_bytes Pool cache: footprints of the resident models, bytes
+# TYPE trt_serve_cache_resident_bytes gauge
+trt_serve_cache_resident_bytes{replica="r1"} 100.0
+trt_serve_cache_resident_bytes{replica="r2"} 250.0
+# HELP trt_serve_cache_budget_bytes Pool cache: byte budget (absent: no budget)
+# TYPE trt_serve_cache_budget_bytes gauge
+trt_serve_cache_budget_bytes{replica="r1"} 200.0
+trt_serve_cache_budget_bytes{replica="r2"} 200.0
+# HELP nv_inference_count Number of inferences
+# TYPE nv_inference_count counter
+nv_inference_count{model="m00",version="1"} 99.0
+"""
+
+
+def test_cache_counters_sum_each_replicas_loads_reloads_and_evictions_over_models():
+    counters = cache_counters(METRICS)
+    assert counters == {"r1": {"loads": 4.0, "reloads": 0.0, "evictions": 0.0, "resident_bytes": 100.0, "budget_bytes": 200.0},
+                        "r2": {"loads": 2.0, "reloads": 5.0, "evictions": 6.0, "resident_bytes": 250.0, "budget_bytes": 200.0}}
+    assert cold_loads(counters) == 11.0
+
+
+def test_over_budget_takes_the_most_any_event_or_the_present_held_beyond_the_budget():
+    memory = {"budget_bytes": 1000, "resident_bytes": 900,
+              "events": [{"resident_bytes": 800}, {"resident_bytes": 1150}, {"resident_bytes": 700}]}
+    assert over_budget_bytes(memory) == 150
+    assert over_budget_bytes({**memory, "events": []}) == 0
+    assert over_budget_bytes({**memory, "budget_bytes": None}) == 0
+    assert over_budget_bytes(None) == 0
+
+
+def test_a_row_counts_cold_loads_per_thousand_answered_requests_of_its_window():
+    answers = [Answer(0.0, 1.0, "m0", "200"), Answer(1.0, 1.1, "m1", "200"), Answer(1.5, 1.6, "m0", "503"),
+               Answer(2.0, 2.3, "m2", "wrong answer: output 'x' differs from the reference"),
+               Answer(2.0, 2.5, "m0", "200"), Answer(9.0, 10.5, "m0", "200")]  # last one answered after the window
+    stats = window_stats(answers, 0.5, 10.0)
+    assert stats["requests"] == 3 and stats["qps"] == round(3 / 9.5, 2)
+    assert stats["errors"] == {"503": 1, "wrong answer: output 'x' differs from the reference": 1}
+    assert stats["p50_ms"] == pytest.approx(500.0)
+    r = row("bytes", 16, stats, cold_before=10, cold_after=13, over_bytes=0)
+    assert r["cold_loads_per_1000"] == 1000.0 and r["cold_loads"] == 3
+    assert (r["placement"], r["clients"], r["max_resident_over_budget_bytes"]) == ("bytes", 16, 0)
+    assert row("hash", 16, window_stats([], 0, 1), 0, 0, 0)["cold_loads_per_1000"] is None
+
+
+def test_verdict_needs_half_the_cold_loads_a_p99_within_a_tenth_and_no_replica_over_budget():
+    hash_row = {"placement": "hash", "clients": 16, "cold_loads_per_1000": 40.0, "p99_ms": 100.0,
+                "max_resident_over_budget_bytes": 0}
+    wins = {**hash_row, "placement": "bytes", "cold_loads_per_1000": 20.0, "p99_ms": 110.0}
+    assert verdict([hash_row, wins]) == {"16": {"half_the_cold_loads": True, "p99_within_1.1x": True,
+                                                "never_over_budget": True, "bytes_wins": True}}
+    over = {**wins, "max_resident_over_budget_bytes": 1}
+    slow = {**wins, "p99_ms": 111.0}
+    assert verdict([hash_row, over])["16"]["bytes_wins"] is False
+    assert verdict([hash_row, slow])["16"]["p99_within_1.1x"] is False
