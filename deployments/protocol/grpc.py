@@ -99,12 +99,14 @@ def _typed_contents(where: str, datatype: str, shape: list[int], contents: Any) 
     if datatype == "BYTES":
         return b"".join(_LENGTH_PREFIX.pack(len(item)) + item for item in values)
     dtype = NUMPY_BY_DATATYPE[datatype].newbyteorder("<")
-    array = np.asarray(values)
-    if dtype.kind in "iu" and array.size:
+    # The range is checked on the Python ints and numpy is given the dtype: left to infer one,
+    # numpy read protobuf 6's repeated uint64 field (and a list mixing 0 with 2**64 - 1) as
+    # float64, and 2**64 - 1 came out as 0.
+    if dtype.kind in "iu" and count:
         info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
+        if min(values) < info.min or max(values) > info.max:
             raise InvalidInput(f"{where}: {datatype} data must be integers in [{info.min}, {info.max}]")
-    return array.astype(dtype).tobytes()
+    return np.array(list(values), dtype=dtype).tobytes()
 
 
 def _in_shared_memory(params: Mapping[str, Any]) -> bool:

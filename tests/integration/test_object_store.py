@@ -179,7 +179,12 @@ def test_a_truncated_upload_of_a_new_version_fails_its_load_and_the_served_versi
             assert r.status_code == 200 and r.json()["model_version"] == "2", r.text
             got = np.array(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(1, 1000)
             np.testing.assert_allclose(got, _onnxruntime(ENGINES / "tiny_cnn/1/model.onnx"), rtol=1e-6, atol=1e-6)
-        assert _index(base)[("tiny_cnn", "2")]["state"] == "READY"
+        # The kept reading is restored under a new generation: LOADING until every replica
+        # reports it, then READY (it serves throughout, as checked above).
+        deadline = time.monotonic() + 60
+        while (state := _index(base)[("tiny_cnn", "2")]["state"]) != "READY" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert state == "READY"
     finally:
         fs.rm(key)
 
