@@ -117,8 +117,16 @@ def _settled(url: str) -> bool:
     return {m: {r for r in now if now[r]["models"][m]["state"] == "ready"} for m in MODELS} == routed
 
 
+def _revision(url: str) -> int:
+    return next(iter(pool_replicas(url).values()))["placement"]["revision"]
+
+
 def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(placed):
     _, url = placed
+    # The decision settled (the same revision two recomputes apart, every model ready where it is
+    # placed), so HAProxy's map holds it before the requests: until then requests are hashed.
+    until(lambda: _settled(url) and (lambda first: (time.sleep(5), _revision(url) == first)[1])(_revision(url)),
+          "a settled placement", 90)
     replicas = pool_replicas(url)
     routed = {m: set(w["routed"]) for m, w in next(iter(replicas.values()))["placement"]["models"].items()}
     assert all(len(where) == 1 for where in routed.values()), routed  # no load yet: one copy each
