@@ -439,8 +439,9 @@ class V2Routes:
         """
         timeout_s, asked = request_bound(timeout_s, self.request_timeout_s)
         try:
-            return await asyncio.wait_for(call, timeout_s + grace_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s + grace_s):  # in this task: no task per request, as wait_for's
+                return await call
+        except TimeoutError:
             if not self.states.is_ready(name):  # it lost its replicas while the request waited
                 self._require_ready(self.repo.get(name))
             raise timeout_error(name, timeout_s, asked) from None

@@ -104,6 +104,7 @@ async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], tim
     """
     timeout_s, asked = request_bound(timeout_s, default_s)
     try:
-        return await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # in this task: no task per request, as wait_for's
+            return await call
+    except TimeoutError:
         raise timeout_error(model, timeout_s, asked) from None

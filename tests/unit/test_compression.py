@@ -112,3 +112,9 @@ def test_responses_stay_plain_when_no_coding_fits_or_the_body_is_small(app, path
     headers, body = raw_get(app, path, accept)
     assert "content-encoding" not in headers
     assert body in (BODY, b'{"live":true}')
+
+
+def test_an_uncompressed_infer_answer_of_500_bytes_or_more_says_vary_accept_encoding(app):
+    big, _ = raw_get(app, "/big/infer", "identity")
+    small, _ = raw_get(app, "/small/infer", "identity")
+    assert big["vary"] == "Accept-Encoding" and "vary" not in small
