@@ -110,31 +110,38 @@ def test_concurrent_requests_share_a_batch_and_each_gets_its_own_answer(batching
     calls = [lambda i=i, x=x: post(batching_server, "ocr_cls", f"cls-{i}", x, binary=i % 2 == 1)
              for i, x in enumerate(inputs)]
     calls.append(lambda: post(batching_server, "ocr_cls", "cls-bad", bad, binary=False))
-    before = counters("ocr_cls")
-    responses = send_together(calls)
-
-    for i, (x, response) in enumerate(zip(inputs, responses)):
-        request_id, got = output(response)
-        assert request_id == f"cls-{i}"
-        np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
-    assert responses[-1].status_code == 400 and "axis 3 is 100" in responses[-1].json()["error"]
-    after = counters("ocr_cls")
-    assert after["enabled"] and after["requests"] - before["requests"] == len(inputs)
+    # Requests that arrive while the replica is busy join; on a loaded machine one round's
+    # requests can arrive apart, so up to five rounds are sent (each checked) until one joins.
+    for _ in range(5):
+        before = counters("ocr_cls")
+        responses = send_together(calls)
+        for i, (x, response) in enumerate(zip(inputs, responses)):
+            request_id, got = output(response)
+            assert request_id == f"cls-{i}"
+            np.testing.assert_allclose(got, reference("ocr_cls", x), rtol=1e-4, atol=1e-5)
+        assert responses[-1].status_code == 400 and "axis 3 is 100" in responses[-1].json()["error"]
+        after = counters("ocr_cls")
+        assert after["enabled"] and after["requests"] - before["requests"] == len(inputs)
+        assert after["retried_alone"] == before["retried_alone"]
+        if after["max_requests"] > 1:
+            break
     assert after["max_requests"] > 1 and after["max_rows"] <= 32
-    assert after["retried_alone"] == before["retried_alone"]
 
 
 def test_ocr_rec_batches_each_width_apart(batching_server, counters):
     rng = np.random.default_rng(12)
     widths = [160, 320, 160, 320, 160, 320]
     inputs = [rng.standard_normal((1, 3, 48, w), dtype=np.float32) for w in widths]
-    responses = send_together([lambda i=i, x=x: post(batching_server, "ocr_rec", f"rec-{i}", x, binary=True)
-                               for i, x in enumerate(inputs)])
-    for i, (x, response) in enumerate(zip(inputs, responses)):
-        request_id, got = output(response)
-        assert request_id == f"rec-{i}"
-        np.testing.assert_allclose(got, reference("ocr_rec", x), rtol=1e-4, atol=1e-5)
-    stats = counters("ocr_rec")
+    for _ in range(5):  # until a round joins (see the test above)
+        responses = send_together([lambda i=i, x=x: post(batching_server, "ocr_rec", f"rec-{i}", x, binary=True)
+                                   for i, x in enumerate(inputs)])
+        for i, (x, response) in enumerate(zip(inputs, responses)):
+            request_id, got = output(response)
+            assert request_id == f"rec-{i}"
+            np.testing.assert_allclose(got, reference("ocr_rec", x), rtol=1e-4, atol=1e-5)
+        stats = counters("ocr_rec")
+        if stats["max_requests"] > 1:
+            break
     # Joined calls happened, and none had to be re-run alone (mixed widths would fail to join).
     assert stats["max_requests"] > 1 and stats["retried_alone"] == 0
 
