@@ -28,6 +28,8 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
+import psutil
+from google.protobuf.message import DecodeError
 from starlette.requests import Request
 from starlette.responses import Response
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as pb_grpc
@@ -298,18 +300,116 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 STOP_GRACE_S = 5.0
 
 
+class _HandlerCapture:
+    """Stands in for a server to collect the generated ``add_..._to_server``'s method handlers."""
+
+    def __init__(self) -> None:
+        self.generic: list[grpc.GenericRpcHandler] = []
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.methods.update(handlers)
+
+
+class _Call:
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+
+def _parsed_in_the_call(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` taking the raw message and parsing it itself, so a message that is not a
+    valid protobuf of its type ends the call INVALID_ARGUMENT with what was wrong (grpcio
+    answers a failing deserializer UNKNOWN "Unexpected DecodeError")."""
+    parse = handler.request_deserializer
+
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the {name} request is not a valid protobuf message of its type ({e})")
+
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            return await unary(await parsed(raw, context), context)
+
+        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+    stream = handler.stream_stream
+
+    async def stream_stream(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def requests() -> AsyncIterator[Any]:
+            async for raw in raws:
+                yield await parsed(raw, context)
+
+        async for answer in stream(requests(), context):
+            yield answer
+
+    return handler._replace(request_deserializer=None, stream_stream=stream_stream)
+
+
+def service_handler(routes: V2Routes) -> grpc.GenericRpcHandler:
+    """``InferenceService(routes)``'s methods as one handler, each parsing its own message."""
+    capture = _HandlerCapture()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes), capture)
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    methods = capture.methods or {  # older generated code registers the generic handler only
+        method.name: capture.generic[0].service(_Call(f"/{service.full_name}/{method.name}"))
+        for method in service.methods}
+    return grpc.method_handlers_generic_handler(
+        service.full_name, {name: _parsed_in_the_call(name, handler) for name, handler in methods.items()})
+
+
+def foreign_listeners(port: int) -> list[str]:
+    """The processes listening on TCP ``port`` other than this one and the router replicas of
+    the same application on this node (the same parent, this node's raylet, and the same
+    process title), each as ``pid N (command)``; ``unknown process`` where the socket's owner
+    cannot be read. SO_REUSEPORT lets any process of the same user bind a port another one
+    listens on, and the kernel then spreads connections among them: a second server on the
+    port would answer some of this one's calls."""
+    me = psutil.Process()
+    ours = (me.ppid(), me.cmdline()[:1])
+    found = []
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status != psutil.CONN_LISTEN or connection.laddr.port != port or connection.pid == me.pid:
+            continue
+        if connection.pid is None:
+            found.append("unknown process")
+            continue
+        try:
+            other = psutil.Process(connection.pid)
+            if (other.ppid(), other.cmdline()[:1]) == ours:
+                continue
+            found.append(f"pid {connection.pid} ({' '.join(other.cmdline())[:120]})")
+        except psutil.Error:
+            found.append(f"pid {connection.pid}")
+    return sorted(set(found))
+
+
 async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int) -> grpc.aio.Server:
     """Serve ``InferenceService(routes)`` on ``host:port`` from this event loop; messages up to
     ``max_message_bytes`` (``max_body_mib``: grpcio answers a larger one RESOURCE_EXHAUSTED).
     SO_REUSEPORT (grpcio's default on Linux, set here explicitly) lets every router replica of
-    the node listen on the same port; the kernel spreads connections among them.
+    the node listen on the same port; the kernel spreads connections among them. Any other
+    process on the port (``foreign_listeners``) would get a share of the calls: the server is
+    stopped again and the start fails.
 
     Raises:
-        RuntimeError: the port cannot be bound (held by a process without SO_REUSEPORT).
+        RuntimeError: the port cannot be bound (held by a process without SO_REUSEPORT), or
+            another server listens on it too.
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 1)])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes), server)
+    server.add_generic_rpc_handlers((service_handler(routes),))
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
+    others = foreign_listeners(port)
+    if others:
+        await server.stop(None)
+        raise RuntimeError(f"another server listens on port {port} too, and would answer some of its calls: "
+                           + ", ".join(others))
     return server

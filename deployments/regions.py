@@ -79,5 +79,9 @@ async def _sweep_forever(shm: SharedMemory) -> None:
         await asyncio.sleep(SWEEP_S)
         try:
             await asyncio.to_thread(shm.sweep)
+        except RuntimeError as e:
+            if "shutdown" in str(e):  # "cannot schedule new futures after shutdown": the process stops
+                return
+            logger.warning("shared memory: the registered regions are unavailable", exc_info=True)
         except Exception:  # the GCS is restarting: try again
             logger.warning("shared memory: the registered regions are unavailable", exc_info=True)

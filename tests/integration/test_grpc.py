@@ -409,3 +409,24 @@ def test_message_of_the_body_limit_passes_and_one_byte_over_is_resource_exhauste
         stub.ModelInfer(request, timeout=120)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert str(limit) in info.value.details(), info.value.details()
+
+
+@pytest.mark.parametrize("method", ["ModelInfer", "ModelMetadata"])
+def test_a_message_that_is_not_protobuf_is_invalid_argument_and_the_server_serves_on(grpc_url, client, method):
+    with grpc.insecure_channel(grpc_url) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff not a protobuf", timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"the {method} request is not a valid protobuf message" in info.value.details()
+    a, b = pair()
+    assert np.array_equal(client.infer("simple", simple_inputs(a, b)).as_numpy("OUTPUT0"), a + b)
+
+
+def test_a_stream_message_that_is_not_protobuf_ends_the_stream_invalid_argument(grpc_url):
+    with grpc.insecure_channel(grpc_url) as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(iter([b"\xff\xff\xff\xff"]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the ModelStreamInfer request is not a valid protobuf message" in info.value.details()

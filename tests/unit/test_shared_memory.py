@@ -254,3 +254,27 @@ def test_a_mapping_held_by_a_request_is_unmapped_by_a_later_sweep(memory, key):
     assert memory.sweep() == 1  # still held by the request in flight
     del held
     assert memory.sweep() == 0
+
+
+def test_the_sweep_stops_quietly_once_the_loop_executor_is_shut_down(monkeypatch, caplog):
+    """A stopping replica shuts its loop's default executor down before its tasks end: the
+    sweep then returns, with no traceback in the ``serve run`` terminal."""
+    import asyncio
+
+    from deployments import regions
+
+    class Store:
+        swept = 0
+
+        def sweep(self) -> None:
+            Store.swept += 1
+
+    async def run() -> None:
+        monkeypatch.setattr(regions, "SWEEP_S", 0)
+        await asyncio.to_thread(Store().sweep)  # the executor works
+        await asyncio.get_running_loop().shutdown_default_executor()
+        await asyncio.wait_for(regions._sweep_forever(Store()), 10)
+
+    with caplog.at_level("WARNING", logger=regions.logger.name):
+        asyncio.run(run())
+    assert Store.swept == 1 and caplog.records == []
