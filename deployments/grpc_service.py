@@ -364,15 +364,20 @@ def service_handler(routes: V2Routes) -> grpc.GenericRpcHandler:
         service.full_name, {name: _parsed_in_the_call(name, handler) for name, handler in methods.items()})
 
 
+def _node_and_title(process: psutil.Process) -> tuple[str, list[str]]:
+    """The raylet a process belongs to (Ray's ``RAY_RAYLET_PID`` in a worker's environment, else
+    its parent) and its process title (``ray::ServeReplica:<application>:router``)."""
+    return process.environ().get("RAY_RAYLET_PID", str(process.ppid())), process.cmdline()[:1]
+
+
 def foreign_listeners(port: int) -> list[str]:
     """The processes listening on TCP ``port`` other than this one and the router replicas of
-    the same application on this node (the same parent, this node's raylet, and the same
-    process title), each as ``pid N (command)``; ``unknown process`` where the socket's owner
-    cannot be read. SO_REUSEPORT lets any process of the same user bind a port another one
+    the same application on this node (the same raylet and process title: ``_node_and_title``),
+    each as ``pid N (command)``; ``unknown process`` where the socket's owner cannot be read. SO_REUSEPORT lets any process of the same user bind a port another one
     listens on, and the kernel then spreads connections among them: a second server on the
     port would answer some of this one's calls."""
     me = psutil.Process()
-    ours = (me.ppid(), me.cmdline()[:1])
+    ours = _node_and_title(me)
     found = []
     for connection in psutil.net_connections(kind="tcp"):
         if connection.status != psutil.CONN_LISTEN or connection.laddr.port != port or connection.pid == me.pid:
@@ -382,7 +387,7 @@ def foreign_listeners(port: int) -> list[str]:
             continue
         try:
             other = psutil.Process(connection.pid)
-            if (other.ppid(), other.cmdline()[:1]) == ours:
+            if _node_and_title(other) == ours:
                 continue
             found.append(f"pid {connection.pid} ({' '.join(other.cmdline())[:120]})")
         except psutil.Error:
