@@ -364,20 +364,22 @@ def service_handler(routes: V2Routes) -> grpc.GenericRpcHandler:
         service.full_name, {name: _parsed_in_the_call(name, handler) for name, handler in methods.items()})
 
 
-def _node_and_title(process: psutil.Process) -> tuple[str, list[str]]:
-    """The raylet a process belongs to (Ray's ``RAY_RAYLET_PID`` in a worker's environment, else
-    its parent) and its process title (``ray::ServeReplica:<application>:router``)."""
-    return process.environ().get("RAY_RAYLET_PID", str(process.ppid())), process.cmdline()[:1]
+def _raylet(process: psutil.Process) -> str:
+    """The raylet a process belongs to: Ray's ``RAY_RAYLET_PID`` in a worker's environment, else
+    its parent (the raylet starts the workers)."""
+    return process.environ().get("RAY_RAYLET_PID", str(process.ppid()))
 
 
-def foreign_listeners(port: int) -> list[str]:
-    """The processes listening on TCP ``port`` other than this one and the router replicas of
-    the same application on this node (the same raylet and process title: ``_node_and_title``),
-    each as ``pid N (command)``; ``unknown process`` where the socket's owner cannot be read. SO_REUSEPORT lets any process of the same user bind a port another one
-    listens on, and the kernel then spreads connections among them: a second server on the
-    port would answer some of this one's calls."""
+def foreign_listeners(port: int, title: str | None = None) -> list[str]:
+    """The processes listening on TCP ``port`` other than this one and its siblings, each as
+    ``pid N (command)``; ``unknown process`` where the socket's owner cannot be read. A sibling
+    belongs to this process's raylet (the same node) and has the process title ``title`` (a
+    router replica's ``ray::ServeReplica:<application>:<deployment>``, to which Ray appends
+    ``.<method>`` while one runs; None: this process's own title). SO_REUSEPORT lets any process
+    of the same user bind a port another one listens on, and the kernel then spreads
+    connections among them: a second server on the port would answer some of this one's calls."""
     me = psutil.Process()
-    ours = _node_and_title(me)
+    node, title = _raylet(me), title or me.cmdline()[0]
     found = []
     for connection in psutil.net_connections(kind="tcp"):
         if connection.status != psutil.CONN_LISTEN or connection.laddr.port != port or connection.pid == me.pid:
@@ -387,21 +389,23 @@ def foreign_listeners(port: int) -> list[str]:
             continue
         try:
             other = psutil.Process(connection.pid)
-            if _node_and_title(other) == ours:
+            named = other.cmdline()[0].rstrip()
+            if _raylet(other) == node and (named == title or named.startswith(f"{title}.")):
                 continue
-            found.append(f"pid {connection.pid} ({' '.join(other.cmdline())[:120]})")
-        except psutil.Error:
+            found.append(f"pid {connection.pid} ({' '.join(other.cmdline()).rstrip()[:120]})")
+        except (psutil.Error, IndexError):
             found.append(f"pid {connection.pid}")
     return sorted(set(found))
 
 
-async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int) -> grpc.aio.Server:
+async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int,
+                title: str | None = None) -> grpc.aio.Server:
     """Serve ``InferenceService(routes)`` on ``host:port`` from this event loop; messages up to
     ``max_message_bytes`` (``max_body_mib``: grpcio answers a larger one RESOURCE_EXHAUSTED).
     SO_REUSEPORT (grpcio's default on Linux, set here explicitly) lets every router replica of
     the node listen on the same port; the kernel spreads connections among them. Any other
-    process on the port (``foreign_listeners``) would get a share of the calls: the server is
-    stopped again and the start fails.
+    process on the port (``foreign_listeners``, ``title`` naming the replicas that share it) would
+    get a share of the calls: the server is stopped again and the start fails.
 
     Raises:
         RuntimeError: the port cannot be bound (held by a process without SO_REUSEPORT), or
@@ -412,7 +416,7 @@ async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int) 
     server.add_generic_rpc_handlers((service_handler(routes),))
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    others = foreign_listeners(port)
+    others = foreign_listeners(port, title)
     if others:
         await server.stop(None)
         raise RuntimeError(f"another server listens on port {port} too, and would answer some of its calls: "

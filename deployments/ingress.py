@@ -111,7 +111,9 @@ class Router(RouterApp):
         cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on."""
         host = bind_host()
         try:
-            self._grpc = await grpc_service.start(self, port, host, max_body_bytes)
+            replica = serve.get_replica_context()
+            title = f"ray::ServeReplica:{replica.app_name}:{replica.deployment}"  # what Ray names its process
+            self._grpc = await grpc_service.start(self, port, host, max_body_bytes, title)
         except Exception as e:
             ready_logger.error("gRPC: cannot serve on %s:%d (%s); set grpc_port in the application args to a "
                                "free port, or null for none. HTTP serves on.", host, port, e)
