@@ -272,6 +272,7 @@ class PlacementFollower:
         self.prefetch, self.release = prefetch, release
         self.decision: dict[str, Any] | None = None
         self.mine: set[str] = set()  # models placed or routed here in the last decision applied
+        self.placed: set[str] = set()  # models the last decision applied placed anywhere
         self.task: asyncio.Task | None = None
         self._applying: asyncio.Future | None = None
 
@@ -282,17 +283,22 @@ class PlacementFollower:
         return target, routes
 
     def apply(self, decision: dict[str, Any]) -> None:
-        """Release what this replica lost, then prefetch what it gained (blocking)."""
+        """Release what this replica lost, and what it holds of the models placed for the first
+        time elsewhere (a load through model control, or ``load_policy: eager``, loaded them on
+        every replica); then prefetch what it gained (blocking). A model loaded here later by a
+        request the hash sent (a server HAProxy counts down, another node's HAProxy) is left to
+        the cache: released, each such request would load it again."""
         target, routes = self.here(decision)
         report = self.report()
-        for model in sorted(self.mine - target - routes):
+        first_placed = set(decision["target"]) - self.placed
+        for model in sorted((self.mine | (first_placed & set(report.resident))) - target - routes):
             self.release(model)
         for model in sorted(target - set(report.resident)):
             try:
                 self.prefetch(model)
             except Exception as error:  # its request will say why; the others still load
                 logger.warning("placement: prefetch of %s failed: %s", model, error)
-        self.mine = target | routes
+        self.mine, self.placed = target | routes, set(decision["target"])
 
     async def sync(self) -> None:
         """Report and read; apply the decision in a thread unless the last one is still being

@@ -109,3 +109,46 @@ def test_the_index_and_the_metrics_show_each_pool_model_where_v2_memory_places_i
         assert items[model]["placement"]["rate_per_s"] == shown["models"][model]["rate_per_s"] > 0
         assert scraped[("trt_serve_placement_rate_per_s", (("model", model),))] > 0
 
+
+def test_an_unloaded_pool_model_is_placed_nowhere_until_loaded_and_a_load_answers_once_placed_replicas_have_it(server):
+    url, _ = server
+    model = MODELS[-1]  # no request yet: one copy (a hot one would have one on every replica)
+    until(lambda: _settled(url), "a settled placement", 120)
+    r = requests.post(f"{url}/v2/repository/models/{model}/unload", json={}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def unplaced():
+        shown = placement(url)
+        return shown if shown is not None and model not in shown["models"] else None
+
+    first = until(unplaced, f"a decision without {model}", 30)
+    line = index(url)[model]
+    assert line["state"] == "UNAVAILABLE" and line["reason"] == "unloaded"
+    assert line["placement"]["copies"] == 0 and line["placement"]["replicas"] == []
+    assert line["placement"]["reason"] == "unloaded: placed on no replica until it is loaded"
+    until(lambda: series(f"{url}/metrics").get(("trt_serve_placement_copies", (("model", model),))) == 0,
+          f"{model}'s copies 0 in the series", 30)
+
+    # never placed again, nor loaded anywhere, over three more decisions
+    seen: dict[str, dict] = {}
+
+    def three_more():
+        pool = memory(url)
+        if pool is None:
+            return False
+        seen[pool["replica"]] = pool
+        assert model not in pool["placement"]["models"], pool["placement"]
+        assert pool["models"][model]["state"] != "ready", (pool["replica"], pool["models"][model])
+        return len(seen) == 2 and pool["placement"]["recomputes"] >= first["recomputes"] + 3
+
+    until(three_more, "three decisions after the unload", 60)
+
+    r = requests.post(f"{url}/v2/repository/models/{model}/load", json={}, timeout=60)
+    assert r.status_code == 200, r.text
+    # placed again (one copy: no request yet), ready on its placed replica and released by the other
+    until(lambda: _settled(url), f"{model} placed again and ready on exactly its placed replicas", 60)
+    shown = placement(url)
+    assert shown["models"][model]["copies"] == len(shown["models"][model]["replicas"]) == 1
+    line = index(url)[model]
+    assert line["placement"]["replicas"] == shown["models"][model]["replicas"]
+    assert answer(url, model) is not None

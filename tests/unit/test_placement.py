@@ -247,6 +247,25 @@ def test_the_follower_releases_what_it_lost_before_it_prefetches_what_it_gained(
     assert calls[1:] == [("release", "a"), ("prefetch", "b")]
 
 
+def test_a_model_first_placed_elsewhere_is_released_where_a_load_left_it_and_a_stray_one_later_is_not():
+    # a load (model control, or load_policy eager) loads a model on every pool replica before
+    # the placement names one: the replicas it does not name let it go at the first decision
+    # that places it; one loaded later by a request sent by the hash (a server HAProxy has down,
+    # another node's HAProxy) is left to the cache's LRU: releasing it would reload it per request
+    calls = []
+    resident = ["a", "b"]
+    follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b"], resident=resident),
+                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
+    follower.apply({"target": {"a": ["r0"]}, "routed": {"a": ["r0"]}, "why": {}, "revision": 1})
+    assert calls == []  # b is not placed yet: it stays
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"]},
+                    "why": {}, "revision": 2})
+    assert calls == [("release", "b")]
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"]},
+                    "why": {}, "revision": 3})
+    assert calls == [("release", "b")]  # b resident again (a hashed request): not released again
+
+
 def test_when_the_set_does_not_fit_recomputing_from_changed_rates_moves_no_model():
     # two replicas each holding a third of the bytes (bench.placement --quick): the tail fits
     # nowhere; re-placing it by eviction cost at every recompute moved a few models between
