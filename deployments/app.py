@@ -508,7 +508,8 @@ def placement_options(app_args: AppArgs, pool_models: list[str]) -> dict[str, An
         return {}
     return {"placement": PlacementDeployment.options(
         name="placement", num_replicas=1, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(uuid.uuid4().hex)}
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S).bind(
+            uuid.uuid4().hex, metrics=app_args.metrics.model_dump())}
 
 
 def control_options(initial: Desired | None) -> dict[str, Any]:

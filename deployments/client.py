@@ -120,11 +120,12 @@ class ModelClient:
     """
 
     def __init__(self, dedicated: dict[str, Any], pool: Any | None, pool_models: Iterable[str],
-                 control: Any | None = None) -> None:
+                 control: Any | None = None, placement: Any | None = None) -> None:
         self.dedicated = dedicated
         self.pool = pool
         self.pool_models = set(pool_models)  # grows when a model added to the repository is loaded
         self.control = control  # ``deployments.control.ControlDeployment`` (explicit model control)
+        self.placement = placement  # ``deployments.placement.PlacementDeployment`` (``placement: bytes``)
         self._waiting: dict[str, set[Any]] = {}  # model name -> its handle responses in flight
         self._cut: set[Any] = set()  # responses cut_unassigned cancelled
         self._last_done: dict[str, float] = {}  # model name -> time.monotonic() its last call finished
@@ -299,6 +300,11 @@ class ModelClient:
     async def pool_memory(self) -> dict[str, Any]:
         """``PoolDeployment.memory`` of one pool replica (the pool must exist)."""
         return await self.pool.memory.remote()
+
+    async def placement_decision(self) -> dict[str, Any]:
+        """The pool's placement decision (``deployments.placement.Decider.state``; the placement
+        deployment must exist)."""
+        return await self.placement.decision.remote()
 
     async def pool_states(self) -> dict[str, dict[str, Any]]:
         """``PoolDeployment.models`` of one pool replica: per pool model its cache ``state``,

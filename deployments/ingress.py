@@ -36,7 +36,7 @@ from ray import serve
 from starlette.applications import Starlette
 
 from . import grpc_service
-from .client import ModelClient, model_handles, pool_handle
+from .client import ModelClient, handle, model_handles, pool_handle
 from .control import Desired
 from .node import node_id
 from .loopback import replica_grpc_on_loopback
@@ -78,7 +78,8 @@ class Router(RouterApp):
         control: handle of ``deployments.control.ControlDeployment`` (explicit model control).
         initial: the build-time desired state (None: model control is off).
         placement: handle of ``deployments.placement.PlacementDeployment`` (``placement:
-            bytes``), bound here so that Serve runs it; the pool replicas call it.
+            bytes``), bound here so that Serve runs it; the pool replicas call it, and the
+            repository index reads its decision.
     """
 
     def __init__(self, repository: str, dedicated: dict[str, str], pool_models: Iterable[str],
@@ -94,7 +95,8 @@ class Router(RouterApp):
         # through the object store, a large share of the router's event loop).
         pool_models = list(pool_models)
         pool = pool_handle(app) if pool_models else None
-        client = ModelClient(model_handles(app, dedicated), pool, pool_models, control)
+        client = ModelClient(model_handles(app, dedicated), pool, pool_models, control,
+                             handle(app, "placement") if placement is not None else None)
         super().__init__(repo, client, options, router_observer(repo, metrics), initial)
         show_on_terminal()
         replica_grpc_on_loopback()

@@ -40,6 +40,7 @@ from ray import serve
 
 from .control import GcsStore, sync_forever
 from .loopback import replica_grpc_on_loopback
+from .observe.deployment import placement_recorder
 from .runtime.residency.placement import ModelDemand, Placement, PlacementOptions, ReplicaView, place
 
 logger = logging.getLogger("ray.serve")
@@ -98,6 +99,36 @@ def routed(target: Placement, previous: dict[str, tuple[str, ...]], reports: dic
     return out
 
 
+def model_placement(decision: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """Model ``model``'s part of ``decision`` (``Decider.state``'s form): its ``why``
+    (``bytes``, ``rate_per_s``, ``copies``, ``reason``) with ``replicas`` (the replica ids it
+    is placed on) and ``routed`` (those HAProxy sends it to); None when the decision does not
+    place it."""
+    why = decision["why"].get(model)
+    if why is None:
+        return None
+    return {**why, "replicas": list(decision["target"].get(model, [])),
+            "routed": list(decision["routed"].get(model, []))}
+
+
+def index_placement(decision: dict[str, Any] | None, model: str, loaded: bool) -> dict[str, Any]:
+    """The ``placement`` field of a pool model's repository index line under ``placement:
+    bytes``: ``policy``, the decision's ``revision`` and the model's part of it
+    (``model_placement``). A model the decision does not place has ``copies`` 0, no
+    ``replicas`` and a ``reason``: unloaded (``loaded`` False: placed nowhere until a load), not
+    placed yet (a model loaded since the last decision), or no decision (``decision`` None: the
+    placement deployment did not answer)."""
+    if decision is None:
+        return {"policy": "bytes", "revision": None, "copies": 0, "replicas": [], "routed": [],
+                "reason": "the placement decision is unavailable (the placement deployment did not answer)"}
+    placed = model_placement(decision, model) if loaded else None
+    if placed is None:
+        reason = ("unloaded: placed on no replica until it is loaded" if not loaded else
+                  f"not placed yet: the placement decides again every {PLACE_S:g} s")
+        placed = {"copies": 0, "replicas": [], "routed": [], "reason": reason}
+    return {"policy": "bytes", "revision": decision["revision"], **placed}
+
+
 class Decider:
     """The placement deployment's state without Ray: reports in, decision out.
 
@@ -115,6 +146,7 @@ class Decider:
         self.reports: dict[str, tuple[float, PoolReport]] = {}
         self.incarnation = uuid.uuid4().hex if stored is None else stored["incarnation"]
         self.revision = 0 if stored is None else stored["revision"]
+        self.recomputes = 0  # decisions made by this replica (a new revision or not)
         self.target = Placement({m: tuple(r) for m, r in (stored or {}).get("target", {}).items()},
                                 (stored or {}).get("why", {}))
         self.routes: dict[str, tuple[str, ...]] = {m: tuple(r) for m, r in (stored or {}).get("routed", {}).items()}
@@ -131,6 +163,7 @@ class Decider:
     def recompute(self) -> bool:
         """A new decision from the fresh reports; True when where a model is routed changed
         (a new revision, published)."""
+        self.recomputes += 1
         reports = self.fresh()
         views = {r: ReplicaView(rep.budget_bytes, rep.max_models, frozenset(rep.resident)) for r, rep in reports.items()}
         previous = Placement({m: tuple(r for r in where if r in reports) for m, where in self.target.replicas.items()})
@@ -144,10 +177,11 @@ class Decider:
         return True
 
     def state(self) -> dict[str, Any]:
-        """The decision (JSON-ready): ``incarnation``, ``revision``, ``target`` and ``routed``
-        (model -> replica ids), ``why`` (model -> bytes, rate, copies, reason), ``servers``
-        (replica id -> HAProxy server name) and ``replicas`` (the ids reporting now)."""
-        return {"incarnation": self.incarnation, "revision": self.revision,
+        """The decision (JSON-ready): ``incarnation``, ``revision``, ``recomputes`` (decisions
+        this placement replica made, a new revision or not), ``target`` and ``routed`` (model ->
+        replica ids), ``why`` (model -> bytes, rate, copies, reason), ``servers`` (replica id ->
+        HAProxy server name) and ``replicas`` (the ids reporting now)."""
+        return {"incarnation": self.incarnation, "revision": self.revision, "recomputes": self.recomputes,
                 "target": {m: list(r) for m, r in self.target.replicas.items()},
                 "routed": {m: list(r) for m, r in self.routes.items()}, "why": self.target.why,
                 "servers": dict(self.servers), "replicas": sorted(self.fresh())}
@@ -186,12 +220,16 @@ class PlacementDeployment:
     Args:
         build_id: the build that deployed it (names its stored decision).
         options: ``PlacementOptions`` fields as a dict.
+        metrics: ``deployments.observe.options.MetricsOptions`` as a dict (default: on): each
+            decision is written as the ``trt_serve_placement_*`` series.
     """
 
-    def __init__(self, build_id: str = "", options: dict[str, Any] | None = None) -> None:
+    def __init__(self, build_id: str = "", options: dict[str, Any] | None = None,
+                 metrics: dict[str, Any] | None = None) -> None:
         replica_grpc_on_loopback()
         self.store = GcsStore(serve.get_replica_context().app_name, build_id, KV_NAMESPACE)
         self.decider = Decider(PlacementOptions(**(options or {})), haproxy_publisher(), stored=self.store.load())
+        self.recorder = placement_recorder(metrics)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -202,6 +240,8 @@ class PlacementDeployment:
                     self.store.save(self.decider.state())
                     logger.info("placement: revision %d: %s", self.decider.revision,
                                 {m: len(r) for m, r in self.decider.routes.items()})
+                if self.recorder is not None:
+                    self.recorder.decided(self.decider.state())
             except Exception:
                 logger.exception("placement: the decision failed; the last one stands")
 
@@ -232,6 +272,7 @@ class PlacementFollower:
         self.prefetch, self.release = prefetch, release
         self.decision: dict[str, Any] | None = None
         self.mine: set[str] = set()  # models placed or routed here in the last decision applied
+        self.placed: set[str] = set()  # models the last decision applied placed anywhere
         self.task: asyncio.Task | None = None
         self._applying: asyncio.Future | None = None
 
@@ -242,17 +283,22 @@ class PlacementFollower:
         return target, routes
 
     def apply(self, decision: dict[str, Any]) -> None:
-        """Release what this replica lost, then prefetch what it gained (blocking)."""
+        """Release what this replica lost, and what it holds of the models placed for the first
+        time elsewhere (a load through model control, or ``load_policy: eager``, loaded them on
+        every replica); then prefetch what it gained (blocking). A model loaded here later by a
+        request the hash sent (a server HAProxy counts down, another node's HAProxy) is left to
+        the cache: released, each such request would load it again."""
         target, routes = self.here(decision)
         report = self.report()
-        for model in sorted(self.mine - target - routes):
+        first_placed = set(decision["target"]) - self.placed
+        for model in sorted((self.mine | (first_placed & set(report.resident))) - target - routes):
             self.release(model)
         for model in sorted(target - set(report.resident)):
             try:
                 self.prefetch(model)
             except Exception as error:  # its request will say why; the others still load
                 logger.warning("placement: prefetch of %s failed: %s", model, error)
-        self.mine = target | routes
+        self.mine, self.placed = target | routes, set(decision["target"])
 
     async def sync(self) -> None:
         """Report and read; apply the decision in a thread unless the last one is still being
@@ -272,8 +318,7 @@ class PlacementFollower:
             return {"policy": "bytes", "revision": None}
         target, routes = self.here(self.decision)
         return {"policy": "bytes", "replica": self.replica, "revision": self.decision["revision"],
+                "recomputes": self.decision.get("recomputes"),
                 "replicas": self.decision["replicas"],
                 "placed_here": sorted(target), "routed_here": sorted(routes),
-                "models": {m: {**why, "replicas": self.decision["target"].get(m, []),
-                               "routed": self.decision["routed"].get(m, [])}
-                           for m, why in self.decision["why"].items()}}
+                "models": {m: model_placement(self.decision, m) for m in self.decision["why"]}}

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .control import applied_everywhere, config_kept, read_as_desired, reading
+from .placement import index_placement
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
                                       ModelNotReady, ServingError, StoreUnavailable)
@@ -64,15 +65,25 @@ class RepositoryRoutes(V2Routes):
         going on after its request answered 504 is LOADING (``follow_desired``). A remote
         repository is listed on each call (a thread: the event loop goes on); when its store
         does not answer, the index lists the models read before it (logged).
+        With ``placement: bytes`` a pool model's line (its newest version) also has
+        ``placement``: where the pool's placement puts it and why (``placement.index_placement``:
+        ``policy``, ``revision``, ``replicas``, ``routed``, ``copies``, ``bytes``, ``rate_per_s``,
+        ``reason``); Triton's fields are unchanged, so Triton's clients read the index as before.
         Body (optional): ``{"ready": true}`` lists only READY models."""
         only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
             raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
         pool = await self._pool_models()
+        by_bytes = getattr(self.client, "placement", None) is not None
+        decision = await self._placement_decision() if by_bytes else None
         index = []
         for entry in self.repo.entries():
             for version in self._served(entry):
-                index.append(self._index_item(entry, version, pool.get(entry.key(version))))
+                item = self._index_item(entry, version, pool.get(entry.key(version)))
+                if by_bytes and entry.name in self.client.pool_models and entry.key(version) == entry.name:
+                    item["placement"] = index_placement(decision, entry.name,
+                                                        self.states.get(entry.name).status in LOADED)
+                index.append(item)
         if self.initial is not None:  # folders added since start, not read yet (or loading)
             try:
                 folders = await asyncio.to_thread(self.repo.folders)
@@ -82,6 +93,16 @@ class RepositoryRoutes(V2Routes):
             index += [self._unread_item(name) for name in folders if name not in self.repo.names()]
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
+
+    async def _placement_decision(self) -> dict[str, Any] | None:
+        """The pool's placement decision (``placement: bytes``: ``placement.Decider.state``);
+        None when the placement deployment did not answer within ``request_timeout_s`` (logged:
+        the index answers without it)."""
+        try:
+            return await asyncio.wait_for(self.client.placement_decision(), self.request_timeout_s)
+        except Exception as e:
+            logger.warning("repository index: the placement decision is unavailable: %r", e)
+            return None
 
     def _unread_item(self, name: str) -> dict[str, Any]:
         """The index line of a model folder this router has not taken (yet): LOADING while a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Awaitable, Callable
 
-from .metrics import CacheRecorder, ReplicaRecorder
+from .metrics import CacheRecorder, PlacementRecorder, ReplicaRecorder
 from .options import start
 
 
@@ -23,6 +23,12 @@ def cache_recorder(recorder: ReplicaRecorder | None, budget_bytes: int | None) -
     cache = CacheRecorder(serve.get_replica_context().replica_id.unique_id)
     cache.status(0, 0, budget_bytes)
     return cache.on_event
+
+
+def placement_recorder(metrics: dict[str, Any] | None) -> PlacementRecorder | None:
+    """The placement deployment's recorder of its decisions (``metrics``: ``MetricsOptions`` as
+    a dict); None when off."""
+    return None if start(metrics) is None else PlacementRecorder()
 
 
 def observe_replica_infer(key: Callable[[Any], tuple[str, int | None]]) -> Callable:

@@ -51,7 +51,8 @@ ms, max over processes), ``trt_serve_batch_exec_count`` and
 ``trt_serve_batch_compute_infer_duration_us`` (label ``batch_size``), and the pool cache's
 ``trt_serve_cache_{loads,reloads,evictions}`` (counters), ``trt_serve_cache_load_duration_seconds``
 (histogram), ``trt_serve_cache_{resident,budget}_bytes`` and ``trt_serve_cache_resident_models``
-(gauges, label ``replica``). GPU gauges: ``deployments.observe.gpu``.
+(gauges, label ``replica``), and the pool placement's (``placement: bytes``)
+``trt_serve_placement_*`` (``PlacementRecorder``). GPU gauges: ``deployments.observe.gpu``.
 """
 
 from __future__ import annotations
@@ -169,6 +170,18 @@ class _Families:
         self.cache_resident = Gauge(PREFIX + "cache_resident_bytes", "Pool cache: footprints of the resident models, bytes", ["replica"], multiprocess_mode="livesum", registry=None)
         self.cache_budget = Gauge(PREFIX + "cache_budget_bytes", "Pool cache: byte budget (absent: no budget)", ["replica"], multiprocess_mode="livesum", registry=None)
         self.cache_models = Gauge(PREFIX + "cache_resident_models", "Pool cache: resident models", ["replica"], multiprocess_mode="livesum", registry=None)
+        # One writer (the placement replica); ``livemostrecent``: a replacement's values, not a sum with its predecessor's.
+        placement = dict(multiprocess_mode="livemostrecent", registry=None)
+        self.placement_revision = Gauge(PREFIX + "placement_revision", "Pool placement: the decision's revision (a change of where a model is routed)", **placement)
+        self.placement_recomputes = Counter(PREFIX + "placement_recomputes", "Pool placement: decisions made (a new revision or not)", registry=None)
+        self.placement_replicas = Gauge(PREFIX + "placement_replicas", "Pool placement: pool replicas reporting", **placement)
+        self.placement_copies = Gauge(PREFIX + "placement_copies", "Pool placement: replicas a model is placed on (0: not placed)", ["model"], **placement)
+        self.placement_bytes = Gauge(PREFIX + "placement_bytes", "Pool placement: a model's footprint as placed, bytes", ["model"], **placement)
+        self.placement_rate = Gauge(PREFIX + "placement_rate_per_s", "Pool placement: a model's requests per second over the pool replicas, decayed", ["model"], **placement)
+        self.placement_placed = Gauge(PREFIX + "placement_placed", "Pool placement: 1 where a model is placed, 0 where it was and is no longer", ["model", "replica"], **placement)
+        self.placement_routed = Gauge(PREFIX + "placement_routed", "Pool placement: 1 where HAProxy sends a model's requests, 0 where it did and no longer does", ["model", "replica"], **placement)
+        self.placement_replica_bytes = Gauge(PREFIX + "placement_replica_bytes", "Pool placement: footprints of the models placed on a replica, bytes", ["replica"], **placement)
+        self.placement_replica_models = Gauge(PREFIX + "placement_replica_models", "Pool placement: models placed on a replica", ["replica"], **placement)
 
 
 def exported_series() -> dict[str, str]:
@@ -547,6 +560,51 @@ class CacheRecorder:
         elif kind == "evict":
             self._f.cache_evictions.labels(model, self.replica).inc()
         self.status(event["resident_bytes"], len(event["resident_models"]), event["budget_bytes"])
+
+
+def placement_values(decision: dict[str, Any]) -> dict[str, dict[tuple[str, ...], float]]:
+    """The ``trt_serve_placement_*`` values of a placement decision (``placement.Decider.state``),
+    by family attribute (``_Families``) and label values: per model its copies, bytes and rate;
+    per (model, replica) placed and routed (1); per replica reporting its placed bytes and
+    models (a reporting replica with none: 0); the revision and the replicas reporting."""
+    why, target, routed = decision["why"], decision["target"], decision["routed"]
+    replica_bytes: dict[tuple[str, ...], float] = {(r,): 0.0 for r in decision["replicas"]}
+    replica_models = dict(replica_bytes)
+    for model, where in target.items():
+        for replica in where:
+            replica_bytes[(replica,)] = replica_bytes.get((replica,), 0.0) + why[model]["bytes"]
+            replica_models[(replica,)] = replica_models.get((replica,), 0.0) + 1
+    return {"placement_revision": {(): decision["revision"]},
+            "placement_replicas": {(): len(decision["replicas"])},
+            "placement_copies": {(m,): len(target.get(m, ())) for m in why},
+            "placement_bytes": {(m,): w["bytes"] for m, w in why.items()},
+            "placement_rate": {(m,): w["rate_per_s"] for m, w in why.items()},
+            "placement_placed": {(m, r): 1 for m, where in target.items() for r in where},
+            "placement_routed": {(m, r): 1 for m, where in routed.items() for r in where},
+            "placement_replica_bytes": replica_bytes, "placement_replica_models": replica_models}
+
+
+class PlacementRecorder:
+    """Writes each placement decision as the ``trt_serve_placement_*`` series
+    (``placement_values``). A label set written before and absent now is set to 0, not
+    removed (a multiprocess file keeps a value once written), except a model's ``bytes``,
+    which keeps its last figure; so a model unloaded or moved, or a replica gone, reads 0."""
+
+    def __init__(self) -> None:
+        self._f = families()
+        self._written: dict[str, set[tuple[str, ...]]] = {}
+
+    def decided(self, decision: dict[str, Any]) -> None:
+        """One decision made (``recomputes`` counts it)."""
+        self._f.placement_recomputes.inc()
+        for name, values in placement_values(decision).items():
+            family = getattr(self._f, name)
+            written = self._written.setdefault(name, set())
+            if name != "placement_bytes":
+                values = {**{labels: 0 for labels in written}, **values}
+            for labels, value in values.items():
+                (family.labels(*labels) if labels else family).set(value)
+            written.update(values)
 
 
 # --------------------------------------------------------------------------- scrape side

@@ -189,11 +189,14 @@ def test_dashboard_queries_name_only_series_we_export():
         assert series, f"query names none of our series: {query}"
         named |= series
     assert named <= set(exported), f"not exported: {sorted(named - set(exported))}"
-    # The issue's panels: QPS, percentiles, queue vs compute, batch sizes, cache, GPU memory.
+    # The issue's panels: QPS, percentiles, queue vs compute, batch sizes, cache, GPU memory;
+    # the placement's (issue 31): models per replica, copies, placed bytes against budget.
     for needed in ("nv_inference_request_success", "trt_serve_request_duration_seconds_bucket",
                    "nv_inference_queue_duration_us", "nv_inference_compute_infer_duration_us",
                    "nv_inference_exec_count", "trt_serve_cache_resident_bytes",
-                   "trt_serve_cache_evictions_total", "nv_gpu_memory_used_bytes"):
+                   "trt_serve_cache_evictions_total", "nv_gpu_memory_used_bytes",
+                   "trt_serve_placement_placed", "trt_serve_placement_copies",
+                   "trt_serve_placement_replica_bytes", "trt_serve_cache_budget_bytes"):
         assert needed in named, needed
 
 

@@ -9,6 +9,7 @@ model is never released is ``tests/unit/test_cache.py``'s (``ModelCache.release`
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -46,10 +47,11 @@ def until(condition, what: str, timeout_s: float = 120.0):
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def placed(tmp_path_factory):
-    """(process, base URL) of the runner on the module's repository."""
-    tmp = tmp_path_factory.mktemp("placement")
+@contextlib.contextmanager
+def placement_server(tmp: Path, **args):
+    """(process, base URL, config path) of the runner on a repository of ``MODELS`` in ``tmp``,
+    two pool replicas under ``placement: bytes``, the application's ``args`` updated with
+    ``args``; once every model is ready."""
     root = tmp / "engines"
     for name in MODELS:
         (root / name / "1").mkdir(parents=True)
@@ -57,7 +59,7 @@ def placed(tmp_path_factory):
         (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
     path, port = runner_config(tmp, repository=str(root), request_timeout_s=30,
                                pool={"num_gpus": 0, "num_replicas": 2, "placement": "bytes",
-                                     "max_num_models_per_replica": 6})
+                                     "max_num_models_per_replica": 6}, **args)
     log = tmp / "out.log"
     proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"
@@ -65,9 +67,16 @@ def placed(tmp_path_factory):
         until(lambda: proc.poll() is None and all(
             requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200 for m in MODELS)
             or (proc.poll() is not None and pytest.fail(log.read_text()[-3000:])), "the pool models ready", 300)
-        yield proc, url
+        yield proc, url, path
     finally:
         interrupt_group(proc)
+
+
+@pytest.fixture(scope="module")
+def placed(tmp_path_factory):
+    """(process, base URL) of the runner on the module's repository."""
+    with placement_server(tmp_path_factory.mktemp("placement")) as (proc, url, _):
+        yield proc, url
 
 
 def memory(url: str) -> dict | None:

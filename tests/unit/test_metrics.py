@@ -265,3 +265,33 @@ def test_buffered_values_reach_the_file_on_flush_with_observes_buckets(tmp_path)
     direct = [(s.name.replace("direct", "x"), s.labels, s.value) for s in fams["direct_seconds"].samples]
     buffered = [(s.name.replace("buffered", "x"), s.labels, s.value) for s in fams["buffered_seconds"].samples]
     assert buffered == direct and ("x_seconds_count", {"model": "x"}, 8.0) in buffered
+
+
+def _placement_decisions(root: str) -> str:
+    """In a fresh process: two placement decisions recorded (b hot on r0 and r1, a on r0; then a
+    unloaded and r0 gone: b on r1 alone); returns the scrape."""
+    os.environ["TRT_SERVE_METRICS_DIR"] = root
+    recorder = m.PlacementRecorder()
+    why = {"a": {"bytes": 10, "rate_per_s": 0.5, "copies": 1, "reason": "fits"},
+           "b": {"bytes": 30, "rate_per_s": 9.0, "copies": 2, "reason": "hot"}}
+    recorder.decided({"revision": 3, "replicas": ["r0", "r1"], "why": why,
+                      "target": {"a": ["r0"], "b": ["r0", "r1"]}, "routed": {"a": ["r0"], "b": ["r0"]}})
+    recorder.decided({"revision": 4, "replicas": ["r1"], "why": {"b": {**why["b"], "copies": 1}},
+                      "target": {"b": ["r1"]}, "routed": {"b": ["r1"]}})
+    return m.render(m.node_directory()).decode()
+
+
+def test_placement_series_follow_the_last_decision_and_read_zero_where_a_model_or_replica_left(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        text = pool.apply(_placement_decisions, (str(tmp_path),))
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    value = lambda name, **labels: _value(fams["trt_serve_placement_" + name], **labels)  # noqa: E731
+    assert value("revision") == 4 and value("replicas") == 1 and value("recomputes") == 2
+    assert value("copies", model="b") == 1 and value("copies", model="a") == 0  # a: unloaded
+    assert value("bytes", model="b") == 30 and value("bytes", model="a") == 10  # a's last figure
+    assert value("rate_per_s", model="b") == 9.0 and value("rate_per_s", model="a") == 0
+    assert value("placed", model="b", replica="r1") == 1
+    assert value("placed", model="b", replica="r0") == value("placed", model="a", replica="r0") == 0
+    assert value("routed", model="b", replica="r1") == 1 and value("routed", model="b", replica="r0") == 0
+    assert value("replica_bytes", replica="r1") == 30 and value("replica_models", replica="r1") == 1
+    assert value("replica_bytes", replica="r0") == value("replica_models", replica="r0") == 0

@@ -247,6 +247,25 @@ def test_the_follower_releases_what_it_lost_before_it_prefetches_what_it_gained(
     assert calls[1:] == [("release", "a"), ("prefetch", "b")]
 
 
+def test_a_model_first_placed_elsewhere_is_released_where_a_load_left_it_and_a_stray_one_later_is_not():
+    # a load (model control, or load_policy eager) loads a model on every pool replica before
+    # the placement names one: the replicas it does not name let it go at the first decision
+    # that places it; one loaded later by a request sent by the hash (a server HAProxy has down,
+    # another node's HAProxy) is left to the cache's LRU: releasing it would reload it per request
+    calls = []
+    resident = ["a", "b"]
+    follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b"], resident=resident),
+                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
+    follower.apply({"target": {"a": ["r0"]}, "routed": {"a": ["r0"]}, "why": {}, "revision": 1})
+    assert calls == []  # b is not placed yet: it stays
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"]},
+                    "why": {}, "revision": 2})
+    assert calls == [("release", "b")]
+    follower.apply({"target": {"a": ["r0"], "b": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"]},
+                    "why": {}, "revision": 3})
+    assert calls == [("release", "b")]  # b resident again (a hashed request): not released again
+
+
 def test_when_the_set_does_not_fit_recomputing_from_changed_rates_moves_no_model():
     # two replicas each holding a third of the bytes (bench.placement --quick): the tail fits
     # nowhere; re-placing it by eviction cost at every recompute moved a few models between
@@ -262,3 +281,44 @@ def test_when_the_set_does_not_fit_recomputing_from_changed_rates_moves_no_model
         again = place(noisy, replicas(2, budget_mib), previous)
         assert {m: set(w) for m, w in again.replicas.items()} == {m: set(w) for m, w in previous.replicas.items()}, step
         previous = again
+
+
+# ---------------------------------------------------------------- what is shown of the decision
+
+from deployments.placement import index_placement, model_placement  # noqa: E402
+
+
+def _two_replica_decision() -> dict:
+    """A decider's state after r0 reported models a and b resident and r1 reported none, both
+    at 1 and 30 requests/s (b: 60 in all, hot): a on r0, b on r0 and (a copy, not resident
+    yet) r1."""
+    now = [0.0]
+    decider = Decider(clock=lambda: now[0])
+    rates = {"a": 1.0, "b": 30.0}
+    decider.report("r0", report("srv-0", ["a", "b"], resident=["a", "b"], rates=rates))
+    decider.report("r1", report("srv-1", ["a", "b"], rates=rates))
+    decider.recompute()
+    return decider.state()
+
+
+def test_a_models_placement_names_its_replicas_routes_bytes_rate_copies_and_reason():
+    decision = _two_replica_decision()
+    b = model_placement(decision, "b")
+    assert b == {"bytes": 30 * MIB, "rate_per_s": 60.0, "copies": 2, "reason": decision["why"]["b"]["reason"],
+                 "replicas": decision["target"]["b"], "routed": ["r0"]}
+    assert sorted(b["replicas"]) == ["r0", "r1"] and b["reason"].startswith("hot: ")
+    assert model_placement(decision, "nope") is None
+    assert decision["recomputes"] == 1
+
+
+def test_the_index_line_says_why_a_model_is_not_placed():
+    decision = _two_replica_decision()
+    assert index_placement(decision, "a", loaded=True) == {
+        "policy": "bytes", "revision": decision["revision"], **model_placement(decision, "a")}
+    # an unloaded model still in the last decision is shown placed nowhere
+    unloaded = index_placement(decision, "a", loaded=False)
+    assert (unloaded["copies"], unloaded["replicas"], unloaded["routed"]) == (0, [], [])
+    assert unloaded["reason"] == "unloaded: placed on no replica until it is loaded"
+    assert index_placement(decision, "new", loaded=True)["reason"] == "not placed yet: the placement decides again every 2 s"
+    gone = index_placement(None, "a", loaded=True)
+    assert gone["revision"] is None and gone["copies"] == 0 and "did not answer" in gone["reason"]
