@@ -13,7 +13,8 @@ schema for the file (``ray.serve.schema.ServeDeploySchema``, what ``serve run`` 
 ``serve run``.
 
 Exit status 0 with one line naming the models and the URL, then one line per model whose config
-was completed from its model file (what ``config.yaml`` leaves out, as YAML it could hold); 2 with
+was completed from its model file (what ``config.yaml`` leaves out, as YAML it could hold) and one
+per field of a Triton ``config.pbtxt`` that is ignored; 2 with
 one line ``config error: <file>: <field>: <what is wrong and what is allowed>`` on stderr.
 """
 
@@ -75,14 +76,17 @@ def check(path: Path) -> str:
 
 def completion_lines(repo: Any) -> list[str]:
     """``  <model>: completed from <model file>: {field: value, ...}`` (flow YAML) for each model
-    of ``repo`` (a ``ModelRepository``) whose config was completed from its model file."""
+    of ``repo`` (a ``ModelRepository``) whose config was completed from its model file, and
+    ``  <model>: <config file>: <field>: ignored: ...`` for what its config file says that is
+    not acted on (a Triton ``config.pbtxt``'s, ``repository.read_folder_config``)."""
     from .runtime.contract.completion import completed_fields
-    from .runtime.contract.config import read_config_file
-    from .runtime.contract.repository import CONFIG_FILENAME
+    from .runtime.contract.repository import read_folder_config
 
     lines = []
     for entry in repo.entries():
-        fields = completed_fields(read_config_file(entry.path / CONFIG_FILENAME), entry.config)
+        read = read_folder_config(entry.path)
+        lines += [f"  {entry.name}: {note}" for note in read.notes]
+        fields = completed_fields(read.given, entry.config)
         if fields and not entry.config.pipeline:
             text = yaml.safe_dump(fields, default_flow_style=True, sort_keys=False, width=1 << 16).strip()
             lines.append(f"  {entry.name}: completed from {entry.onnx_path()}: {text}")

@@ -17,7 +17,8 @@ from .placement import index_placement
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
                                       ModelNotReady, ServingError, StoreUnavailable)
-from .runtime.contract.repository import ModelEntry
+from .runtime.contract.repository import ModelEntry, read_folder_config
+from .runtime.contract.store import PBTXT_FILENAME
 from .states import LOADED, Status
 
 logger = logging.getLogger("ray.serve")
@@ -208,13 +209,16 @@ class RepositoryRoutes(V2Routes):
         """
         if entry.name in self.client.dedicated:
             return "pipeline" if entry.config.pipeline else "dedicated"
-        config = entry.path / "config.yaml"
         if entry.config.pipeline or entry.config.deployment.mode == "dedicated":
+            config = read_folder_config(entry.path).path
+            # a Triton config.pbtxt makes a model dedicated by its dynamic_batching (contract.triton_config)
+            field = "dynamic_batching" if config.name == PBTXT_FILENAME else "deployment.mode"
             raise InvalidInput(
-                f"failed to {verb} '{entry.name}': {config}: deployment.mode: a "
+                f"failed to {verb} '{entry.name}': {config}: {field}: a "
                 f"{'pipeline' if entry.config.pipeline else 'dedicated model'} needs a deployment of its own, "
                 "made when the application is deployed (serve deploy); models added at run time load "
-                "into the pool (deployment.mode: pool)")
+                "into the pool (deployment.mode: pool" + (", a config.pbtxt without dynamic_batching)"
+                                                          if field == "dynamic_batching" else ")"))
         if self.client.pool is None:
             raise InvalidInput(f"failed to {verb} '{entry.name}': this application has no pool deployment "
                                "to load it into (it was built without pool models)")

@@ -11,16 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.contract.config import ModelConfig
+from ..runtime.contract.datatypes import TRITON_TYPES
 
 # KServe / Triton platform names by backend (what metadata's ``platform`` reports).
 # ONNX Runtime on CPU and on CUDA share Triton's platform name; metadata's ``backend`` tells them apart.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "onnxruntime_cuda": "onnxruntime_onnx",
              "tensorrt": "tensorrt_plan", "pipeline": "ensemble"}
-# Triton's DataType enum names by KServe v2 datatype (BYTES is Triton's TYPE_STRING).
-TRITON_TYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
-                "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",
-                "INT64": "TYPE_INT64", "FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "FP64": "TYPE_FP64",
-                "BYTES": "TYPE_STRING"}
 # Where a backend's execution contexts live.
 INSTANCE_KINDS = {"tensorrt": "KIND_GPU", "onnxruntime_cuda": "KIND_GPU", "onnxruntime": "KIND_CPU"}
 
@@ -35,15 +31,16 @@ def model_configuration(config: ModelConfig, backend: str) -> dict[str, Any]:
 
     ``backend`` is ``onnxruntime``, ``tensorrt`` or ``pipeline`` (a composed model: Triton's
     ``ensemble`` platform, no backend and no instance group). As in Triton, ``dims`` leave out
-    the batch axis when ``max_batch_size > 0`` (the config's ``dims`` include it); -1 is a
-    dynamic axis. ``dynamic_batching`` appears only when the model batches, with the queue
-    delay in microseconds (``max_queue_delay_microseconds``, Triton's unit).
+    the batch axis when ``max_batch_size > 0`` (the config's ``dims`` include it), and so does a
+    tensor's ``reshape`` (``{"shape": [...]}``); -1 is a dynamic axis. ``dynamic_batching``
+    appears only when the model batches, with the queue delay in microseconds
+    (``max_queue_delay_microseconds``, Triton's unit).
     """
     skip = 1 if config.max_batch_size else 0
 
     def tensors(specs) -> list[dict[str, Any]]:
-        return [{"name": t.name, "data_type": TRITON_TYPES[t.datatype], "dims": list(t.dims[skip:])}
-                for t in specs]
+        return [{"name": t.name, "data_type": TRITON_TYPES[t.datatype], "dims": list(t.dims[skip:]),
+                 **({} if t.reshape is None else {"reshape": {"shape": list(t.reshape[skip:])}})} for t in specs]
 
     out: dict[str, Any] = {
         "name": config.name,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,40 @@ def send_together(calls: list) -> list:
 
     with ThreadPoolExecutor(len(calls)) as pool:
         return list(pool.map(run, calls))
+
+
+
+@contextmanager
+def deployment_calls() -> Iterator[Callable[[str, str, str], object]]:
+    """``call(app_name, deployment, method)``: the answer of a deployment's method (e.g. a
+    replica's batch counters). The handles live on one event loop of their own (a handle's
+    router may be bound to the loop it was made on, as with RAY_SERVE_THROUGHPUT_OPTIMIZED=1)."""
+    from ray import serve
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def ask(app_name: str, deployment: str, method: str) -> object:
+        return await getattr(serve.get_deployment_handle(deployment, app_name=app_name), method).remote()
+
+    try:
+        yield lambda *names: asyncio.run_coroutine_threadsafe(ask(*names), loop).result(timeout=60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+@contextmanager
+def application(serve_instance: str, args: dict, name: str) -> Iterator[str]:
+    """The application of ``args`` (a router application's args) served as ``name`` under
+    ``/<name>`` until the block ends; yields its base URL once ready."""
+    from deployments.app import delete_server, run_applications
+
+    run_applications(args, name=name, route_prefix=f"/{name}")
+    try:
+        url = f"{serve_instance}/{name}"
+        wait_ready(url)
+        yield url
+    finally:
+        delete_server(name)

@@ -9,9 +9,7 @@ replica's own counters (``ModelDeployment.batching``) say what it ran.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +18,17 @@ import pytest
 import requests
 import yaml
 
-from .conftest import REPOSITORY, send_together, wait_ready
+from .conftest import REPOSITORY, application, deployment_calls, send_together
 
 pytestmark = pytest.mark.integration
 
 MODELS = ("ocr_cls", "ocr_rec")
 ENCODER = "all-MiniLM-L6-v2"
-PREFIX = "/batching"
 
 
 @pytest.fixture(scope="module")
 def batching_server(serve_instance, tmp_path_factory):
     """The app over a repository of ocr_cls and ocr_rec with a 500 ms batching window."""
-    from deployments.app import delete_server, run_applications
-
     root = tmp_path_factory.mktemp("batching-repo")
     padded = {"preferred_batch_size": [4, 8], "pad_to_preferred": True}
     buckets = {"sequence_buckets": [16, 32, 64], "pad_to_preferred": True}  # buckets on the CPU too
@@ -45,30 +40,15 @@ def batching_server(serve_instance, tmp_path_factory):
         (root / name).mkdir()
         (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
         (root / name / "1").symlink_to(Path(REPOSITORY) / base / "1")
-    run_applications({"repository": str(root)}, name="batching", route_prefix=PREFIX)
-    url = f"{serve_instance}{PREFIX}"
-    wait_ready(url)
-    yield url
-    delete_server("batching")
+    with application(serve_instance, {"repository": str(root)}, "batching") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def counters(batching_server):
-    """``counters(model)``: the replica's batch counters. The handle lives on one event loop
-    of its own (a handle's router may be bound to the loop it was made on, as with
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1)."""
-    from ray import serve
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def ask(model: str) -> dict:
-        return await serve.get_deployment_handle(f"model-{model}", app_name=f"batching.{model}").batching.remote()
-
-    yield lambda model: asyncio.run_coroutine_threadsafe(ask(model), loop).result(timeout=60)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    """``counters(model)``: the replica's batch counters (``ModelDeployment.batching``)."""
+    with deployment_calls() as call:
+        yield lambda model: call(f"batching.{model}", f"model-{model}", "batching")
 
 
 def reference(model: str, x: np.ndarray) -> np.ndarray:

@@ -626,6 +626,24 @@ def edit_config(root: Path, name: str, **changes: Any) -> None:
     (root / name / "config.yaml").write_text(yaml.safe_dump(raw))
 
 
+def test_a_triton_folder_added_at_run_time_loads_into_the_pool_and_one_that_batches_is_refused_naming_its_file(root):
+    """A config.pbtxt with dynamic_batching makes a dedicated model (``contract.triton_config``),
+    which a load at run time cannot make: the error names the config.pbtxt and its field, not an
+    absent config.yaml's ``deployment.mode``."""
+    app, fake, http = explicit_router(root)
+    for name, extra in (("tri", ""), ("tri_batched", "dynamic_batching { }\n")):
+        (root / name / "1").mkdir(parents=True)
+        shutil.copy(ENGINES / "simple" / "1" / "model.onnx", root / name / "1" / "model.onnx")
+        (root / name / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 2\n' + extra)
+    assert http.post("/v2/repository/models/tri/load").status_code == 200
+    assert http.get("/v2/models/tri/config").json()["max_batch_size"] == 2
+    r = http.post("/v2/repository/models/tri_batched/load")
+    assert (r.status_code, r.json()["error"]) == (
+        400, f"failed to load 'tri_batched': {root}/tri_batched/config.pbtxt: dynamic_batching: a dedicated model "
+             "needs a deployment of its own, made when the application is deployed (serve deploy); models added at "
+             "run time load into the pool (deployment.mode: pool, a config.pbtxt without dynamic_batching)")
+
+
 def deployed_router(root: Path) -> tuple[FakeControlClient, TestClient]:
     """A router over ``simple`` (dedicated), ``spare`` (pool), ``pipe`` (a pipeline calling
     ``spare`` as a step), every one loaded and answering."""

@@ -236,7 +236,8 @@ def check_against_file(config: ModelConfig, config_path: Path, signature: FileSi
 
 def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field: str, file: str) -> None:
     """One config tensor (``field``: its path in ``config_path``) against the file's tensor of
-    that name (``file``: says which).
+    that name (``file``: says which): its ``reshape`` where it has one (the model's shape),
+    else its ``dims``.
 
     Raises:
         ConfigError: another datatype, rank or fixed axis.
@@ -247,12 +248,13 @@ def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field
     if tensor.dims is None:
         return  # the file gives no shape: the config's dims stand
     shown = tensor.shown()
-    if len(spec.dims) != len(tensor.dims):
-        raise ConfigError(f"{config_path}: {field}.dims: {list(spec.dims)} has rank {len(spec.dims)}, but {file} with rank "
+    dims, key = (spec.dims, "dims") if spec.reshape is None else (spec.reshape, "reshape")
+    if len(dims) != len(tensor.dims):
+        raise ConfigError(f"{config_path}: {field}.{key}: {list(dims)} has rank {len(dims)}, but {file} with rank "
                           f"{len(tensor.dims)} (dims {shown}): the rank must be the file's")
-    for axis, (want, have) in enumerate(zip(spec.dims, tensor.dims)):
+    for axis, (want, have) in enumerate(zip(dims, tensor.dims)):
         if isinstance(have, int) and want != have:
-            raise ConfigError(f"{config_path}: {field}.dims: {list(spec.dims)}, but {file} with axis {axis} fixed to {have} "
+            raise ConfigError(f"{config_path}: {field}.{key}: {list(dims)}, but {file} with axis {axis} fixed to {have} "
                               f"(dims {shown}): a config may fix a dynamic axis to a size, not change a fixed one")
 
 

@@ -13,6 +13,7 @@ A bad config fails at start with ``ConfigError`` naming the file and the field.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args
 
@@ -56,6 +57,13 @@ class TensorSpec(_Frozen):
 
     ``multiple_of`` (inputs, optional): per axis, the size must be a multiple of this (1 = any),
     e.g. ``[1, 1, 32, 32]`` for a detector whose strides need H and W divisible by 32.
+
+    ``reshape`` (optional; Triton's ``reshape``): the shape the model file has for this tensor
+    when it differs from the shape clients send and receive (``dims``), in the same terms as
+    ``dims`` (the batch axis first, as -1, when ``max_batch_size > 0``), e.g. dims ``[3, 224,
+    224]`` with reshape ``[1, 3, 224, 224]``. An input is reshaped to it before the run, an
+    output from it to ``dims`` after (``contract.reshape``); ``dims``, the profile and the
+    request checks stay the client's shape, the model file is checked against ``reshape``.
     """
 
     name: str
@@ -63,11 +71,14 @@ class TensorSpec(_Frozen):
     dims: tuple[int, ...]
     profile: Optional[Profile] = None
     multiple_of: Optional[tuple[int, ...]] = None
+    reshape: Optional[tuple[int, ...]] = None
 
     @model_validator(mode="after")
     def _dims(self) -> "TensorSpec":
         if any(d == 0 or d < -1 for d in self.dims):
             raise ValueError(f"dims must be positive or -1 (dynamic), got {list(self.dims)}")
+        if self.reshape is not None and any(d == 0 or d < -1 for d in self.reshape):
+            raise ValueError(f"reshape must be positive or -1 (dynamic), got {list(self.reshape)}")
         if self.multiple_of is not None and (
                 len(self.multiple_of) != len(self.dims) or any(m < 1 for m in self.multiple_of)):
             raise ValueError(f"multiple_of needs one positive integer per axis of dims {list(self.dims)}")
@@ -398,6 +409,10 @@ class ModelConfig(ModelConfigFile):
             names = [t.name for t in group]
             if len(set(names)) != len(names):
                 raise ValueError(f"duplicate tensor names in {names}")
+        for kind, group in (("inputs", self.inputs), ("outputs", self.outputs)):
+            for index, t in enumerate(group):
+                if t.reshape is not None:
+                    _check_reshape(f"{kind}.{index}", t, kind == "inputs", self.max_batch_size > 0)
         if self.max_batch_size:
             for t in self.inputs:
                 lo, hi = t.bounds()
@@ -428,6 +443,26 @@ class ModelConfig(ModelConfigFile):
 
     def input(self, name: str) -> TensorSpec:
         return next(t for t in self.inputs if t.name == name)
+
+
+def _check_reshape(field: str, spec: TensorSpec, is_input: bool, batched: bool) -> None:
+    """A tensor's ``reshape`` against its ``dims``: a batched model keeps the batch axis first
+    (-1) in both; the shape reshaped to (an input's ``reshape``, an output's ``dims``) has at
+    most one dynamic axis after it, and where neither side has one, both hold as many elements."""
+    dims, shape = spec.dims, spec.reshape or ()
+    if batched:
+        if not dims or not shape or dims[0] != -1 or shape[0] != -1:
+            raise ValueError(f"{field}.reshape: {list(shape)} and dims {list(dims)} must both start with the batch "
+                             "axis -1 (max_batch_size > 0)")
+        dims, shape = dims[1:], shape[1:]
+    target, side = (shape, "reshape") if is_input else (dims, "dims")
+    if target.count(-1) > 1:
+        raise ValueError(f"{field}.{side}: {list(target)} has more than one dynamic axis (-1) "
+                         f"{'after the batch axis ' if batched else ''}where a reshape needs at most one")
+    if -1 not in dims and -1 not in shape and math.prod(dims) != math.prod(shape):
+        raise ValueError(f"{field}.reshape: {list(spec.reshape or ())} holds {math.prod(shape)} elements "
+                         f"{'per batch item ' if batched else ''}and dims {list(spec.dims)} {math.prod(dims)}: "
+                         "a reshape keeps the element count")
 
 
 def _check_buckets(inputs: tuple[TensorSpec, ...], buckets: tuple[int, ...]) -> None:
@@ -520,6 +555,16 @@ def read_config_file(path: Path) -> ModelConfigFile:
     if not path.exists():
         return ModelConfigFile(name=path.parent.name)
     return _validated(ModelConfigFile, _raw(path), path)
+
+
+def validated_config_file(raw: dict[str, Any], path: Path) -> ModelConfigFile:
+    """``raw`` (a config's fields, read from ``path``: a ``config.yaml``'s mapping, or a
+    ``config.pbtxt`` mapped by ``triton_config``) validated as ``ModelConfigFile``.
+
+    Raises:
+        ConfigError: an invalid field, or a name other than the folder's; names ``path`` and the field.
+    """
+    return _validated(ModelConfigFile, raw, path)
 
 
 def load_model_config(path: Path) -> ModelConfig:

@@ -47,6 +47,11 @@ ONNX_TYPE_BY_DATATYPE: dict[str, str] = {
     "BYTES": "tensor(string)",
 }
 
+# Triton's DataType enum names (model_config.proto) by KServe v2 datatype (BYTES is Triton's
+# TYPE_STRING): a config.pbtxt's ``data_type`` and the model configuration route's.
+TRITON_TYPES: dict[str, str] = {name: "TYPE_STRING" if name == "BYTES" else f"TYPE_{name}"
+                                for name in NUMPY_BY_DATATYPE}
+
 
 def datatype_of(array: np.ndarray) -> str:
     """KServe datatype of a numpy array; object and string arrays are BYTES.

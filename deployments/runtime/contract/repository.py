@@ -8,15 +8,46 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .completion import complete_config, read_onnx_signature
-from .config import ModelConfig, load_model_config, read_config_file
+from .config import ModelConfig, ModelConfigFile, completed_config, read_config_file
 from .errors import ConfigError, LoadFault, ModelNotFound, unknown_model
-from .store import CONFIG_FILENAME, MODEL_FILENAME, Store, is_version
+from .store import CONFIG_FILENAME, MODEL_FILENAME, PBTXT_FILENAME, Store, is_version
+from .triton_config import read_pbtxt
+
+logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class FolderConfig:
+    """What a model folder's config file says: ``given`` (as written, to be completed), the
+    file it was read from (``path``: ``config.yaml``, else ``config.pbtxt``, else the absent
+    ``config.yaml``) and ``notes`` on what was ignored."""
+
+    given: ModelConfigFile
+    path: Path
+    notes: tuple[str, ...] = ()
+
+
+def read_folder_config(folder: Path) -> FolderConfig:
+    """The config of model folder ``folder``: its ``config.yaml`` (``config.read_config_file``);
+    without one, its Triton ``config.pbtxt`` (``triton_config.read_pbtxt``); without either,
+    the folder's name alone. With both, ``config.yaml`` wins (it is this server's; the
+    ``config.pbtxt`` may be kept for Triton) and a note says the other is not read.
+
+    Raises:
+        ConfigError: the file read is invalid; names it and the field.
+    """
+    yaml_path, pbtxt_path = folder / CONFIG_FILENAME, folder / PBTXT_FILENAME
+    if pbtxt_path.is_file() and not yaml_path.is_file():
+        given, notes = read_pbtxt(pbtxt_path)
+        return FolderConfig(given, pbtxt_path, notes)
+    notes = (f"{pbtxt_path}: not read: {yaml_path} is this server's config and wins (remove one of them "
+             "to silence this)",) if pbtxt_path.is_file() else ()
+    return FolderConfig(read_config_file(yaml_path), yaml_path, notes)
 
 
 @dataclass(frozen=True)
@@ -79,8 +110,9 @@ class ModelEntry:
 
 
 class ModelRepository:
-    """Index of the model folders under ``root``: ``<model>/config.yaml`` and/or integer version
-    folders ``<model>/<version>/model.onnx``. ``root`` is a local folder or an object store's
+    """Index of the model folders under ``root``: ``<model>/config.yaml`` (or a Triton
+    ``<model>/config.pbtxt``: ``read_folder_config``) and/or integer version folders
+    ``<model>/<version>/model.onnx``. ``root`` is a local folder or an object store's
     URL (``s3://bucket/prefix``, ``store.Store``): both are listed the same way; a remote
     model's files are read from this node's cache (``node``: its key, the Ray node id in a
     replica), fetched there first where they are missing.
@@ -157,13 +189,19 @@ class ModelRepository:
         those outside version folders, then the served versions (pinned: ``_kept``)."""
         listing = self.store.listing(name)
         folder = self.store.fetch(listing, ())
-        config_path = folder / CONFIG_FILENAME
-        given = read_config_file(config_path)
+        read = read_folder_config(folder)
+        for note in read.notes:
+            logger.warning("model '%s': %s", name, note)
+        given, config_path = read.given, read.path
         versions = (1,) if given.pipeline else listing.versions
         if not versions and self.require_versions:
+            plans = sorted(rel for rel in listing.files if rel.endswith("/model.plan"))
             raise ConfigError(
-                f"{folder}: no <version>/{MODEL_FILENAME} found; run `make models` "
-                "(python -m deployments.runtime.tools.prepare) to fetch and generate the models")
+                f"{folder}: no <version>/{MODEL_FILENAME} found; " + (
+                    f"a TensorRT plan alone ({', '.join(plans)}) is not served: this server builds its plans "
+                    f"from the {MODEL_FILENAME} they come from (python -m deployments.runtime.tools.build); put it "
+                    f"beside the plan" if plans else "run `make models` (python -m deployments.runtime.tools.prepare) "
+                    "to fetch and generate the models"))
         if served is None:
             try:
                 served = given.version_policy.select(versions) if versions else ()
@@ -178,7 +216,7 @@ class ModelRepository:
         if not given.pipeline:
             self.store.fetch(listing, served)
         if given.pipeline or not served:
-            config = load_model_config(config_path)
+            config = completed_config(given, {}, config_path)
         else:
             config = complete_config(given, config_path, [folder / str(v) / MODEL_FILENAME for v in reversed(served)])
         return ModelEntry(config=config, path=folder, versions=versions, served=served)

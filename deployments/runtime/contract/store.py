@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 MODEL_FILENAME = "model.onnx"
 CONFIG_FILENAME = "config.yaml"
+PBTXT_FILENAME = "config.pbtxt"  # a Triton model configuration (contract.triton_config)
 SCHEMES = ("s3",)
 _VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
 DEFAULT_CACHE_BYTES = 20 * 2**30
@@ -242,8 +243,8 @@ class Store:
         return True
 
     def folders(self, model: str | None = None) -> list[str]:
-        """Names of the model folders now: those holding a ``config.yaml`` or a
-        ``<version>/model.onnx``; a remote key that would escape its folder is skipped.
+        """Names of the model folders now: those holding a ``config.yaml``, a ``config.pbtxt``
+        or a ``<version>/model.onnx``; a remote key that would escape its folder is skipped.
         ``model``: the model whose read asks (an error names it).
 
         Raises:
@@ -253,7 +254,7 @@ class Store:
         what = f"model '{model}'" if model else "the repository's models"
         for rel in self._find(self.path, what, maxdepth=3):
             parts = rel.split("/")
-            if (len(parts) == 2 and parts[1] == CONFIG_FILENAME) or (
+            if (len(parts) == 2 and parts[1] in (CONFIG_FILENAME, PBTXT_FILENAME)) or (
                     len(parts) == 3 and is_version(parts[1]) and parts[2] == MODEL_FILENAME):
                 names.add(parts[0])
         return sorted(n for n in names if n not in ("", ".", "..") and not n.startswith("."))
@@ -316,7 +317,7 @@ class Store:
         assert self.cache is not None
         name = entry.name
         needed = [v for v in entry.served if not self.cache.use(name, v)]
-        if needed or not (self.cache.folder(name) / CONFIG_FILENAME).is_file():
+        if needed or not any((self.cache.folder(name) / f).is_file() for f in (CONFIG_FILENAME, PBTXT_FILENAME)):
             self.fetch(self.listing(name), needed)
         return replace(entry, path=self.cache.folder(name))
 

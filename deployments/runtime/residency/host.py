@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from ..contract.device import device_io, device_targets, refuse_device_io, takes
 from ..contract.errors import InferenceTimeout, InvalidInput, LoadFault, ModelNotReady
 from ..contract.graph_checks import GraphChecks
 from ..contract.repository import ModelEntry
+from ..contract.reshape import Reshape, engine_config
 from ..contract.validation import validate_request
 from .warmup import warmup_requests, warmup_shape
 
@@ -42,6 +43,8 @@ class ModelHost:
     ``on_execution``, when set, is called after every successful run with
     ``(name, version, rows, run_s)``: axis-0 rows (1 for a model without a batch axis) and the
     run's seconds (``time.perf_counter``), in the thread that ran it; it must not raise.
+    Tensors with a ``reshape`` in the config run in the model's shape and are answered in the
+    client's (``contract.reshape``): every run here, requests and warmups, goes through it.
     """
 
     def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
@@ -64,6 +67,7 @@ class ModelHost:
         self.load_ms: float | None = None  # engine and contexts, without the warmup runs
         self.warmup_ms = 0.0  # the config's warmup runs at the last load (``residency.warmup``)
         self.on_execution: Callable[[str, int, int, float], None] | None = None
+        self._reshape = Reshape.of(self.config)
 
     @property
     def name(self) -> str:
@@ -94,7 +98,7 @@ class ModelHost:
                 return self
             start = time.perf_counter()
             model_file = self.entry.onnx_path(self.version)
-            engine = open_engine(self.config, model_file.parent, self.backend_request)
+            engine = open_engine(engine_config(self.config), model_file.parent, self.backend_request)
             checks = self._graph_checks = GraphChecks.read(model_file)
             contexts: list[ExecutionContext] = []
             try:
@@ -103,6 +107,7 @@ class ModelHost:
                 loaded = time.perf_counter()
                 warmups = warmup_requests(self.config, self.entry.path)
                 try:
+                    warmups = [self._to_model(request) for request in warmups]
                     for request in warmups:  # every context, every size
                         checks.check(self.name, request)
                         for context in contexts:
@@ -202,6 +207,7 @@ class ModelHost:
             InferenceError: the backend failed.
         """
         wanted = outputs if outputs is not None else [t.name for t in self.config.outputs]
+        inputs = self._to_model(inputs)
         self._graph_checks.check(self.name, inputs)
         on_device = bool(device_io(inputs, wanted))
         with self._lock:
@@ -227,7 +233,15 @@ class ModelHost:
             with self._lock:
                 self._in_flight -= 1
                 self._lock.notify_all()
-        return {name: result[name] for name in wanted}
+        return self._to_client({name: result[name] for name in wanted})
+
+    def _to_model(self, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``inputs`` in the model file's shapes (``Reshape.to_model``). Raises InvalidInput."""
+        return inputs if self._reshape is None else self._reshape.to_model(inputs)
+
+    def _to_client(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """``outputs`` in the config's ``dims`` (``Reshape.to_client``). Raises InferenceError."""
+        return outputs if self._reshape is None else self._reshape.to_client(outputs)
 
     def _checkout(self, shapes: tuple) -> ExecutionContext:
         """A free context, preferring one whose last run had ``shapes``; waits up to
@@ -275,8 +289,9 @@ class ModelHost:
         Raises:
             ModelNotReady: not loaded. InferenceTimeout: contexts stayed busy. InferenceError.
         """
-        feeds = [{spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, shape) if isinstance(shape, int)
-                                   else tuple(shape[spec.name])) for spec in self.config.inputs}
+        feeds = [self._to_model({spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, shape)
+                                                  if isinstance(shape, int) else tuple(shape[spec.name]))
+                                 for spec in self.config.inputs})
                  for shape in shapes]
         with self._lock:
             if self.engine is None:

@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from ..backends import cuda, trt_module
 from ..contract.config import ModelConfig
+from ..contract.reshape import engine_config
 from ..contract.errors import ConfigError, LoadFault
 from ..backends.plans import (
     PlanManifest,
@@ -537,7 +538,8 @@ def find_sources(root: Path, names: Sequence[str] | None = None) -> tuple[list[M
             failures.append(BuildResult(entry.name, "failed", error=BuildError(
                 entry.name, f"no <version>/{MODEL_FILENAME} under {entry.path}; run `make models`")))
             continue
-        sources.append(ModelSource(entry.config, entry.latest, entry.onnx_path().parent))
+        # the plan is the model file's: reshaped tensors in its shapes (``contract.reshape``)
+        sources.append(ModelSource(engine_config(entry.config), entry.latest, entry.onnx_path().parent))
     return sources, failures
 
 
