@@ -270,9 +270,16 @@ def test_a_batched_reshape_applies_per_batch_item(tmp_path):
         "output [ { name: \"y\" data_type: TYPE_FP32 dims: [ 16 ] reshape { shape: [ 1, 16 ] } } ]\n")
     entry = ModelRepository(tmp_path).get("neg")
     assert entry.config.inputs[0].dims == (-1, 16) and entry.config.inputs[0].reshape == (-1, 1, 16)
+    from deployments.runtime.contract.reshape import engine_config
+
+    # the backends (and a TensorRT plan's profile) see the file's shape, the batch axis kept
+    model_side = engine_config(entry.config).inputs[0]
+    assert (model_side.dims, model_side.reshape) == ((-1, 1, 16), None)
+    assert model_side.profile == Profile(min=(1, 1, 16), opt=(4, 1, 16), max=(4, 1, 16))
     host = ModelHost(entry, backend="onnxruntime").load()
     x = np.arange(48, dtype=np.float32).reshape(3, 16)
     np.testing.assert_array_equal(host.infer({"x": x})["y"], -x)
+    host.warm([1, 4])  # zeros of the client's shape, run in the file's
     host.unload()
 
 
