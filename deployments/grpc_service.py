@@ -13,7 +13,11 @@ the router's HTTP route for it (``InferenceService``): ``ModelInfer`` becomes th
 (a dedicated model's or pipeline's through its handle, a pool model's body to the pool replica),
 the body limit, timeouts, metrics, statistics and request logs are the HTTP path's own, and an
 error has the same text, with the gRPC code of its HTTP status (``protocol.errors.grpc_code``).
-docs/architecture.md, "The gRPC front door", says why this design and what it costs.
+Where HAProxy is the HTTP ingress (Ray Serve's HAProxy mode, ``make serve``), that body goes
+instead to the node's HAProxy frontend over kept-alive HTTP/1.1 connections (``IngressForward``),
+so a ModelInfer takes an HTTP request's own path: one hop to the model's replica, its routing,
+retries, admission and counting. docs/architecture.md, "The gRPC front door", says why this
+design and what it costs.
 
 The shared-memory RPCs go through the router's shared-memory routes (``shared_memory_routes``),
 and an infer's ``shared_memory_*`` parameters reach the replica as over HTTP. Trace and log
@@ -22,11 +26,14 @@ settings answer UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from urllib.parse import quote
 
+import aiohttp
 import grpc
 import psutil
 from google.protobuf.message import DecodeError
@@ -38,8 +45,9 @@ from .protocol.binary import HEADER_LENGTH
 from .protocol.errors import grpc_code
 from .protocol.grpc import (cuda_register_body, infer_body, infer_response, json_message, region_statuses,
                             repository_body, system_register_body)
-from .routes import EDGE_HEADER_BYTES, V2Routes, error_response
-from .runtime.contract.errors import InvalidInput
+from .protocol.answer import timeout_error
+from .routes import EDGE_HEADER_BYTES, POOL_TIMEOUT_GRACE_S, V2Routes, error_response
+from .runtime.contract.errors import InvalidInput, ModelNotFound
 
 logger = logging.getLogger("ray.serve")
 
@@ -111,12 +119,95 @@ def _answers_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
     return wrapper
 
 
+# Seconds the gRPC edge sends no ModelInfer to an HTTP ingress it could not connect to (it
+# answers them through the router meanwhile), e.g. a node whose HAProxy has not started.
+INGRESS_DOWN_S = 5.0
+# What the forwarded request asks: the binary answer as the replica writes it, never compressed
+# (gRPC compresses its own messages).
+_FORWARD_HEADERS = {"Content-Type": "application/octet-stream", "Accept-Encoding": "identity"}
+_ANSWER_HEADERS = (HEADER_LENGTH, "retry-after", "content-type")
+
+
+class IngressForward:
+    """An infer body's one hop through the node's HTTP ingress (HAProxy): POSTed to
+    ``base_url`` (the HAProxy frontend, on loopback) over a pool of kept-alive HTTP/1.1
+    connections (aiohttp's, which Ray ships), so that HAProxy sends it to the model's replica as
+    it sends an HTTP client's (a dedicated model's replica, the pool replica its hash or placement
+    names, the router as backup; its retry of a dead replica; the replica's admission, checks,
+    timeouts and counting: the router counts nothing of it). A call waits up to
+    ``request_timeout_s`` (the application's) plus ``POOL_TIMEOUT_GRACE_S``, so that the
+    replica's own 504, naming its bound, arrives first."""
+
+    def __init__(self, base_url: str, request_timeout_s: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self._session: aiohttp.ClientSession | None = None  # made on first use, on the serving loop
+        self._down_until = 0.0
+
+    def usable(self) -> bool:
+        """False for ``INGRESS_DOWN_S`` after a connection to the ingress failed."""
+        return asyncio.get_running_loop().time() >= self._down_until
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No connection limit: the router's own max_ongoing_requests and the replicas'
+            # admission bound the calls. aiohttp's 15 s keep-alive is below HAProxy's (90 s).
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s + POOL_TIMEOUT_GRACE_S),
+                auto_decompress=False, skip_auto_headers=("User-Agent",))
+        return self._session
+
+    async def infer(self, model: str, path: str, chunks: list[bytes], header_length: int) -> Response | None:
+        """The ingress's answer to ``chunks`` (an infer body whose JSON header is
+        ``header_length`` bytes) POSTed to ``path``; None where it never answered (no
+        connection, or one closed before the answer, as HAProxy closes idle connections on a
+        reload): the caller takes the router's path instead (a request that had reached a
+        replica runs again, as HAProxy's own retry of a dead replica runs it).
+
+        Raises:
+            InferenceTimeout: no answer in time (504, naming ``model`` and ``request_timeout_s``).
+        """
+        headers = {**_FORWARD_HEADERS, HEADER_LENGTH: str(header_length)}
+        try:
+            async with self._client().post(self.base_url + path, data=b"".join(chunks), headers=headers) as answer:
+                body = await answer.read()
+        except TimeoutError:
+            raise timeout_error(model, self.request_timeout_s, False) from None
+        except aiohttp.ClientConnectorError:
+            self._down_until = asyncio.get_running_loop().time() + INGRESS_DOWN_S
+            return None
+        except aiohttp.ClientError:
+            return None
+        kept = {name: answer.headers[name] for name in _ANSWER_HEADERS if name in answer.headers}
+        return Response(body, status_code=answer.status, headers=kept)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     """``inference.GRPCInferenceService`` over the router's routes (``routes``: the router's
-    ``RouterApp``, or any ``RepositoryRoutes``)."""
+    ``RouterApp``, or any ``RepositoryRoutes``); ``forward``: where ModelInfer goes through the
+    node's HTTP ingress (None: through the router's infer route)."""
 
-    def __init__(self, routes: V2Routes) -> None:
+    def __init__(self, routes: V2Routes, forward: IngressForward | None = None) -> None:
         self.routes = routes
+        self.forward = forward
+
+    def _forwards(self, forward: IngressForward, request: Any, chunks: list[bytes]) -> bool:
+        """Whether ``request`` goes through ``forward``: while it is usable, a model and version
+        of the repository (the router answers any other name at once) whose body fits
+        ``max_body_bytes`` (one within its JSON header of the limit passes only through the
+        router, which leaves the header out of the count as for a message of the limit)."""
+        if not forward.usable():
+            return False
+        try:
+            self.routes.repo.get(request.model_name, request.model_version or None)
+        except ModelNotFound:
+            return False
+        return sum(map(len, chunks)) <= self.routes.max_body_bytes
 
     async def _json(self, route: Callable[[Request], Awaitable[Response]], request: Request,
                     context: grpc.aio.ServicerContext) -> Any:
@@ -136,13 +227,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return response.status_code == 200
 
     async def infer(self, request: Any) -> Response:
-        """``ModelInfer`` through the router's infer route (module docstring)."""
+        """``ModelInfer`` through the node's HTTP ingress (``forward``, where ``_forwards``) or
+        the router's infer route (module docstring)."""
         try:
             chunks, length = infer_body(request)
             headers, error = {HEADER_LENGTH: str(length)}, None
         except InvalidInput as e:
             chunks, length, headers, error = [], 0, {}, e
         params, path = _model_params(request.model_name, request.model_version)
+        if self.forward is not None and error is None and self._forwards(self.forward, request, chunks):
+            quoted = _model_params(quote(request.model_name, safe=""), quote(request.model_version, safe=""))[1]
+            answer = await self.forward.infer(request.model_name, f"{quoted}/infer", chunks, length)
+            if answer is not None:
+                return answer
         return await self.routes.infer(_http_request("POST", f"{path}/infer", params, chunks, headers, error, length))
 
     @_answers_errors
@@ -352,10 +449,10 @@ def _parsed_in_the_call(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMe
     return handler._replace(request_deserializer=None, stream_stream=stream_stream)
 
 
-def service_handler(routes: V2Routes) -> grpc.GenericRpcHandler:
-    """``InferenceService(routes)``'s methods as one handler, each parsing its own message."""
+def service_handler(routes: V2Routes, forward: IngressForward | None = None) -> grpc.GenericRpcHandler:
+    """``InferenceService(routes, forward)``'s methods as one handler, each parsing its own message."""
     capture = _HandlerCapture()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes), capture)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes, forward), capture)
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     methods = capture.methods or {  # older generated code registers the generic handler only
         method.name: capture.generic[0].service(_Call(f"/{service.full_name}/{method.name}"))
@@ -398,9 +495,9 @@ def foreign_listeners(port: int, title: str | None = None) -> list[str]:
     return sorted(set(found))
 
 
-async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int,
-                title: str | None = None) -> grpc.aio.Server:
-    """Serve ``InferenceService(routes)`` on ``host:port`` from this event loop; messages up to
+async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int, title: str | None = None,
+                forward: IngressForward | None = None) -> grpc.aio.Server:
+    """Serve ``InferenceService(routes, forward)`` on ``host:port`` from this event loop; messages up to
     ``max_message_bytes`` (``max_body_mib``: grpcio answers a larger one RESOURCE_EXHAUSTED).
     SO_REUSEPORT (grpcio's default on Linux, set here explicitly) lets every router replica of
     the node listen on the same port; the kernel spreads connections among them. Any other
@@ -413,7 +510,7 @@ async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int,
     """
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 1)])
-    server.add_generic_rpc_handlers((service_handler(routes),))
+    server.add_generic_rpc_handlers((service_handler(routes, forward),))
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     others = foreign_listeners(port, title)

@@ -105,6 +105,7 @@ class Router(RouterApp):
         self._poller = loop.create_task(self._announce_when_ready())
         self._watcher = loop.create_task(self.watch_replicas())
         self._grpc: Any = None  # grpc.aio.Server, once started
+        self._forward: grpc_service.IngressForward | None = None
         if options.grpc_port is not None:
             self._grpc_start = loop.create_task(self._serve_grpc(options.grpc_port, options.max_body_bytes))
 
@@ -112,21 +113,43 @@ class Router(RouterApp):
         """Serve KServe v2 gRPC on ``port`` (``deployments.grpc_service``); a port this replica
         cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on."""
         host = bind_host()
+        self._forward = await self._ingress_forward()
         try:
             replica = serve.get_replica_context()
             title = f"ray::ServeReplica:{replica.app_name}:{replica.deployment}"  # what Ray names its process
-            self._grpc = await grpc_service.start(self, port, host, max_body_bytes, title)
+            self._grpc = await grpc_service.start(self, port, host, max_body_bytes, title, self._forward)
         except Exception as e:
             ready_logger.error("gRPC: cannot serve on %s:%d (%s); set grpc_port in the application args to a "
                                "free port, or null for none. HTTP serves on.", host, port, e)
             return
         ready_logger.info("gRPC (KServe v2) on %s:%d", host, port)
 
+    async def _ingress_forward(self) -> grpc_service.IngressForward | None:
+        """Where HAProxy is the HTTP ingress (``RAY_SERVE_ENABLE_HA_PROXY``), the gRPC edge's way
+        to it: its frontend on this node (``http_options``; on loopback where it binds every
+        interface). None under Serve's own proxy, where a hop through it would cost more than
+        the router's own handle call."""
+        from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
+        if not RAY_SERVE_ENABLE_HA_PROXY:
+            return None
+        try:
+            options = await self._http_options()
+        except Exception as e:
+            ready_logger.warning("gRPC: the HTTP ingress's address is unknown (%s); ModelInfer goes through the "
+                                 "router's handles", e)
+            return None
+        host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host
+        return grpc_service.IngressForward(f"http://{f'[{host}]' if ':' in host else host}:{options.port}",
+                                           self.request_timeout_s)
+
     async def __del__(self) -> None:
         """Serve calls it when this replica stops, once its HTTP requests have drained: the
         gRPC server takes no new call and gives those in flight ``STOP_GRACE_S``."""
         if self._grpc is not None:
             await self._grpc.stop(grpc_service.STOP_GRACE_S)
+        if self._forward is not None:
+            await self._forward.close()
 
     def __serve_build_asgi_app__(self) -> Starlette:
         return self.build_app()
@@ -144,12 +167,17 @@ class Router(RouterApp):
         ready_logger.info("%s", ready_line(url, self.repo.names(), self.states.names(Status.LOADING, Status.READY),
                                            self.states.names(Status.READY), self.client.pool_models, resident))
 
+    async def _http_options(self) -> Any:
+        """Serve's ``HTTPOptions`` (``http_options`` of the Serve config), from the controller:
+        Serve has no public getter for them."""
+        from ray.serve.context import _get_global_client
+
+        return await asyncio.to_thread(lambda: _get_global_client().http_config)
+
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""
-        try:  # the controller's HTTP options; Serve has no public getter for them
-            from ray.serve.context import _get_global_client
-
-            options = await asyncio.to_thread(lambda: _get_global_client().http_config)
+        try:
+            options = await self._http_options()
             return f"http://{options.host}:{options.port}"
         except Exception:
             return "http://<http_options.host>:<http_options.port>"

@@ -77,6 +77,38 @@ def error_of(call) -> tuple[str, str]:
     return info.value.status(), info.value.message()
 
 
+def settled(count):
+    """``count()`` once two reads 0.5 s apart agree: earlier requests' counts reach the node's
+    files within a flush or so."""
+    last, now = None, count()
+    while now != last:
+        time.sleep(0.5)
+        last, now = now, count()
+    return now
+
+
+def settled_at(count, expected, timeout_s: float = 30.0):
+    """``settled(count)``, once ``count()`` is ``expected`` or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while count() != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return settled(count)
+
+
+def message_of_bytes(limit: int):
+    """A ``ModelInferRequest`` for tiny_cnn of exactly ``limit`` bytes (its one raw entry of
+    zeros: not the byte count the model takes)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="tiny_cnn")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 3, 224, 224])
+    request.raw_input_contents.append(b"")
+    size = limit - request.ByteSize() + 1 - 4  # the empty entry's 1-byte length becomes a 4-byte varint
+    request.raw_input_contents[0] = b"\x00" * size
+    assert request.ByteSize() == limit
+    return request
+
+
 def onnx_runtime(model: str, x: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
@@ -238,22 +270,11 @@ def test_statistics_count_grpc_requests_as_http_ones(client, server):
         stats = client.get_inference_statistics("simple", "1").model_stats[0].inference_stats
         return stats.success.count, stats.fail.count
 
-    def settled() -> tuple[int, int]:  # earlier requests' counts reach the node's files within a flush or so
-        last, now = None, count()
-        while now != last:
-            time.sleep(0.5)
-            last, now = now, count()
-        return now
-
-    before = settled()
+    before = settled(count)
     a, b = pair()
     client.infer("simple", simple_inputs(a, b))
     error_of(lambda: client.infer("simple", simple_inputs(a.astype(np.float32), b.astype(np.float32), "FP32")))
-    expected = (before[0] + 1, before[1] + 1)
-    deadline = time.monotonic() + 30
-    while count() != expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert settled() == expected
+    assert settled_at(count, (before[0] + 1, before[1] + 1)) == (before[0] + 1, before[1] + 1)
     http = requests.get(f"{server}/v2/models/simple/versions/1/stats", timeout=30).json()["model_stats"][0]
     assert (http["inference_stats"]["success"]["count"], http["inference_stats"]["fail"]["count"]) == count()
     every = client.get_inference_statistics()
@@ -392,19 +413,12 @@ def test_trace_and_log_settings_are_unimplemented_with_a_reason(client):
 
 
 def test_message_of_the_body_limit_passes_and_one_byte_over_is_resource_exhausted(stub):
-    from tritonclient.grpc import service_pb2 as pb
-
     limit = 64 * 2**20
-    request = pb.ModelInferRequest(model_name="tiny_cnn")
-    request.inputs.add(name="input", datatype="FP32", shape=[1, 3, 224, 224])
-    request.raw_input_contents.append(b"")
-    size = limit - request.ByteSize() + 1 - 4  # the empty entry's 1-byte length becomes a 4-byte varint
-    request.raw_input_contents[0] = b"\x00" * size
-    assert request.ByteSize() == limit
+    request = message_of_bytes(limit)
     with pytest.raises(grpc.RpcError) as info:  # the limit passes: the model refuses the byte count
         stub.ModelInfer(request, timeout=120)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    request.raw_input_contents[0] = b"\x00" * (size + 1)
+    request.raw_input_contents[0] += b"\x00"
     with pytest.raises(grpc.RpcError) as info:
         stub.ModelInfer(request, timeout=120)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,0 +1,171 @@
+"""The gRPC edge's hop through the HTTP ingress (``grpc_service.IngressForward``), against a real
+HTTP server on loopback standing in for HAProxy (aiohttp's): what it is sent (path, headers,
+the binary body the router's route would read), what its answer becomes, and when a call goes
+through the router's own route instead (no ingress, an unknown model, a body over the limit)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+from starlette.responses import Response
+from tritonclient.grpc import service_pb2 as pb
+
+from deployments.grpc_service import INGRESS_DOWN_S, IngressForward, InferenceService
+from deployments.protocol.binary import HEADER_LENGTH, decode_body, encode_response
+from deployments.protocol.grpc import infer_body, infer_response
+from deployments.runtime.contract.errors import unknown_model
+
+A = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+
+class Repo:
+    """``ModelRepository.get`` for one model, ``simple``, version 1."""
+
+    def get(self, name: str, version: str | None = None) -> Any:
+        if name != "simple" or version not in (None, "1"):
+            raise unknown_model(name, "available models: ['simple']")
+        return object()
+
+
+class Routes:
+    """The router's routes as the edge uses them: ``repo``, ``max_body_bytes``, and ``infer``,
+    which records the paths it was called for and answers 200 with no outputs."""
+
+    def __init__(self, max_body_bytes: int = 1 << 20) -> None:
+        self.repo, self.max_body_bytes, self.called = Repo(), max_body_bytes, []
+
+    async def infer(self, request: Any) -> Response:
+        self.called.append(request.url.path)
+        return Response(json.dumps({"model_name": "simple", "model_version": "1", "outputs": []}))
+
+
+def message(model: str = "simple", version: str = "", size: int = 16) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, model_version=version, id="req-7")
+    request.inputs.add(name="INPUT0", datatype="INT32", shape=[1, size])
+    request.raw_input_contents.append(np.arange(size, dtype=np.int32).tobytes())
+    return request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def ingress(answer: Any) -> tuple[web.AppRunner, str, list[dict]]:
+    """An HTTP server on loopback answering every POST with ``await answer(request)``; (its
+    runner, base URL, what it received: raw path, headers, body)."""
+    seen: list[dict] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.append({"path": request.raw_path, "headers": dict(request.headers), "body": await request.read()})
+        return await answer(request)
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_post("/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+def test_model_infer_posts_the_routers_binary_body_to_the_ingress_and_answers_its_bytes():
+    async def answer(request: web.Request) -> web.Response:
+        sent = decode_body([await request.read()], request.headers[HEADER_LENGTH])
+        body, headers = encode_response("simple", "1", sent, {"OUTPUT0": A + 1})
+        return web.Response(body=body, headers=headers)
+
+    async def main() -> tuple[Any, list[dict], Routes]:
+        runner, url, seen = await ingress(answer)
+        routes = Routes()
+        forward = IngressForward(url, 30.0)
+        try:
+            response = await InferenceService(routes, forward).infer(message(version="1"))
+        finally:
+            await forward.close()
+            await runner.cleanup()
+        return response, seen, routes
+
+    response, seen, routes = asyncio.run(main())
+    assert routes.called == []
+    [sent] = seen
+    chunks, length = infer_body(message(version="1"))
+    assert sent["path"] == "/v2/models/simple/versions/1/infer"
+    assert sent["body"] == b"".join(chunks)
+    assert sent["headers"][HEADER_LENGTH] == str(length)
+    assert sent["headers"]["Accept-Encoding"] == "identity"  # the answer uncompressed: gRPC compresses its own
+    result = infer_response(bytes(response.body), response.headers)
+    assert result.id == "req-7" and result.outputs[0].name == "OUTPUT0"
+    assert np.frombuffer(result.raw_output_contents[0], np.int32).tolist() == (A + 1).ravel().tolist()
+
+
+def test_an_error_answer_of_the_ingress_keeps_its_status_text_and_retry_after():
+    text = "model 'simple' is overloaded: 8 requests in flight; retry after 1 s"
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"error": text}, status=503, headers={"Retry-After": "1"})
+
+    async def main() -> Response:
+        runner, url, _ = await ingress(answer)
+        forward = IngressForward(url, 30.0)
+        try:
+            return await InferenceService(Routes(), forward).infer(message())
+        finally:
+            await forward.close()
+            await runner.cleanup()
+
+    response = asyncio.run(main())
+    assert response.status_code == 503
+    assert json.loads(bytes(response.body)) == {"error": text}
+    assert response.headers["retry-after"] == "1"
+
+
+def test_an_ingress_that_cannot_be_reached_leaves_the_calls_to_the_router_for_a_while():
+    async def main() -> tuple[list[str], bool, float, float]:
+        routes = Routes()
+        forward = IngressForward(f"http://127.0.0.1:{_free_port()}", 30.0)  # nothing listens there
+        service = InferenceService(routes, forward)
+        try:
+            response = await service.infer(message())
+            usable = forward.usable()
+            await service.infer(message())  # not even tried: through the router at once
+        finally:
+            await forward.close()
+        return routes.called, usable and response.status_code == 200, forward._down_until, \
+            asyncio.get_running_loop().time()
+
+    called, usable, down_until, now = asyncio.run(main())
+    assert called == ["/v2/models/simple/infer"] * 2
+    assert not usable
+    assert now < down_until <= now + INGRESS_DOWN_S
+
+
+@pytest.mark.parametrize("request_, max_body_bytes", [
+    (message(model="nope"), 1 << 20),  # the router names the models at once
+    (message(version="7"), 1 << 20),  # and the versions
+    (message(size=64), 256),  # 256 B of tensor and the JSON header: over the limit only with the header
+], ids=["unknown model", "unknown version", "body over the limit with its header"])
+def test_calls_the_ingress_should_not_take_go_through_the_router(request_, max_body_bytes):
+    async def answer(request: web.Request) -> web.Response:
+        raise AssertionError("the ingress was called")
+
+    async def main() -> tuple[list[str], list[dict]]:
+        runner, url, seen = await ingress(answer)
+        routes = Routes(max_body_bytes)
+        forward = IngressForward(url, 30.0)
+        try:
+            await InferenceService(routes, forward).infer(request_)
+        finally:
+            await forward.close()
+            await runner.cleanup()
+        return routes.called, seen
+
+    called, seen = asyncio.run(main())
+    assert len(called) == 1 and seen == []
