@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = "models"
 BASE = "ocr_cls"
 MAX_BATCHES = (4, 8, 16, 32)  # the copies' max batch in turn: footprints about 4x apart
-POLICIES = ("hash", "bytes")
+POLICIES = ("hash", "bytes", "multiplexed")
 SAMPLE_S = 0.5  # how often /v2/memory and /metrics are read
 BUCKET_S = 10.0  # the cold-load rate after a shift, per this many seconds
 SAMPLE_EVERY = 16  # one answer in this many per client has its values compared
@@ -255,6 +255,23 @@ def write_config(tmp: Path, repository: Path, policy: str, replicas: int, budget
 
 # --- the server and what it reports ------------------------------------------------------------
 
+def start_multiplexed(repository: Path, port: int, replicas: int, max_models: int, footprints: dict[str, int],
+                      budget_bytes: int, log: Path, **env: str) -> subprocess.Popen:
+    """The anchor (``bench.multiplexed``: Serve's ``@serve.multiplexed`` with a count cap of
+    ``max_models``, behind an ingress deployment) in a session of its own, with ``make
+    serve``'s environment and ``env`` over it, as ``bench.autoscale.start_runner`` starts a server."""
+    from bench.autoscale import serve_env
+
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                **serve_env(1), **env)
+    full.pop("RAY_ADDRESS", None)
+    with log.open("w") as out:
+        return subprocess.Popen([sys.executable, "-m", "bench.multiplexed", "--repository", str(repository),
+                                 "--port", str(port), "--replicas", str(replicas), "--max-models", str(max_models),
+                                 "--budget-bytes", str(budget_bytes), "--footprints", json.dumps(footprints)],
+                                cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def _get_json(url: str, timeout_s: float = 10.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read())
@@ -398,6 +415,7 @@ class Bench:
         self.args, self.repository, self.footprints = args, repository, footprints
         self.budget_bytes, self.scratch = budget_bytes, scratch
         self.names = list(footprints)
+        self.max_models = max(1, round(args.budget_fraction * len(self.names)))  # the anchor's count cap
         x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
         expected = expected_from_onnx(str(ROOT / "engines" / BASE / "1" / "model.onnx"), x)
         input_name = yaml.safe_load((repository / self.names[0] / "config.yaml").read_text())["inputs"][0]["name"]
@@ -417,14 +435,18 @@ class Bench:
         port, metrics_port = free_port(), free_port()
         folder = self.scratch / policy
         folder.mkdir()
-        config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
-                              port, metrics_port)
         short = Path(tempfile.mkdtemp(prefix="bp-", dir=self.scratch.parent))  # HAProxy's socket path: at most 97 characters
         haproxy = {k: v for k, v in ray_env("fast", short).items()  # this run's own HAProxy files and ports
                    if k.startswith("RAY_SERVE_HAPROXY_") and k != "RAY_SERVE_HAPROXY_BINARY_PATH"}
         log = folder / "server.log"
         started = time.monotonic()
-        proc = start_runner(config, log, **haproxy)
+        if policy == "multiplexed":
+            proc = start_multiplexed(self.repository, port, a.replicas, self.max_models, self.footprints,
+                                     self.budget_bytes, log, **haproxy)
+        else:
+            config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
+                                  port, metrics_port)
+            proc = start_runner(config, log, **haproxy)
         url = f"http://127.0.0.1:{port}"
         rows = []
         try:
@@ -446,6 +468,10 @@ class Bench:
             with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as r:
                 return r.status == 200
 
+        if policy == "multiplexed":  # every pool replica reported (in its constructor) and the ingress answers
+            def ready() -> bool:
+                return len(cache_counters(_get_text(f"{url}/metrics"))) == a.replicas
+
         _until(ready, "the server ready", 300, proc, log)
         if policy == "bytes":  # a placement of every model over every replica
             def placed() -> bool:
@@ -464,6 +490,8 @@ class Bench:
         stop = asyncio.Event()
         task = asyncio.get_running_loop().create_task(load.run(clients, stop))
         extra: dict[str, Any] = {"replicas": a.replicas, "models": len(self.names), "budget_bytes": self.budget_bytes}
+        if policy == "multiplexed":
+            extra.update(max_num_models_per_replica=self.max_models, router_hop=True)
         with Watch(url) as watch:
             await asyncio.sleep(a.warmup_s)
             pids = replica_pids(proc.pid, APP, "pool")

@@ -528,54 +528,81 @@ def hash_pool_models(config: str) -> str:
 # With ``placement: bytes`` (deployments/placement.py) the pool's placement names the replicas
 # that hold each model, and HAProxy follows it with no hop of its own: a map file beside Ray's
 # config (``<config>.placement.map``, ``PLACEMENT_MAP_SUFFIX``) holds, per model name, the HAProxy
-# names of its replicas, ``PLACEMENT_SLOTS`` of them joined by '+' (its copies in turn), and the
-# pool's backend picks one of those slots at random per request (``use-server`` with a name read
-# from the map: HAProxy 2.8 evaluates it per request). A copy is thus taken in proportion to
-# its slots: evenly, as the placement gives a model copies in proportion to its load. A model
+# names of its replicas joined by '+' (first copy first), and the pool's backend sends each
+# request to the copy with the fewest requests in flight now (``srv_conn``: every request the
+# replica holds, for any model), the first copy on a tie. HAProxy 2.8 reads a server's count
+# only by a name fixed in the config, so the rules name each of the backend's servers (Ray
+# renders the config again, and the wrapper rewrites it, whenever its replicas change): per copy
+# (at most ``PLACEMENT_MAX_COPIES``), one rule per server that reads that server's count when the
+# copy names it and it is up, then a running minimum. A copy picked at random instead (twelve
+# slots, one drawn per request) left a copy busy while the other idled: the hot model's requests
+# queued on one replica's execution context (docs/performance.md, "Placement by bytes"). A model
 # the map does not name (placement off: the file is empty; a model loaded since the last
-# decision), a name that is no server, or a server that is down, falls through to the hash
-# above. The placement deployment rewrites the file (what a reloaded HAProxy reads) and swaps
-# the running HAProxy's map at once through its admin socket (``publish_placement``: ``prepare
-# map`` / ``add map`` / ``commit map``). 12 slots split evenly among 1, 2, 3, 4 or 6 copies.
-PLACEMENT_MARKER = "# trt-serve: a placed pool model's requests go to one of its replicas (deployments/haproxy.py)"
+# decision), or whose copies are all gone or down, falls through to the hash above. The
+# placement deployment rewrites the file (what a reloaded HAProxy reads) and swaps the running
+# HAProxy's map at once through its admin socket (``publish_placement``: ``prepare map`` /
+# ``add map`` / ``commit map``).
+PLACEMENT_MARKER = "# trt-serve: a placed pool model's requests go to its least loaded replica (deployments/haproxy.py)"
 PLACEMENT_MAP_SUFFIX = ".placement.map"
-PLACEMENT_SLOTS = 12
+PLACEMENT_MAX_COPIES = 8  # copies of one model HAProxy compares (the first ones the map lists)
 _BALANCE_HASH = re.compile(r"^\s+balance hash path,field\((?P<field>\d+),/\)$")
+
+
+def _least_loaded_copy(backend: str, servers: Sequence[str], field: str, map_file: str) -> list[str]:
+    """The rules (config lines) that send a request to the least loaded of its model's copies in
+    ``map_file``, among ``servers`` of ``backend`` (the comment above)."""
+    copies = min(len(servers), PLACEMENT_MAX_COPIES)
+    rules = ["http-request set-var(txn.trt_placed) path,field({field},/),map({map_file})".format(
+        field=field, map_file=map_file)]
+    rules += [f"http-request set-var(txn.trt_copy{i}) var(txn.trt_placed),field({i},+) "
+              "if { var(txn.trt_placed) -m found }" for i in range(1, copies + 1)]
+    rules += [f"http-request set-var(txn.trt_load{i}) srv_conn({backend}/{server}) "
+              f"if {{ var(txn.trt_copy{i}) -m str {server} }} {{ srv_is_up({backend}/{server}) }}"
+              for i in range(1, copies + 1) for server in servers]
+    rules.append("http-request set-var(txn.trt_least) int(2147483647)")
+    for i in range(1, copies + 1):
+        fewer = "{ var(txn.trt_fewer) -m int lt 0 }"
+        rules += [f"http-request set-var(txn.trt_fewer) var(txn.trt_load{i}),sub(txn.trt_least)",
+                  f"http-request set-var(txn.trt_server) var(txn.trt_copy{i}) if {fewer}",
+                  f"http-request set-var(txn.trt_least) var(txn.trt_load{i}) if {fewer}",
+                  "http-request unset-var(txn.trt_fewer)"]
+    rules.append("use-server %[var(txn.trt_server)] if { var(txn.trt_server) -m found }")
+    return [f"    {rule}\n" for rule in rules]
 
 
 def place_pool_models(config: str, map_file: str) -> str:
     """``config`` with each pool backend that ``hash_pool_models`` hashed routing a model named in
-    ``map_file`` (a map file: model name -> ``PLACEMENT_SLOTS`` server names joined by '+')
-    to one of its servers, a slot chosen at random (the comment above). Idempotent (a marker)."""
+    ``map_file`` (a map file: model name -> its replicas' server names joined by '+') to the
+    copy with the fewest requests in flight (the comment above). Idempotent (a marker)."""
     if PLACEMENT_MARKER in config:
         return config
-    out = []
-    for line in config.splitlines(keepends=True):
+    lines = config.splitlines(keepends=True)
+    out: list[str] = []
+    for index, line in enumerate(lines):
         out.append(line)
         balance = _BALANCE_HASH.match(line.rstrip("\n"))
         if balance is None:
             continue
-        placed = "var(txn.trt_placed)"
+        opened = max(k for k in range(index) if _SECTION.match(lines[k]))
+        closed = next((k for k in range(index + 1, len(lines)) if _SECTION.match(lines[k])), len(lines))
+        servers = [m["name"] for k in range(opened, closed) if (m := _SERVER.match(lines[k].rstrip("\n")))]
         out += [f"    {PLACEMENT_MARKER}\n",
-                f"    http-request set-var(txn.trt_placed) path,field({balance['field']},/),map({map_file})\n",
-                f"    http-request set-var(txn.trt_copy) rand({PLACEMENT_SLOTS})\n"]
-        out += [f"    use-server %[{placed},field({slot + 1},+)] if {{ {placed} -m found }} "
-                f"{{ var(txn.trt_copy) -m int {slot} }}\n" for slot in range(PLACEMENT_SLOTS)]
+                *_least_loaded_copy(_backend_name(lines[opened]) or "", servers, balance["field"], map_file)]
     return "".join(out)
 
 
 def placement_map(servers: Mapping[str, Sequence[str]]) -> dict[str, str]:
     """The map's entries for ``servers`` (model -> the HAProxy server names of its replicas,
     first copy first): model name (and its percent-encoded form, as a client sends it, where
-    that differs) -> ``PLACEMENT_SLOTS`` names, its copies in turn, joined by '+'. A model with
-    no replica has no entry (its requests are hashed)."""
+    that differs) -> its servers joined by '+'. A model with no replica has no entry (its
+    requests are hashed)."""
     from urllib.parse import quote
 
     out = {}
     for model, names in sorted(servers.items()):
         if not names:
             continue
-        value = "+".join(names[slot % len(names)] for slot in range(PLACEMENT_SLOTS))
+        value = "+".join(dict.fromkeys(names))
         for key in {model, quote(model, safe="")}:
             if key and not any(c.isspace() for c in key):
                 out[key] = value
