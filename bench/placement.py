@@ -344,7 +344,15 @@ class Watch:
                 pass
 
     def __enter__(self) -> "Watch":
-        self.read()
+        deadline = time.monotonic() + 60
+        while True:  # a busy machine's router can answer 503 just after the server said ready
+            try:
+                self.read()
+                break
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(SAMPLE_S)
         self._thread.start()
         return self
 
