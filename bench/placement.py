@@ -34,8 +34,15 @@ statuses).
 Defaults: 4 pool replicas, a third of the bytes each, Zipf s = 1; ``--quick``: 30 models, 16
 clients, 25 s warm-up and a 30 s window per policy (about 4 minutes on 2 cores); else 48
 models, 16 and 64 clients, 40 s and 60 s, then the shift (``--shift-s`` 40) and the kill
-(``--kill-s`` 30) at each client count. Ray's plain ``@serve.multiplexed`` routing (issue 31's
-anchor) is not measured here.
+(``--kill-s`` 30) at each client count.
+
+``--policies`` also takes ``multiplexed``: issue 31's anchor, Ray Serve's plain
+``@serve.multiplexed`` routing with a count cap of ``--budget-fraction`` of the models (10 of
+30: a third, as the byte budget holds) on as many replicas, reached through an ingress
+deployment's handle (a router hop), loading the same model files in ONNX Runtime CPU sessions
+(``bench.multiplexed``); its cold loads are the loads its loader counted, and its over-budget
+figure the most bytes (by the measured footprints) the count cap let a replica hold past the
+byte budget.
 
     .venv/bin/python -m bench.placement --quick --out /tmp/placement.json
     .venv/bin/python -m bench.placement --out /tmp/placement.json

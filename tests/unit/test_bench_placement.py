@@ -106,3 +106,15 @@ def test_verdict_needs_half_the_cold_loads_a_p99_within_a_tenth_and_no_replica_o
     slow = {**wins, "p99_ms": 111.0}
     assert verdict([hash_row, over])["16"]["bytes_wins"] is False
     assert verdict([hash_row, slow])["16"]["p99_within_1.1x"] is False
+
+
+def test_the_anchors_metrics_read_back_as_each_replicas_loads_and_most_bytes_held():
+    """``bench.multiplexed`` reports its loader's counts in the form ``cache_counters`` reads, so
+    the anchor's row counts cold loads and bytes over budget as the other policies' do."""
+    from bench.multiplexed import prometheus_text
+
+    replicas = {"a": {"loads": 10, "reloads": 3, "evictions": 2, "resident_bytes": 300, "budget_bytes": 200},
+                "b": {"loads": 9, "reloads": 0, "evictions": 0, "resident_bytes": 150, "budget_bytes": 200}}
+    counters = cache_counters(prometheus_text(replicas))
+    assert counters == {r: {k: float(v) for k, v in state.items()} for r, state in replicas.items()}
+    assert cold_loads(counters) == 22.0
