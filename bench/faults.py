@@ -18,8 +18,8 @@
   in plain text (Ray's own answer, ``python_proxy=True``). ``lost`` counts requests with no
   HTTP answer, a wrong answer, or an answer outside those.
 - ``damaged_model_file``: a pool model's ONNX file is truncated before its first load: its
-  requests answer 500 ``{"error": "model 'm': ... could not read its model file ..."}`` (no
-  path, no traceback), the other models keep serving, and once the file is repaired the next
+  requests answer 400 ``{"error": "model 'm': its model file m/1/model.onnx is not a valid ONNX
+  model: ..."}`` (the file's content is whoever put it there's; no full path, no traceback), the other models keep serving, and once the file is repaired the next
   request loads it, without a restart.
 - The plan folder's disk filling during ``make engines`` is an offline fault: it is tested in
   ``tests/unit/test_faults.py`` (ENOSPC injected at ``write_atomic``, and on a real 64 KiB
@@ -292,7 +292,8 @@ def damaged_model_file(base_url: str, repository: Path, model: str = "simple_ide
         for _ in range(2):  # twice: a failed load is not remembered as a state
             status, error, _ = _post(url, body)
             result.record(status, error)
-            if not (status == 500 and error and f"model '{model}'" in error and "could not read its model file" in error):
+            if not (status == 400 and error and error.startswith(f"model '{model}': its model file {model}/1/model.onnx "
+                                                                 "is not a valid ONNX model")):
                 result.lost += 1
         other = _post(f"{base_url}/v2/models/simple/infer", SIMPLE_BODY)
         result.record(other[0], other[1])

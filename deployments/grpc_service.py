@@ -252,7 +252,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any],
                                context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Each request of the stream in turn; an error answers that request's
-        ``error_message`` and the stream goes on (as Triton's)."""
+        ``error_message`` with its ``infer_response.id`` (the request's ``id``, so the client
+        knows which request failed), and the stream goes on (as Triton's
+        ``stream_infer_handler.cc``)."""
         async for request in request_iterator:
             try:
                 response = await self.infer(request)
@@ -261,7 +263,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if response.status_code == 200:
                 yield pb.ModelStreamInferResponse(infer_response=infer_response(bytes(response.body), response.headers))
             else:
-                yield pb.ModelStreamInferResponse(error_message=_error(response))
+                yield pb.ModelStreamInferResponse(error_message=_error(response),
+                                                  infer_response=pb.ModelInferResponse(id=request.id))
 
     @_answers_errors
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

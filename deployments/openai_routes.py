@@ -64,14 +64,21 @@ class OpenAIRoutes(V2Routes):
         return model_object(entry.name, int(config.stat().st_mtime) if config.is_file() else 0)
 
     async def openai_models(self, request: Request) -> Response:
-        """OpenAI's model list: the embedding models."""
-        return JSONResponse(models_response(self._model_object(e) for e in self.embedding_models()))
+        """OpenAI's model list: the embedding models that serve now (ready, their step models
+        loaded: ``_not_ready``); one unloaded, still loading or whose load failed is not listed,
+        as ``POST /v1/embeddings`` would answer it 503."""
+        return JSONResponse(models_response(self._model_object(e) for e in self.embedding_models()
+                                            if self._not_ready(e) is None))
 
     async def openai_model(self, request: Request) -> Response:
-        """OpenAI's retrieve-model route: an embedding model's object, 404 in OpenAI's shape
-        for any other name."""
+        """OpenAI's retrieve-model route: an embedding model's object while it serves; for one
+        that does not (``_not_ready``) that error (503, or 404 never loaded), and 404 for any
+        other name, in OpenAI's shape."""
         try:
-            return JSONResponse(self._model_object(self._embedding_model(request.path_params["model"])))
+            entry = self._embedding_model(request.path_params["model"])
+            if (error := self._not_ready(entry)) is not None:
+                raise error
+            return JSONResponse(self._model_object(entry))
         except Exception as e:
             return openai_error(e, "model")
 

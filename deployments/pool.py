@@ -287,10 +287,12 @@ class PoolDeployment:
     def models(self) -> dict[str, dict[str, Any]]:
         """Per served version of each pool model on this replica, by cache key (``ModelEntry.key``):
         ``state`` in the cache (``absent``, ``loading``, ``ready``, ``evicting``), ``evictions`` so
-        far, and the ``backend`` it runs (or will run) on."""
+        far, the ``backend`` it runs (or will run) on, and ``load_error``: why its last load
+        failed where another would fail alike (empty: none did, or one succeeded since)."""
         cached = self.cache.status()["models"]
         return {key: {"state": cached[key]["state"], "evictions": cached[key]["evictions"],
-                      "backend": self.backends[name]} for key, (name, _) in self.keys.items() if key in cached}
+                      "backend": self.backends[name], "load_error": cached[key]["load_error"]}
+                for key, (name, _) in self.keys.items() if key in cached}
 
     def memory(self) -> dict[str, Any]:
         """This replica's cache status and load/evict/reload timeline (JSON-ready), with its Ray

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from .control import applied_everywhere, config_kept, read_as_desired, reading
 from .placement import index_placement
+from .protocol.parameters import check_flag, check_parameters
 from .routes import V2Routes, answers_errors
 from .runtime.contract.errors import (ConfigError, InferenceTimeout, InvalidInput, LoadFault, ModelNotFound,
                                       ModelNotReady, ServingError, StoreUnavailable)
@@ -350,9 +351,12 @@ class RepositoryRoutes(V2Routes):
         """``POST /v2/repository/models/{name}/unload``: new requests for the model answer 503 at
         once; every replica waits for its requests in flight, then frees the engine (pool:
         unloads it from its cache); answers 200 once all have. ``parameters.unload_dependents``
-        is accepted and has no effect (a pipeline using the model answers 503 for it)."""
+        (a bool, as Triton's) is accepted and has no effect (a pipeline using the model answers 503
+        for it); another parameter, or one of another type, is 400 naming it."""
         name = self._control(request, "unload")
-        await self._json_body(request, "unload")
+        parameters = (await self._json_body(request, "unload")).get("parameters") or {}
+        check_parameters(f"failed to unload '{name}'", parameters, ("unload_dependents",))
+        check_flag(f"failed to unload '{name}'", parameters, "unload_dependents")
         if name not in self.repo.names():
             raise ModelNotFound(f"failed to unload '{name}': no such model; models: {self.repo.names()}")
         entry = self.repo.get(name)

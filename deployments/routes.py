@@ -199,6 +199,22 @@ class V2Routes:
         except asyncio.TimeoutError:
             raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
+    async def _load_failed(self, entry: ModelEntry) -> ServingError | None:
+        """For a pool model loaded on first use: ``ModelNotReady`` while its last load failed in
+        a way the next would repeat (``ModelCache`` status ``load_error``, as one pool replica
+        reports it), so readiness never says ready for a model whose every load fails; None
+        otherwise, or when the pool does not answer (readiness then stands as it is)."""
+        if entry.name not in self.client.pool_models:
+            return None
+        try:
+            failed = (await self._pool_models()).get(entry.key(), {}).get("load_error")
+        except Exception:  # the pool is busy or restarting: its own readiness says so
+            return None
+        if not failed:
+            return None
+        return ModelNotReady(f"model '{entry.name}' is not ready: its last load failed: {failed}; the next request "
+                             "tries again")
+
     def _entry(self, request: Request) -> ModelEntry:
         """The model a request names (its version checked: ``_entry_version``).
 
@@ -352,7 +368,7 @@ class V2Routes:
     @answers_errors
     async def model_ready(self, request: Request) -> Response:
         entry = self._entry(request)
-        error = await self._ready_error(entry)
+        error = await self._ready_error(entry) or await self._load_failed(entry)
         if error is not None:  # a probe's answer, not a failure
             return error_response(error, log=False)
         return JSONResponse({"name": entry.name, "ready": True})

@@ -33,7 +33,7 @@ import numpy as np
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.device import DeviceTensor
 from ..runtime.contract.errors import InvalidInput
-from .parameters import SHARED_MEMORY_PARAMETERS
+from .parameters import SHARED_MEMORY_PARAMETERS, check_flag
 from .v2 import (
     InferRequest,
     check_finite,
@@ -298,23 +298,16 @@ def decode_request(body: Body, header_length: int | None, shm: TensorReader | No
     return request
 
 
-def _flag(where: str, params: Mapping[str, Any], key: str) -> bool | None:
-    value = params.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidInput(f"{where}: parameters.{key} must be true or false")
-    return value
-
-
 def binary_outputs(request: InferRequest, names: Iterable[str]) -> set[str]:
     """Names among ``names`` to answer in binary form (see the module docstring).
 
     Raises:
         InvalidInput: ``binary_data`` or ``binary_data_output`` is not a boolean.
     """
-    default = bool(_flag("request", request.parameters, "binary_data_output"))
+    default = bool(check_flag("request", request.parameters, "binary_data_output"))
     chosen = set()
     for name in names:
-        own = _flag(f"output '{name}'", request.output_parameters.get(name, {}), "binary_data")
+        own = check_flag(f"output '{name}'", request.output_parameters.get(name, {}), "binary_data")
         if own if own is not None else default:
             chosen.add(name)
     return chosen
@@ -330,7 +323,7 @@ def raw_bytes(array: np.ndarray) -> bytes | memoryview:
             parts.append(_LENGTH_PREFIX.pack(len(item)))
             parts.append(item)
         return b"".join(parts)
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    little = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
     return memoryview(little).cast("B")
 
 

@@ -26,6 +26,7 @@ from ..runtime.contract.errors import (
     InferenceError,
     InferenceTimeout,
     InvalidInput,
+    InvalidModelFile,
     LoadFault,
     MethodNotAllowed,
     ModelNotFound,
@@ -74,6 +75,7 @@ STATUS_BY_ERROR: dict[type[ServingError], int] = {
     InferenceTimeout: 504,
     InferenceError: 500,
     ConfigError: 500,
+    InvalidModelFile: 400,
     LoadFault: 500,
 }
 

@@ -36,6 +36,7 @@ from tritonclient.grpc import service_pb2 as pb
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE
 from ..runtime.contract.errors import InvalidInput
 from .binary import HEADER_LENGTH
+from .parameters import check_flag
 
 # The typed contents field of each datatype (grpc_service.proto, ``InferTensorContents``).
 CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -148,21 +149,42 @@ def infer_body(request: Any) -> tuple[list[bytes], int]:
             raise InvalidInput(f"{where}: give either contents or raw_input_contents, not both")
         data = next(entries) if raw else _typed_contents(where, tensor.datatype, list(tensor.shape),
                                                          tensor.contents) if has_contents else b""
+        _check_given_size(where, params, len(data))
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                        "parameters": {**params, "binary_data_size": len(data)}})
         chunks.append(data)
-    header: dict[str, Any] = {"inputs": inputs, "parameters": {**parameters(request.parameters),
-                                                               "binary_data_output": True}}
+    given = parameters(request.parameters)
+    check_flag("request", given, "binary_data_output")
+    header: dict[str, Any] = {"inputs": inputs, "parameters": {**given, "binary_data_output": True}}
     if request.id:
         header["id"] = request.id
     if request.outputs:
         header["outputs"] = []
         for o in request.outputs:
             params = parameters(o.parameters)
+            check_flag(f"output '{o.name}'", params, "binary_data")
             header["outputs"].append({"name": o.name, "parameters": params if _in_shared_memory(params) else
                                       {**params, "binary_data": True}})
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return [head, *chunks], len(head)
+
+
+def _check_given_size(where: str, params: Mapping[str, Any], size: int) -> None:
+    """An input's own ``binary_data_size`` parameter (the edge sets it to its contents' bytes):
+    absent, or an integer (``int64_param`` / ``uint64_param``) equal to ``size``.
+
+    Raises:
+        InvalidInput: another type (a bool, a string) or another size; names the parameter.
+    """
+    given = params.get("binary_data_size")
+    if given is None:
+        return
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise InvalidInput(f"{where}: parameters.binary_data_size must be an integer of bytes (int64_param or "
+                           f"uint64_param), got {type(given).__name__} {json.dumps(given)[:40]}")
+    if given != size:
+        raise InvalidInput(f"{where}: parameters.binary_data_size is {given} bytes but its contents hold {size}; "
+                           "leave it out (the contents' size is taken)")
 
 
 def _json_data_bytes(tensor: Mapping[str, Any]) -> bytes:

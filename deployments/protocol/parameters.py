@@ -69,49 +69,68 @@ def check_shared_memory_output(where: str, params: Mapping[str, Any]) -> None:
         raise SharedMemoryError(f"Output can't set both 'shared_memory_region' and 'binary_data'; {where}")
 
 
-def _int_at_least(value: Any, requirement: str, least: int = 1) -> int | None:
-    """``value`` when it is an integer of at least ``least`` (booleans are not), None when absent.
+UINT32_MAX = (1 << 32) - 1
+UINT64_MAX = (1 << 64) - 1
+
+
+def _int_in(value: Any, requirement: str, least: int = 1, most: int = UINT64_MAX) -> int | None:
+    """``value`` when it is an integer in [``least``, ``most``] (booleans are not), None when absent.
 
     Raises:
-        InvalidInput: ``requirement``, then the value received.
+        InvalidInput: ``requirement``, the allowed range, then the value received.
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise InvalidInput(f"{requirement}, got {json.dumps(value)[:40]}")
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise InvalidInput(f"{requirement} in [{least}, {most}], got {json.dumps(value)[:40]}")
     return value
 
 
 def timeout_s(params: Mapping[str, Any]) -> float | None:
-    """The request's ``timeout`` parameter (microseconds, Triton's unit) in seconds, or None.
+    """The request's ``timeout`` parameter (microseconds, Triton's unit, a uint64 there) in
+    seconds, or None.
 
     Raises:
-        InvalidInput: not a positive integer.
+        InvalidInput: not an integer in [1, 2**64 - 1].
     """
-    value = _int_at_least(params.get("timeout"), "request: parameters.timeout must be a positive integer of microseconds")
+    value = _int_in(params.get("timeout"), "request: parameters.timeout must be an integer of microseconds")
     return None if value is None else value / 1e6
 
 
 def check_priority(params: Mapping[str, Any]) -> None:
-    """The request's ``priority`` parameter must be absent or a non-negative integer (Triton's
-    priority level, a uint64; 0 is the model's default). Accepted and not acted on: every
-    request here has the same priority.
+    """The request's ``priority`` parameter must be absent or an integer in [0, 2**64 - 1]
+    (Triton's priority level, a uint64; 0 is the model's default). Accepted and not acted on:
+    every request here has the same priority.
 
     Raises:
         InvalidInput: another value.
     """
-    _int_at_least(params.get("priority"), "request: parameters.priority must be a non-negative integer (a "
-                  "priority level; 0 is the model's default)", least=0)
+    _int_in(params.get("priority"), "request: parameters.priority must be a priority level (an integer; 0 is the "
+            "model's default)", least=0)
 
 
 def class_count(where: str, params: Mapping[str, Any]) -> int | None:
-    """The output's ``classification`` parameter (top-k), or None.
+    """The output's ``classification`` parameter (top-k), or None. Triton's class count is a
+    uint32; a count above the output's size gives every class (``classify``), as Triton does.
 
     Raises:
-        InvalidInput: not a positive integer.
+        InvalidInput: not an integer in [1, 2**32 - 1].
     """
-    return _int_at_least(params.get("classification"),
-                         f"{where}: parameters.classification (class_count) must be a positive integer")
+    return _int_in(params.get("classification"),
+                   f"{where}: parameters.classification (class_count) must be an integer", most=UINT32_MAX)
+
+
+def check_flag(where: str, params: Mapping[str, Any], key: str) -> bool | None:
+    """The boolean parameter ``key`` (``binary_data``, ``binary_data_output``), or None.
+
+    Raises:
+        InvalidInput: present and not true/false; names the parameter and its type.
+    """
+    value = params.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{where}: parameters.{key} must be true or false (a bool), got "
+                           f"{type(value).__name__} {json.dumps(value)[:40]}")
+    return value
 
 
 def classify(where: str, array: np.ndarray, k: int, batched: bool) -> np.ndarray:

@@ -22,7 +22,8 @@ from ..runtime.contract.config import ModelConfig
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
 from ..runtime.contract.errors import InvalidInput
 from .parameters import (INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, SHARED_MEMORY_PARAMETERS,
-                         check_parameters, check_priority, check_shared_memory_output, class_count, timeout_s)
+                         check_flag, check_parameters, check_priority, check_shared_memory_output, class_count,
+                         timeout_s)
 
 DATATYPES = sorted(NUMPY_BY_DATATYPE)
 
@@ -81,13 +82,17 @@ def _text(where: str, value: str) -> str:
 
 
 def _flatten(where: str, data: Any, shape: tuple[int, ...]) -> list:
-    """``data`` as a flat list: either flat already, or nested exactly as ``shape``.
+    """``data`` as a flat list: either flat already, or nested exactly as ``shape``; for shape
+    ``[]`` (rank 0) a bare element is taken as a list of it.
 
     Raises:
         InvalidInput: ``data`` is not a list, or its nesting disagrees with ``shape``.
     """
     if not isinstance(data, list):
-        raise InvalidInput(f"{where}: 'data' must be a list (flat, or nested as the shape)")
+        if not shape:  # a rank-0 tensor: its one element alone, or in a list
+            return [data]
+        raise InvalidInput(f"{where}: 'data' must be a list (flat, or nested as the shape; for shape [] its "
+                           "one element, alone or in a list)")
     if not any(isinstance(item, list) for item in data):
         return data
     out: list = []
@@ -262,6 +267,7 @@ def decode_infer_request(payload: Any,
             if o["name"] in output_parameters:
                 raise InvalidInput(f"output '{o['name']}' is requested twice")
             class_count(f"output '{o['name']}'", params)
+            check_flag(f"output '{o['name']}'", params, "binary_data")
             check_shared_memory_output(f"output '{o['name']}'", params)
             outputs.append(_text(f"outputs[{i}] name", o["name"]))
             output_parameters[o["name"]] = params
@@ -271,6 +277,7 @@ def decode_infer_request(payload: Any,
         raise InvalidInput("'parameters' must be an object")
     check_parameters("request", parameters, REQUEST_PARAMETERS)
     check_priority(parameters)
+    check_flag("request", parameters, "binary_data_output")
     return InferRequest(request_id, inputs, outputs, output_parameters, parameters, timeout_s(parameters))
 
 

@@ -40,16 +40,17 @@ def campaign(serve_instance, prepared_engines, tmp_path_factory):
     delete_server(APP)
 
 
-def test_a_model_file_truncated_before_its_load_is_a_clear_500_and_heals_once_repaired(campaign):
+def test_a_model_file_truncated_before_its_load_is_a_clear_400_and_heals_once_repaired(campaign):
     # first in the module: the pool has loaded nothing yet
     url, _, repository = campaign
     result = faults.damaged_model_file(url, repository)
     assert result.lost == 0, result
-    assert result.answers == {"500": 2, "200": 1}
+    assert result.answers == {"400": 2, "200": 1}
     # the reader is onnx (the footprint's prediction) or ONNX Runtime (a footprint already known)
     assert re.fullmatch(
-        r"model 'simple_identity': (onnx|ONNX Runtime) could not read its model file \(\w+\); the file is "
-        r"missing, damaged or not an ONNX model; the server log has the details", result.errors["500"]), result
+        r"model 'simple_identity': its model file simple_identity/1/model.onnx is not a valid ONNX model: (onnx|ONNX "
+        r"Runtime) could not parse it \(\w+; damaged, truncated or another format\); the server log has the details",
+        result.errors["400"]), result
     assert result.recovered
 
 

@@ -244,6 +244,27 @@ def test_stream_infer_answers_each_request_and_errors_in_the_stream(client):
     np.testing.assert_array_equal(got[2][0].as_numpy("OUTPUT1"), b - a)
 
 
+def test_a_stream_error_answer_carries_the_id_of_the_request_it_answers(stub):
+    """Seen: a stream request with ``id="1"`` for an unknown model came back with
+    ``infer_response.id == ''``; Triton's stream handler sets the request's id on an error
+    answer "so that client knows which request failed"."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    def requests():
+        for request_id, model in (("1", "no_such_model"), ("2", "simple"), ("3", "simple")):
+            request = pb.ModelInferRequest(model_name=model, id=request_id)
+            for name in ("INPUT0", "INPUT1"):
+                request.inputs.add(name=name, datatype="INT32", shape=[1, 16]).contents.int_contents.extend(range(16))
+            if request_id == "3":
+                request.inputs[1].shape[:] = [1, 15]
+            yield request
+
+    answers = list(stub.ModelStreamInfer(requests(), timeout=60))
+    assert [(a.infer_response.id, bool(a.error_message)) for a in answers] == [("1", True), ("2", False), ("3", True)]
+    assert answers[0].error_message.startswith("Request for unknown model: 'no_such_model'")
+    assert answers[2].error_message.startswith("input 'INPUT1': shape [1, 15] needs 15 elements")
+
+
 # --- health, metadata, config, statistics, index --------------------------------------------------
 
 def test_health_metadata_and_config(client):

@@ -172,8 +172,9 @@ def test_a_truncated_upload_of_a_new_version_fails_its_load_and_the_served_versi
     try:
         r = requests.post(f"{base}/v2/repository/models/tiny_cnn/load", timeout=120)
         assert (r.status_code, r.json()["error"]) == (
-            500, "failed to load 'tiny_cnn': model 'tiny_cnn': the model file of version 3 is missing, truncated or "
-                 "not an ONNX model; it serves versions [2] as before"), r.text
+            400, "failed to load 'tiny_cnn': model 'tiny_cnn': its model file tiny_cnn/3/model.onnx is not a valid ONNX "
+                 "model: it does not parse as one (damaged, truncated or another format); it serves versions [2] as "
+                 "before"), r.text
         for path in ("/v2/models/tiny_cnn/infer", "/v2/models/tiny_cnn/versions/2/infer"):
             r = _infer_tiny(base, path)
             assert r.status_code == 200 and r.json()["model_version"] == "2", r.text

@@ -98,24 +98,26 @@ def test_a_clients_inputs_the_runtime_would_refuse_are_400_naming_the_fault_and_
     assert after.get("BACKEND", 0) == before.get("BACKEND", 0)
 
 
-def test_a_load_is_500_for_an_unreadable_model_file_and_400_for_a_bad_config(faults):
-    """Seen: the load of a model whose file cannot be read answered 400, as if the request were
-    at fault (every ``ConfigError`` a replica reported became 400)."""
+def test_a_load_is_400_for_a_model_file_that_does_not_parse_and_for_a_bad_config(faults):
+    """The model file and the config are the content of whoever put them in the repository:
+    both 400, naming the file (a truncated file answered 500, and, with no config.yaml, named a
+    config.yaml that did not exist)."""
     url, root = faults
     folder = write_token_model(root, "damaged")
     data = (folder / "1" / "model.onnx").read_bytes()
     (folder / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
     r = requests.post(f"{url}/v2/repository/models/damaged/load", timeout=120)
-    assert r.status_code == 500, r.text
-    assert r.json()["error"].startswith("failed to load 'damaged': model 'damaged': ")
-    assert "could not read its model file" in r.json()["error"] and str(root) not in r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("failed to load 'damaged': model 'damaged': its model file "
+                                        "damaged/1/model.onnx is not a valid ONNX model")
+    assert str(root) not in r.json()["error"]
 
     (root / "bare" / "1").mkdir(parents=True)  # no config.yaml: completed from a file that cannot be read
     (root / "bare" / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
     r = requests.post(f"{url}/v2/repository/models/bare/load", timeout=120)
-    assert r.status_code == 500, r.text
-    assert r.json()["error"].startswith("failed to load 'bare': ")
-    assert "cannot be read as an ONNX model to complete them from (missing, damaged or not ONNX)" in r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == ("failed to load 'bare': model 'bare': its model file bare/1/model.onnx is not a valid "
+                                 "ONNX model: it does not parse as one (damaged, truncated or another format)")
 
     folder = write_token_model(root, "renamed")
     raw = token_config("renamed")

@@ -129,6 +129,25 @@ def test_a_folder_with_only_a_model_file_passes_and_the_check_shows_its_complete
         "224], max: [4, 3, 224, 224]}}], outputs: [{name: logits, datatype: FP32, dims: [-1, 1000]}]}"]
 
 
+@pytest.mark.parametrize("name, message", [
+    ("nc_garbage", "model 'nc_garbage': its model file nc_garbage/1/model.onnx is not a valid ONNX model: it does not "
+                   "parse as one (damaged, truncated or another format)"),
+    ("nc_custom_op", "model 'nc_custom_op': its model file nc_custom_op/1/model.onnx uses operator 'Frobnicate' of "
+                     "domain 'com.example', which ONNX Runtime does not implement (custom operators and domains are "
+                     "not supported); export the model with standard ONNX operators"),
+])
+def test_a_model_file_the_server_cannot_serve_exits_2_naming_it_and_no_config_yaml(repository, tmp_path, name, message):
+    """Seen: random bytes were reported as ".../config.yaml: max_batch_size, inputs, outputs: left
+    out, and ..." (there was no config.yaml); a custom-domain operator passed the check and failed
+    at every load."""
+    from tests.newcomer_models import write_model
+
+    write_model(repository, name)
+    result = run_check(serve_config(tmp_path, repository))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"config error: {message}"]
+
+
 def test_a_bad_application_arg_exits_2_naming_the_field_and_the_choices(repository, tmp_path):
     path = serve_config(tmp_path, repository, pool={"load_policy": "fifo"})
     result = run_check(path)

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from deployments.runtime.contract.completion import DEFAULT_MAX_BATCH_SIZE, completed_fields
 from deployments.runtime.contract.config import CacheOptions, Profile, read_config_file
-from deployments.runtime.contract.errors import ConfigError, InvalidInput, LoadFault, ModelNotFound
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, InvalidModelFile, LoadFault, ModelNotFound
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 
@@ -239,25 +239,25 @@ def test_what_the_file_cannot_tell_is_a_config_error_naming_what_to_write(tmp_pa
     model_file(tmp_path / "m", [("x", F32, None)], [("y", F32, None)])
     with pytest.raises(ConfigError) as raised:
         ModelRepository(tmp_path)
-    assert raised.value.message == (
-        f"{tmp_path / 'm' / 'config.yaml'}: inputs: left out, and {tmp_path / 'm' / '1' / 'model.onnx'} has input "
-        "'x' without a shape: list the inputs in config.yaml with their dims")
+    assert raised.value.message == (  # no config.yaml there: none is named as if it were
+        f"m (no config.yaml): inputs are read from its model file, and {tmp_path / 'm' / '1' / 'model.onnx'} has "
+        "input 'x' without a shape: list the inputs with their dims in a config.yaml")
     model_file(tmp_path / "b", [("x", TensorProto.BFLOAT16, ["N"])], [("y", TensorProto.BFLOAT16, ["N"])])
+    write_config(tmp_path / "b")
     with pytest.raises(ConfigError, match=r"b/config.yaml: inputs: left out, and .* has input 'x' of type "
                                           r"tensor\(bfloat16\), which has no KServe v2 datatype \(allowed: BOOL, "):
         ModelRepository(tmp_path, ["b"])
 
 
-def test_a_damaged_model_file_is_a_load_fault_only_when_the_config_needs_completing(tmp_path):
-    """The file's fault, not the config's: a load through model control answers it 500, not 400
-    (``LoadFault``; at start it stops the start as a config error does, ``deployments.app``)."""
+def test_a_damaged_model_file_is_invalid_only_when_the_config_needs_completing(tmp_path):
+    """The file's content is its owner's as a config is: 400 through model control
+    (``InvalidModelFile``; at start it stops the start as a config error does,
+    ``deployments.app``), naming the model file, not the config it completes."""
     encoder(tmp_path / "enc").write_bytes(b"not onnx at all")
-    with pytest.raises(LoadFault) as raised:
+    with pytest.raises(InvalidModelFile) as raised:
         ModelRepository(tmp_path)
-    assert raised.value.message == (
-        f"{tmp_path / 'enc' / 'config.yaml'}: max_batch_size, inputs, outputs: left out, and "
-        f"{tmp_path / 'enc' / '1' / 'model.onnx'} cannot be read as an ONNX model to complete them from (missing, "
-        "damaged or not ONNX)")
+    assert raised.value.message == ("model 'enc': its model file enc/1/model.onnx is not a valid ONNX model: it does "
+                                    "not parse as one (damaged, truncated or another format)")
     # a complete config is indexed: the damaged file is reported when the model loads (tests/unit/test_faults.py)
     write_config(tmp_path / "enc", max_batch_size=0,
                  inputs=[{"name": "input_ids", "datatype": "INT64", "dims": [2]}],

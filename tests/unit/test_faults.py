@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deployments.runtime.contract.config import CacheOptions
-from deployments.runtime.contract.errors import LoadFault
+from deployments.runtime.contract.errors import InvalidModelFile
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 
@@ -41,11 +41,11 @@ def test_a_model_file_damaged_before_its_load_is_a_clear_error_and_loads_once_re
     model.write_bytes({"truncated": good[: len(good) // 2], "emptied": b"", "garbage": os.urandom(300)}[damage])
     cache = ModelCache(ModelRepository(simple_repo), ["simple"], CacheOptions(load_policy="lru")).start()
     try:
-        with pytest.raises(LoadFault) as raised:  # 500: the server's fault, whoever asked
+        with pytest.raises(InvalidModelFile) as raised:  # 400: the content of whoever put it there
             cache.infer("simple", _simple_request())
         message = raised.value.message
-        assert message.startswith("model 'simple': ")
-        assert "could not" in message and ("model file" in message or "ONNX" in message), message
+        assert message.startswith("model 'simple': its model file simple/1/model.onnx is ")
+        assert "not a valid ONNX model" in message or "is empty" in message, message
         assert str(simple_repo) not in message and "Traceback" not in message  # no path or internals to clients
         assert cache.status()["models"]["simple"]["state"] == "absent"  # nothing half-loaded stays
         model.write_bytes(good)  # repaired: the next request loads it, no restart

@@ -165,3 +165,28 @@ def test_an_output_written_to_shared_memory_answers_an_empty_entry_and_its_param
     response = infer_response(head, {})
     assert list(response.raw_output_contents) == [b""]
     assert response.outputs[0].parameters["shared_memory_region"].string_param == "out"
+
+
+def test_a_parameter_of_the_wrong_type_or_size_is_refused_naming_it():
+    """Seen: an input's ``binary_data_size`` given as a bool was accepted silently (the edge
+    wrote its own over it); ``binary_data`` and ``binary_data_output`` as numbers too."""
+    message = request([raw_input("a", "INT32", ARRAYS["INT32"])])
+    message.inputs[0].parameters["binary_data_size"].bool_param = True
+    with pytest.raises(InvalidInput) as info:
+        infer_body(message)
+    assert info.value.message == ("input 'a': parameters.binary_data_size must be an integer of bytes (int64_param or "
+                                  "uint64_param), got bool true")
+    message.inputs[0].parameters["binary_data_size"].int64_param = 5
+    with pytest.raises(InvalidInput, match="input 'a': parameters.binary_data_size is 5 bytes but its contents hold 12"):
+        infer_body(message)
+    message.inputs[0].parameters["binary_data_size"].int64_param = 12
+    assert decoded(message).inputs["a"].tolist() == ARRAYS["INT32"].tolist()
+    message = request([raw_input("a", "INT32", ARRAYS["INT32"])], [grpcclient.InferRequestedOutput("y")])
+    message.outputs[0].parameters["binary_data"].int64_param = 1
+    with pytest.raises(InvalidInput, match=r"output 'y': parameters.binary_data must be true or false \(a bool\), "
+                                           "got int 1"):
+        infer_body(message)
+    message = request([raw_input("a", "INT32", ARRAYS["INT32"])])
+    message.parameters["binary_data_output"].string_param = "yes"
+    with pytest.raises(InvalidInput, match="request: parameters.binary_data_output must be true or false"):
+        infer_body(message)

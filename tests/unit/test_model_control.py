@@ -332,6 +332,19 @@ def test_load_parameters_and_bodies_it_cannot_use_are_400(root):
     assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]
     r = client.post("/v2/repository/models/nope/load")
     assert r.status_code == 404 and r.json()["error"].startswith("failed to load 'nope': no model folder 'nope'")
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"unload_dependents": "yes"}, "failed to unload 'simple': parameters.unload_dependents must be true or false (a "
+                                   "bool), got str \"yes\""),
+    ({"cascade": True}, "failed to unload 'simple': parameters.\"cascade\": not a parameter this server knows; allowed "
+                        "here: ['unload_dependents']"),
+])
+def test_unload_parameters_of_another_name_or_type_are_400_naming_them(root, parameters, message):
+    """Seen: any unload parameter was accepted and ignored (Triton's ``unload_dependents`` is a bool)."""
+    client = router(ModelRepository(root), explicit=True)
+    r = client.post("/v2/repository/models/simple/unload", json={"parameters": parameters})
+    assert (r.status_code, r.json()) == (400, {"error": message})
     assert str(root) not in r.json()["error"]  # bench.fuzz: the server's paths stay out of answers
 
 

@@ -89,6 +89,17 @@ def test_models_lists_the_embedding_models(served):
     assert r.json()["object"] == "list" and isinstance(r.json()["data"][0]["created"], int)
 
 
+def test_models_lists_only_the_embedding_models_that_serve_now(model_repository):
+    """Seen: ``/v1/models`` listed ``embed`` after it was unloaded, while ``/v1/embeddings``
+    answered 503. A model not ready (loading here) is neither listed nor retrieved."""
+    router, _ = make_router(model_repository, not_ready={"embed"})
+    r = router.get("/v1/models")
+    assert (r.status_code, r.json()) == (200, {"object": "list", "data": []})
+    message = _error(router.get("/v1/models/embed"), 503, None)
+    assert message.startswith("model 'embed' is not ready: its deployment is starting, stopping or has no running "
+                              "replica"), message
+
+
 def test_retrieve_model_gives_an_embedding_models_object_and_404_in_openai_shape_for_another(served):
     """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``), which was a 404 route."""
     router, _ = served

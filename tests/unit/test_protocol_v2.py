@@ -229,16 +229,47 @@ def test_classification_of_a_bytes_output_is_400():
      "'shared_memory_region', 'shared_memory_byte_size', 'shared_memory_offset']"),
     ({"inputs": [{**X, "parameters": {"scale": 2}}]}, "input 'x': parameters.\"scale\": not a parameter this server knows"),
     ({"inputs": [X], "parameters": {"temperature": 0.1}}, "request: parameters.\"temperature\": not a parameter"),
-    ({"inputs": [X], "parameters": {"timeout": -5}}, "parameters.timeout must be a positive integer of microseconds"),
+    ({"inputs": [X], "parameters": {"timeout": -5}},
+     "request: parameters.timeout must be an integer of microseconds in [1, 18446744073709551615], got -5"),
     ({"inputs": [X], "parameters": {"priority": "high"}},
-     "request: parameters.priority must be a non-negative integer (a priority level; 0 is the model's default), got \"high\""),
-    ({"inputs": [X], "parameters": {"priority": -1}}, "parameters.priority must be a non-negative integer"),
-    ({"inputs": [X], "parameters": {"priority": True}}, "parameters.priority must be a non-negative integer"),
+     "request: parameters.priority must be a priority level (an integer; 0 is the model's default) in "
+     "[0, 18446744073709551615], got \"high\""),
+    ({"inputs": [X], "parameters": {"priority": -1}}, "parameters.priority must be a priority level"),
+    ({"inputs": [X], "parameters": {"priority": True}}, "parameters.priority must be a priority level"),
 ])
 def test_parameters_that_would_change_the_answer_and_are_not_implemented_are_400_naming_them(request_json, message):
     with pytest.raises(InvalidInput) as raised:
         decode_infer_request(request_json)
     assert message in raised.value.message
+
+
+@pytest.mark.parametrize("request_json, message", [
+    ({"inputs": [X], "parameters": {"timeout": 10**30}},
+     "request: parameters.timeout must be an integer of microseconds in [1, 18446744073709551615], got "
+     "1000000000000000000000000000000"),
+    ({"inputs": [X], "parameters": {"timeout": 2**64}}, "parameters.timeout must be an integer of microseconds in "),
+    ({"inputs": [X], "parameters": {"priority": 2**64}}, "parameters.priority must be a priority level"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"classification": 10**30}}]},
+     "output 'y': parameters.classification (class_count) must be an integer in [1, 4294967295], got "
+     "1000000000000000000000000000000"),
+    ({"inputs": [X], "outputs": [{"name": "y", "parameters": {"binary_data": 1}}]},
+     "output 'y': parameters.binary_data must be true or false (a bool), got int 1"),
+    ({"inputs": [X], "parameters": {"binary_data_output": "yes"}},
+     "request: parameters.binary_data_output must be true or false (a bool), got str \"yes\""),
+])
+def test_parameters_out_of_their_range_or_type_are_400_naming_the_parameter_and_the_range(request_json, message):
+    """Seen: ``timeout: 10**30`` and ``classification: 10**30`` answered 200 (Triton's timeout is
+    a uint64 of microseconds, its class count a uint32); a non-bool ``binary_data`` was refused
+    only after the model ran."""
+    with pytest.raises(InvalidInput) as raised:
+        decode_infer_request(request_json)
+    assert message in raised.value.message
+
+
+def test_the_largest_timeout_priority_and_class_count_are_accepted():
+    request = decode_infer_request({"inputs": [X], "parameters": {"timeout": 2**64 - 1, "priority": 2**64 - 1},
+                                    "outputs": [{"name": "y", "parameters": {"classification": 2**32 - 1}}]})
+    assert request.timeout_s == (2**64 - 1) / 1e6
 
 
 def test_parameters_the_server_implements_or_that_change_no_answer_are_accepted():

@@ -209,11 +209,12 @@ def test_a_pool_model_loaded_again_with_a_changed_config_is_described_and_valida
 
 def _refused_by_onnxruntime(path: Path) -> None:
     """An ONNX file with tiny_cnn's inputs and outputs that reads (``onnx.load``) but that ONNX
-    Runtime refuses to load: its one node is an operator no one defines."""
+    Runtime refuses to load: its one node is an ``Add`` of one input (an operator no one
+    defines is refused earlier, when the folder is read: ``completion``)."""
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("NoSuchOperator", ["input"], ["logits"])], "refused",
+        [helper.make_node("Add", ["input"], ["logits"])], "refused",
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 1000])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
@@ -243,8 +244,9 @@ def test_a_failed_load_of_a_new_version_leaves_each_replica_serving_the_version_
     errors = [pool.apply({"cnn": state})["cnn"]["error"],
               dedicated.apply({"cnn": {**state, "placement": "dedicated"}})["cnn"]["error"]]
     if fault == "truncated":
-        assert [e.message for e in errors] == ["model 'cnn': the model file of version 2 is missing, truncated or not "
-                                               "an ONNX model"] * 2
+        assert [e.message for e in errors] == ["model 'cnn': its model file cnn/2/model.onnx is not a valid ONNX "
+                                               "model: it does not parse as one (damaged, truncated or another "
+                                               "format)"] * 2
     else:
         assert all(e is not None for e in errors)
     expected = ort.InferenceSession(str(root / "cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]

@@ -14,7 +14,7 @@ import pytest
 from deployments.control import outcome
 from deployments.protocol.errors import error_status
 from deployments.runtime.contract.config import CacheOptions
-from deployments.runtime.contract.errors import InferenceError, InvalidInput, LoadFault, OverBudget
+from deployments.runtime.contract.errors import InferenceError, InvalidInput, InvalidModelFile, LoadFault, OverBudget
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 from deployments.runtime.residency.host import ModelHost
@@ -112,15 +112,16 @@ def _warmup_fails(root: Path) -> None:
 
 @pytest.mark.parametrize("make, status, fragment", [
     (_bad_config, 400, "config.yaml: inputs: ['ids', 'attention_mask'] are not the inputs of "),
-    (_unreadable, 500, "model 'm': onnx could not read its model file (DecodeError); the file is missing"),
-    (_warmup_fails, 500, "model 'm': a warm-up run (warmup in its config.yaml) failed: model 'm' input "
+    (_unreadable, 400, "model 'm': its model file m/1/model.onnx is not a valid ONNX model: onnx could not parse "
+                       "it (DecodeError; damaged, truncated or another format)"),
+    (_warmup_fails, 400, "config.yaml: warmup: a warm-up run the model's config asks for failed: model 'm' input "
                          "'input_ids': element"),
 ], ids=["config-the-sender-wrote", "unreadable-model-file", "warm-up-failure"])
 def test_a_failed_load_reports_whose_fault_it_is(tmp_path, make, status, fragment):
     """A load through model control (the pool replica's ``apply``: the folder read, then
-    ``ModelCache.load``, then ``outcome``) answers 400 only for a config its sender wrote. It
-    answered 400 for every ``ConfigError``, an unreadable model file included (documented as
-    500)."""
+    ``ModelCache.load``, then ``outcome``) answers 400 for what its sender put in the repository:
+    a config, a model file that does not parse, a warmup the config asks for that the model
+    refuses (these two answered 500 before)."""
     make(tmp_path)
     caches = []
     with pytest.raises(Exception) as raised:
@@ -147,10 +148,14 @@ def test_a_load_over_the_memory_budget_is_503_capacity(tmp_path):
         cache.close()
 
 
-def test_the_unreadable_model_file_is_a_load_fault_not_a_config_error(tmp_path):
+def test_a_model_file_that_does_not_parse_is_invalid_and_a_missing_one_a_load_fault(tmp_path):
     _unreadable(tmp_path)
-    with pytest.raises(LoadFault):
+    with pytest.raises(InvalidModelFile):
         host_of(tmp_path, "m")
+    entry = ModelRepository(tmp_path, ["m"]).get("m")
+    entry.onnx_path().unlink()
+    with pytest.raises(LoadFault, match="model 'm': ONNX Runtime could not read its model file m/1/model.onnx"):
+        ModelHost(entry, "onnxruntime").load()
 
 
 def test_a_dimension_named_question_mark_ties_no_axes_together():

@@ -25,10 +25,31 @@ from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
 from .base import Footprint
 from .process import measured_rss_bytes
 from ..contract.errors import (ConfigError, DeviceOutOfMemory, InferenceError, InvalidInput, ServingError,
-                               unreadable_model_file)
+                               unreadable_model_file, unsupported_operator)
+from ..contract.files import shown_model_file
 from ..contract.repository import MODEL_FILENAME
 
 logger = logging.getLogger(__name__)
+
+
+_UNREGISTERED_OP = re.compile(r"(?:Fatal error: )?([\w.]*):(\w+)\(-?\d+\) is not a registered function/op")
+_NOT_IMPLEMENTED_OP = re.compile(r"Could not find an implementation for (\w+)\((\d+)\)")
+
+
+def session_error(model: str, path: Path, error: Exception) -> ServingError:
+    """The error for an ONNX Runtime session that could not be created from ``path``: an
+    operator it does not implement (``unsupported_operator``: a custom domain's, or one of a
+    standard domain without a kernel for these types), else ``unreadable_model_file`` (a file
+    that does not parse, or is missing). ONNX Runtime's text (it names the full path) goes to
+    the log only."""
+    text = str(error)
+    if (found := _UNREGISTERED_OP.search(text)) is not None:
+        return unsupported_operator(model, shown_model_file(path), found.group(2), found.group(1))
+    if (found := _NOT_IMPLEMENTED_OP.search(text)) is not None:
+        return unsupported_operator(model, shown_model_file(path), found.group(1), "")
+    if not path.is_file():
+        return unreadable_model_file(model, "ONNX Runtime", FileNotFoundError(str(path)), shown_model_file(path))
+    return unreadable_model_file(model, "ONNX Runtime", error, shown_model_file(path))
 
 
 def _text_array(model: str, name: str, array: np.ndarray) -> np.ndarray:
@@ -206,7 +227,8 @@ class OnnxRuntimeContext:
         """
         engine = self._engine
         model = engine.config.name
-        feeds = {name: _text_array(model, name, a) if name in engine.string_inputs else np.ascontiguousarray(a)
+        # np.asarray, not np.ascontiguousarray: that makes a rank-0 input rank 1 (its output too)
+        feeds = {name: _text_array(model, name, a) if name in engine.string_inputs else np.asarray(a, order="C")
                  for name, a in inputs.items()}
         for name, to in engine.numeric_strings.items():
             if name in feeds:
@@ -236,7 +258,9 @@ class OnnxRuntimeEngine:
 
     Raises:
         ConfigError: the ONNX file's inputs/outputs disagree with the config (names, types).
-        LoadFault: ONNX Runtime cannot load the file (missing, truncated, not ONNX).
+        InvalidModelFile: ONNX Runtime cannot load the file: it does not parse, or uses an operator
+            ONNX Runtime does not implement (``session_error``).
+        LoadFault: the file is missing.
     """
 
     backend = "onnxruntime"
@@ -250,7 +274,7 @@ class OnnxRuntimeEngine:
             self.session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
         except Exception as e:  # a damaged, truncated or missing file; ORT's text names the path: log only
             logger.warning("model '%s': ONNX Runtime could not load %s: %s", config.name, path, e)
-            raise unreadable_model_file(config.name, "ONNX Runtime", e) from None
+            raise session_error(config.name, Path(path), e) from None
         self._engine_bytes = max(0, measured_rss_bytes() - before)
         check_signature(config, self.session)
         self.output_names = [t.name for t in config.outputs]

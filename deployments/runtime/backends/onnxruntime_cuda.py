@@ -59,7 +59,8 @@ from onnx import helper
 from ..contract.config import ModelConfig
 from ..contract.datatypes import NUMPY_BY_DATATYPE
 from ..contract.device import DeviceOutput, DeviceTensor
-from ..contract.errors import ConfigError, DeviceOutOfMemory, LoadFault, ServingError
+from ..contract.errors import (ConfigError, DeviceOutOfMemory, EngineFault, InferenceError, InvalidInput, LoadFault,
+                               ServingError)
 from ..contract.repository import MODEL_FILENAME
 from ..contract.shapes import max_profile_shapes
 from ..contract.units import mib_to_bytes
@@ -179,7 +180,8 @@ class OnnxRuntimeCudaContext:
         DeviceOutOfMemory: at creation, the session or the warm-up run at the max profile ran
             out of device memory (e.g. over ``gpu_mem_limit_mib``); names the cap (503).
         LoadFault: at creation, the provider did not come up, or the session or the warm-up run
-            failed otherwise (500).
+            failed otherwise (500); a warm-up run the model refuses (its zeros are not valid
+            input for it: ``InferenceError``, ``InvalidInput``) is logged and skipped.
         CudaError: a CUDA call failed (stream, allocation, copy).
     """
 
@@ -237,6 +239,14 @@ class OnnxRuntimeCudaContext:
             self.infer(feeds)
         except ServingError as e:
             short = isinstance(e, DeviceOutOfMemory) or out_of_memory(e.__cause__ or e)
+            if not short and isinstance(e, (InferenceError, InvalidInput)) and not isinstance(e, EngineFault):
+                # The model refused the server's own zeros (an integer Div by zero, a Reshape the
+                # max batch does not divide): not a fault of the load; the arena grows at the
+                # first request instead.
+                logger.warning("model '%s': the warm-up run on zeros at the max profile %s failed (%s); loaded "
+                               "without it: the first request of that size grows the arena", config.name,
+                               dict(max_shapes), e.message)
+                return
             fault = DeviceOutOfMemory if short else LoadFault
             raise fault(
                 f"model '{config.name}': a run at the max profile {dict(max_shapes)} failed on "
@@ -270,7 +280,7 @@ class OnnxRuntimeCudaContext:
                         binding.bind_input(name, engine.device_type, device, value.dtype.type, list(value.shape),
                                            base + value.offset)
                         continue
-                    array = np.ascontiguousarray(value)
+                    array = np.asarray(value, order="C")  # rank 0 stays rank 0
                     buf = self._inputs[name]
                     buf.ensure(array.nbytes)  # grow-only; inputs are validated against the profile
                     if array.nbytes:

@@ -156,7 +156,7 @@ class TensorRTContext:
                       profile, stream.handle, error=EngineFault)
             self._profile = profile
         for io in engine.inputs:
-            array = np.ascontiguousarray(inputs[io.name], dtype=io.dtype)
+            array = np.asarray(inputs[io.name], dtype=io.dtype, order="C")  # rank 0 stays rank 0
             _trt_call(where, f"set_input_shape('{io.name}', {list(array.shape)})", context.set_input_shape,
                       io.name, array.shape)
             device, host = self._buffers(io.name, array.nbytes)

@@ -33,8 +33,8 @@ from typing import Any, Optional
 
 from .config import ModelConfig, ModelConfigFile, TensorSpec, completed_config
 from .datatypes import ONNX_TYPE_BY_DATATYPE
-from .errors import ConfigError, LoadFault
-from .files import file_version
+from .errors import ConfigError, InvalidModelFile, ServingError, unreadable_model_file, unsupported_operator
+from .files import file_version, shown_model_file
 
 # As Triton's ``--backend-config=default-max-batch-size`` (4): the max_batch_size a batched model
 # gets when its config gives none.
@@ -70,6 +70,7 @@ class FileSignature:
     path: Path
     inputs: tuple[FileTensor, ...]
     outputs: tuple[FileTensor, ...]
+    unsupported: tuple[tuple[str, str], ...] = ()  # (op, domain) of nodes no ONNX Runtime domain has
 
     def batch_symbol(self) -> str | None:
         """The symbol every input and output has on axis 0, or None (no batch axis)."""
@@ -107,7 +108,47 @@ def _signature(path: str, size: int, mtime_ns: int) -> FileSignature | None:
     return FileSignature(
         path=Path(path),
         inputs=tuple(_tensor(v) for v in model.graph.input if v.name not in initializers),
-        outputs=tuple(_tensor(v) for v in model.graph.output))
+        outputs=tuple(_tensor(v) for v in model.graph.output),
+        unsupported=_unsupported_ops(model))
+
+
+# Domains whose operators ONNX Runtime implements beside ONNX's own: its contrib operators.
+_RUNTIME_DOMAINS = ("com.microsoft", "com.microsoft.nchwc", "com.microsoft.experimental", "com.ms.internal.nhwc")
+
+
+def _unsupported_ops(model: Any) -> tuple[tuple[str, str], ...]:
+    """``(op, domain)`` of the top-level graph's nodes that neither ONNX's operator sets nor ONNX
+    Runtime's own domains (``_RUNTIME_DOMAINS``) nor the model's local functions define: a
+    custom operator, which no session of this server can run (an operator of a known domain
+    without a kernel for its types is found when the session is made)."""
+    import onnx
+
+    local = {(f.domain, f.name) for f in model.functions}
+    found: list[tuple[str, str]] = []
+    for node in model.graph.node:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if (node.domain, node.op_type) in local or domain in _RUNTIME_DOMAINS:
+            continue
+        if domain in ("", "ai.onnx.ml") and onnx.defs.has(node.op_type, domain):
+            continue
+        if (node.op_type, domain) not in found:
+            found.append((node.op_type, domain))
+    return tuple(found)
+
+
+def model_file_error(name: str, path: Path) -> ServingError:
+    """The error for model ``name``'s file at ``path`` that ``read_onnx_signature`` could not
+    read: missing (``LoadFault``), else not an ONNX model (``InvalidModelFile``, naming the file
+    relative to the repository and, for an empty file, that it is empty)."""
+    shown = shown_model_file(path)
+    try:
+        size = Path(path).stat().st_size
+    except OSError as e:
+        return unreadable_model_file(name, "onnx", e, shown)
+    if size == 0:
+        return InvalidModelFile(f"model '{name}': its model file {shown} is empty, not an ONNX model")
+    return InvalidModelFile(f"model '{name}': its model file {shown} is not a valid ONNX model: it does not parse as "
+                            "one (damaged, truncated or another format)")
 
 
 def _tensor(value: Any) -> FileTensor:
@@ -136,16 +177,25 @@ def complete_config(given: ModelConfigFile, config_path: Path, model_files: list
         ConfigError: the config disagrees with a model file, or leaves out a field that the
             file cannot tell (no shape, no KServe datatype); names the config file, the field
             and the model file.
-        LoadFault: the config leaves out a field and the model file cannot be read to tell it
-            (missing, damaged, not ONNX): the file's fault, not the config's (a load answers
-            500, not 400).
+        InvalidModelFile: a model file uses an operator ONNX Runtime does not have; the config
+            leaves out a field and the model file is not ONNX (damaged, truncated, empty) or has
+            no inputs or outputs: names the model file (``model_file_error``).
+        LoadFault: the config leaves out a field and the model file is missing.
     """
     signatures = [read_onnx_signature(path) for path in model_files]
     first = signatures[0]
     left_out = [f for f in COMPLETED_FIELDS if getattr(given, f) is None]
     if left_out and first is None:
-        raise LoadFault(f"{config_path}: {', '.join(left_out)}: left out, and {model_files[0]} cannot be read as "
-                          "an ONNX model to complete them from (missing, damaged or not ONNX)")
+        raise model_file_error(given.name, model_files[0])
+    for signature in signatures:
+        if signature is not None and signature.unsupported:
+            op, domain = signature.unsupported[0]
+            raise unsupported_operator(given.name, shown_model_file(signature.path), op, domain)
+    for kind in ("inputs", "outputs"):
+        if getattr(given, kind) is None and not getattr(first, kind):
+            raise InvalidModelFile(f"model '{given.name}': its model file {shown_model_file(first.path)} has no "
+                                   f"{kind} (its graph's {kind} are {'all initializers or ' if kind == 'inputs' else ''}"
+                                   f"none): a served model takes at least one input and gives at least one output")
     max_batch_size = given.max_batch_size
     if max_batch_size is None:
         max_batch_size = DEFAULT_MAX_BATCH_SIZE if first.batch_symbol() is not None else 0
@@ -187,12 +237,14 @@ def _tensors(signature: FileSignature, kind: str, config_path: Path) -> tuple[Te
     """
     out = []
     for tensor in getattr(signature, kind):
-        what = f"{config_path}: {kind}: left out, and {signature.path} has {kind[:-1]} '{tensor.name}'"
+        what = (f"{config_path}: {kind}: left out, and" if config_path.exists() else
+                f"{config_path.parent.name} (no config.yaml): {kind} are read from its model file, and")
+        what += f" {signature.path} has {kind[:-1]} '{tensor.name}'"
         if tensor.datatype not in ONNX_TYPE_BY_DATATYPE:
             raise ConfigError(f"{what} of type {tensor.datatype}, which has no KServe v2 datatype (allowed: "
                               f"{', '.join(ONNX_TYPE_BY_DATATYPE)})")
         if tensor.dims is None:
-            raise ConfigError(f"{what} without a shape: list the {kind} in config.yaml with their dims")
+            raise ConfigError(f"{what} without a shape: list the {kind} with their dims in a config.yaml")
         out.append(TensorSpec(name=tensor.name, datatype=tensor.datatype, dims=tensor.config_dims()))
     return tuple(out)
 

@@ -126,6 +126,16 @@ class ConfigError(ServingError):
     """
 
 
+class InvalidModelFile(ConfigError):
+    """A model file in the repository is not one the server can serve: it does not parse as an
+    ONNX model (random bytes, empty, truncated), it uses an operator ONNX Runtime does not
+    implement (a custom domain's), its graph has no inputs or outputs. The file is the content
+    of whoever put it in the repository, as a config is: 400 on every path (a load, a lazy load
+    at a request, and at start it stops the start as any ``ConfigError``). The message names the
+    model, its file relative to the repository (``<model>/<version>/model.onnx``) and what is
+    wrong; never a ``config.yaml`` that does not exist."""
+
+
 class LoadFault(ServingError):
     """The server could not bring a model up through no fault of whoever asked for it (HTTP
     500): its model file cannot be read, no TensorRT plan fits this machine, the device's
@@ -164,12 +174,26 @@ def replaced_version(name: str, asked: int, served: str) -> ModelNotReady:
                          f"it with {served}; send the request again")
 
 
-def unreadable_model_file(name: str, reader: str, error: BaseException) -> LoadFault:
-    """``LoadFault`` (500: the server's fault, not the client's) for a model file that
-    ``reader`` (``"ONNX Runtime"``, ``"onnx"``) could not read: missing, truncated, damaged.
+def unreadable_model_file(name: str, reader: str, error: BaseException, file: str = "") -> ServingError:
+    """The error for a model file that ``reader`` (``"ONNX Runtime"``, ``"onnx"``) could not read.
 
-    The message names the model and the error's type only: the reader's own text names the
-    file's path, which is for the server log, never for a client.
+    A missing file (``OSError``) is the server's (``LoadFault``, 500: its repository changed
+    under it); any other failure is the file's content (``InvalidModelFile``, 400: damaged,
+    truncated or not ONNX). The message names the model, its file (``file``, relative to the
+    repository) and the error's type only: the reader's own text names the file's full path,
+    which is for the server log, never for a client.
     """
-    return LoadFault(f"model '{name}': {reader} could not read its model file ({type(error).__name__}); the "
-                       "file is missing, damaged or not an ONNX model; the server log has the details")
+    if isinstance(error, OSError) and not isinstance(error, UnicodeError):
+        return LoadFault(f"model '{name}': {reader} could not read its model file {file} ({type(error).__name__}): "
+                         "the file is missing or unreadable; the server log has the details")
+    return InvalidModelFile(f"model '{name}': its model file {file} is not a valid ONNX model: {reader} could not "
+                            f"parse it ({type(error).__name__}; damaged, truncated or another format); the server "
+                            "log has the details")
+
+
+def unsupported_operator(name: str, file: str, op: str, domain: str) -> InvalidModelFile:
+    """``InvalidModelFile`` for a model file using operator ``op`` of ``domain`` that ONNX Runtime
+    does not implement."""
+    return InvalidModelFile(f"model '{name}': its model file {file} uses operator '{op}' of domain "
+                            f"'{domain or 'ai.onnx'}', which ONNX Runtime does not implement (custom operators "
+                            "and domains are not supported); export the model with standard ONNX operators")

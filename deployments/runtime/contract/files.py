@@ -55,3 +55,10 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def shown_model_file(path: Path) -> str:
+    """A model file's path relative to its repository, ``<model>/<version>/model.onnx``: what a
+    client's error names (the repository's own location stays in the server log)."""
+    path = Path(path)
+    return "/".join(path.parts[-3:])

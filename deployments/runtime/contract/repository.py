@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .completion import complete_config, read_onnx_signature
+from .completion import complete_config, model_file_error, read_onnx_signature
 from .config import ModelConfig, ModelConfigFile, completed_config, read_config_file
-from .errors import ConfigError, LoadFault, ModelNotFound, unknown_model
+from .errors import ConfigError, ModelNotFound, unknown_model
 from .store import CONFIG_FILENAME, MODEL_FILENAME, PBTXT_FILENAME, Store, is_version
 from .triton_config import read_pbtxt
 
@@ -101,12 +101,12 @@ class ModelEntry:
         before anything is unloaded.
 
         Raises:
-            LoadFault: a file that does not read, naming the model and its version.
+            InvalidModelFile, LoadFault: a file that is not ONNX, or is missing
+                (``completion.model_file_error``: names the model and its file).
         """
         for version in self.served:
             if read_onnx_signature(self.onnx_path(version)) is None:
-                raise LoadFault(f"model '{self.name}': the model file of version {version} is missing, truncated "
-                                "or not an ONNX model")
+                raise model_file_error(self.name, self.onnx_path(version))
 
 
 class ModelRepository:
@@ -265,7 +265,7 @@ class ModelRepository:
             OverBudget: a remote version does not fit in the node cache.
             ConfigError: a bad config (or one the model file contradicts), no version folder,
                 or a version of ``served`` without one; names the file and field (or folder).
-            LoadFault: the config leaves fields to complete from a model file that cannot be read.
+            InvalidModelFile, LoadFault: the config leaves fields to complete from a model file that is not ONNX or is missing.
         """
         folders = self.store.folders(name)
         if name not in folders:

@@ -73,7 +73,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -86,8 +86,8 @@ from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
 from ..contract.config import CacheOptions
-from ..contract.errors import (ConfigError, ModelNotReady, OverBudget, ServingError, replaced_version, unknown_model,
-                               unloaded_model)
+from ..contract.errors import (ConfigError, InferenceError, InvalidInput, LoadFault, ModelNotReady, OverBudget,
+                               ServingError, replaced_version, unknown_model, unloaded_model)
 from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
@@ -130,8 +130,15 @@ class _Slot:
     backend: str = ""
     loads: int = 0
     evictions: int = 0
-    failures: list[str] = field(default_factory=list)
+    load_error: str = ""  # why the last load failed, when it did and nothing loaded it since
     enabled: bool = True  # False after ``unload``: requests get ModelNotReady until ``load``
+
+
+def _fails_every_load(error: BaseException) -> bool:
+    """Whether a load that failed with ``error`` would fail again alike (its model file, its
+    config or the backend at fault), not for lack of room or time (``OverBudget``,
+    ``ModelNotReady``, ``InferenceTimeout``)."""
+    return isinstance(error, (ConfigError, LoadFault, InferenceError, InvalidInput))
 
 
 class ModelCache:
@@ -416,7 +423,10 @@ class ModelCache:
     def status(self) -> dict[str, Any]:
         """A JSON-ready snapshot: policy, limits, resident and reserved bytes, the GPU growth
         counted against the budget (``gpu_growth_bytes``, see the module docstring), and per model
-        its state (``absent``, ``loading``, ``ready``, ``evicting``), bytes, holders, loads, evictions."""
+        its state (``absent``, ``loading``, ``ready``, ``evicting``), bytes, holders, loads, evictions,
+        the source of its footprint and, when its measuring runs failed, why (``footprint_detail``),
+        and why its last load failed where a new try would fail alike (``load_error``: its model
+        file, config or backend at fault; empty once a load succeeds)."""
         with self._cond:
             return {
                 "load_policy": self.load_policy, "budget_bytes": self.budget_bytes,
@@ -425,10 +435,19 @@ class ModelCache:
                 "models": {s.name: {"state": s.state, "enabled": s.enabled, "bytes": s.bytes, "in_use": s.refcount,
                                     "loads": s.loads, "evictions": s.evictions,
                                     "footprint_source": s.footprint_source, "backend": s.backend,
+                                    "footprint_detail": self._footprint_detail(s), "load_error": s.load_error,
                                     "backend_reason": s.host.backend_reason if s.host.ready else "",
                                     "device": s.footprint.device if s.footprint is not None else ""}
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }
+
+    @staticmethod
+    def _footprint_detail(slot: _Slot) -> str:
+        """Why a loaded model's footprint is the graph prediction: its measuring runs failed
+        (``footprints.measurement_failure``); empty otherwise."""
+        if slot.footprint_source != "predicted" or not slot.backend:
+            return ""
+        return footprints.measurement_failure(slot.host.entry, slot.backend) or ""
 
     def check_health(self) -> None:
         """Probe every loaded model's engine (``ModelHost.check_health``); a cache with nothing
@@ -515,8 +534,11 @@ class ModelCache:
             with self._cond:
                 slot.state, slot.flight = _ABSENT, None
                 flight.error, flight.done = error, True
+                if _fails_every_load(error):
+                    slot.load_error = error.message  # type: ignore[attr-defined]
                 self._cond.notify_all()
             raise
+        slot.load_error = ""
         return slot.host
 
     async def _checkout_async(self, name: str) -> ModelHost:
@@ -640,7 +662,8 @@ class ModelCache:
             # The measuring runs serve no request: keep them out of execution counts.
             counter, slot.host.on_execution = slot.host.on_execution, None
             try:
-                return footprints.load_and_measure(slot.host, self.measure_elements), "measured"
+                footprint = footprints.load_and_measure(slot.host, self.measure_elements)
+                return footprint, "measured" if footprint.measured else "predicted"
             finally:
                 slot.host.on_execution = counter
         slot.host.load()

@@ -19,11 +19,19 @@ RSS is process-wide: requests running on other models while a model is measured 
 (seen: tiny_cnn's 2 x 515 MiB read as 2 x 1,036 MiB while the pool served other models).
 ``ModelCache`` serializes loads to keep that noise small; the noise only ever adds, so a model
 measured more than once keeps the smallest reading of each part (``measurement_count``).
+
+The measuring runs feed inputs of the server's own making (zeros), which a model may refuse
+where no real request would (an integer ``Div`` by zero, a ``Reshape`` the measuring batch does
+not divide): a failed measuring run never fails the load. The graph prediction
+(``residency.predict``) stands in for the context bytes, the reason is logged once per model
+file and kept (``measurement_failure``: ``/v2/memory`` shows it), and the model is not run on
+zeros again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -36,11 +44,14 @@ from ..backends.select import requested_backend, resolve_backend
 from ..contract.files import write_atomic
 from ..contract.config import ModelConfig
 from ..contract.datatypes import zeros
+from ..contract.errors import EngineFault, InferenceError, InvalidInput, ServingError
 from ..contract.repository import ModelEntry
 from ..contract.shapes import batch_of, max_profile_shapes
 from .host import ModelHost
-from .predict import _file_key
+from .predict import _file_key, predict
 from ..backends.process import measured_rss_bytes
+
+logger = logging.getLogger(__name__)
 
 MEASURE_INPUT_ELEMENTS = 8 * 3 * 224 * 224
 """Input elements of a measuring run (sets its batch); the growth is scaled to the max batch."""
@@ -51,6 +62,7 @@ RECORD_FILENAME = "footprint.json"
 
 _MEASURED: dict[tuple, tuple[Footprint, int]] = {}  # (smallest reading of each part, readings)
 _MEASURED_LOCK = threading.Lock()
+_FAILED: dict[tuple, str] = {}  # why the measuring runs failed, by ``_measure_key``
 
 
 def _measure_key(entry: ModelEntry, backend: str) -> tuple:
@@ -70,6 +82,13 @@ def measurement_count(entry: ModelEntry, backend: str) -> int:
     with _MEASURED_LOCK:
         known = _MEASURED.get(_measure_key(entry, backend))
     return known[1] if known else 0
+
+
+def measurement_failure(entry: ModelEntry, backend: str) -> str | None:
+    """Why the measuring runs on this model file failed in this process (the graph prediction
+    stands in for its context bytes), or None when they did not fail."""
+    with _MEASURED_LOCK:
+        return _FAILED.get(_measure_key(entry, backend))
 
 
 def _record_measurement(entry: ModelEntry, backend: str, footprint: Footprint) -> Footprint:
@@ -156,8 +175,14 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
     second measurement keeps the smaller reading of each part, and that is what is returned.
     The host stays loaded, with its arena grown by the measuring runs.
 
+    A measuring run that fails (the model refuses the zeros, ``InferenceError`` or
+    ``InvalidInput``) does not fail the load: the context bytes are the graph prediction's
+    (``measured=False``, nothing remembered as measured), and the reason is kept
+    (``measurement_failure``); later loads of the file skip the runs.
+
     Raises:
-        ConfigError, LoadFault, InferenceError: from loading or the measuring runs (the host is unloaded).
+        ConfigError, LoadFault, InferenceError: from loading (the config's warmup runs included);
+            EngineFault from a measuring run (the host is unloaded).
     """
     if resolve_backend(requested_backend(host.config, host.backend_request)) == "onnxruntime":
         _prime_onnxruntime()
@@ -167,15 +192,40 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
         engine = host.engine
         assert engine is not None
         if engine.backend != "onnxruntime":
-            footprint = engine.footprint()
-        else:
-            engine_bytes = max(0, measured_rss_bytes() - before)
-            footprint = Footprint(engine_bytes=engine_bytes,
-                                  context_bytes=measure_context_bytes(host, measure_elements), measured=True)
+            return _record_measurement(host.entry, engine.backend, engine.footprint())
+        engine_bytes = max(0, measured_rss_bytes() - before)
+        if measurement_failure(host.entry, engine.backend) is None:
+            try:
+                context_bytes = measure_context_bytes(host, measure_elements)
+            except (InferenceError, InvalidInput) as e:
+                if isinstance(e, EngineFault):  # the engine or device is unusable: no load can serve
+                    raise
+                _measuring_failed(host, e)
+            else:
+                footprint = Footprint(engine_bytes=engine_bytes, context_bytes=context_bytes, measured=True)
+                return _record_measurement(host.entry, engine.backend, footprint)
+        return Footprint(engine_bytes=engine_bytes, context_bytes=_predicted_context_bytes(host), measured=False)
     except BaseException:
         host.unload()
         raise
-    return _record_measurement(host.entry, engine.backend, footprint)
+
+
+def _measuring_failed(host: ModelHost, error: ServingError) -> None:
+    """Remember (and log, once per model file) why ``host``'s measuring runs failed."""
+    reason = (f"the measuring run on zeros at the max profile failed ({error.message}); "
+              "the graph prediction stands in for its context bytes")
+    with _MEASURED_LOCK:
+        _FAILED[_measure_key(host.entry, "onnxruntime")] = reason
+    logger.warning("model '%s': %s", host.name, reason)
+
+
+def _predicted_context_bytes(host: ModelHost) -> int:
+    """The graph prediction's context bytes (``predict``), 0 when the graph cannot be analysed."""
+    try:
+        return predict(host.entry).context_bytes
+    except ServingError as e:
+        logger.warning("model '%s': no graph prediction of its context bytes either: %s", host.name, e.message)
+        return 0
 
 
 def _runtime_version(backend: str) -> str:

@@ -14,7 +14,7 @@ from ..backends.base import GPU_BACKENDS, Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
 from ..contract.device import device_io, device_targets, refuse_device_io, takes_device_io
-from ..contract.errors import InferenceTimeout, InvalidInput, LoadFault, ModelNotReady
+from ..contract.errors import ConfigError, EngineFault, InferenceError, InferenceTimeout, InvalidInput, ModelNotReady
 from ..contract.graph_checks import GraphChecks
 from ..contract.repository import ModelEntry
 from ..contract.reshape import Reshape, engine_config
@@ -89,8 +89,8 @@ class ModelHost:
 
         Raises:
             ConfigError: the config disagrees with the model file or this machine.
-            LoadFault, DeviceOutOfMemory, InferenceError: the backend could not load the model,
-                or a warm-up run failed.
+            ConfigError: a warm-up run of the config's ``warmup:`` failed (the model refused it).
+            LoadFault, DeviceOutOfMemory, EngineFault: the backend could not load the model.
         """
         with self._lock:
             self._lock.wait_for(lambda: not self._unloading)
@@ -112,9 +112,11 @@ class ModelHost:
                         checks.check(self.name, request)
                         for context in contexts:
                             context.infer(request)
-                except InvalidInput as e:  # no client sent it: the load failed, not a request
-                    raise LoadFault(f"model '{self.name}': a warm-up run (warmup in its config.yaml) failed: "
-                                    f"{e.message}") from e
+                except (InvalidInput, InferenceError) as e:  # no client sent it: the config's warmup is at fault
+                    if isinstance(e, EngineFault):
+                        raise
+                    raise ConfigError(f"{self.entry.path / 'config.yaml'}: warmup: a warm-up run the model's config "
+                                      f"asks for failed: {e.message}; change or remove its warmup section") from e
             except BaseException:
                 for c in contexts:
                     c.close()
@@ -285,9 +287,11 @@ class ModelHost:
         context that last ran theirs). An entry is a batch size (other axes as the config's warmup has them,
         ``warmup.warmup_shape``) or a shape per input. Unlike the config's warmup (every size on
         every context, at load), this spreads the shapes over the contexts. Outputs are dropped.
+        A run the model refuses (zeros are not valid input for it: ``InferenceError``,
+        ``InvalidInput``) is logged and skipped: nobody asked for it.
 
         Raises:
-            ModelNotReady: not loaded. InferenceTimeout: contexts stayed busy. InferenceError.
+            ModelNotReady: not loaded. InferenceTimeout: contexts stayed busy. EngineFault.
         """
         feeds = [self._to_model({spec.name: zeros(spec.datatype, warmup_shape(self.config, spec, shape)
                                                   if isinstance(shape, int) else tuple(shape[spec.name]))
@@ -303,7 +307,16 @@ class ModelHost:
                 context = self._checkout(("warming", i))  # any free one: the key never matches
                 taken.append(context)
                 for feed in feeds[i::len(self._contexts)] or [feeds[i % len(feeds)]]:
-                    context.infer(feed)
+                    try:
+                        context.infer(feed)
+                    except (InferenceError, InvalidInput) as e:
+                        if isinstance(e, EngineFault):
+                            raise
+                        # The model refused the server's own zeros (an integer Div by zero, a
+                        # Reshape this size does not divide): no request asked for this run.
+                        logger.warning("model '%s': warming shape %s on zeros failed (%s); skipped: the first "
+                                       "request of that shape pays its first run", self.name, _shapes(feed), e.message)
+                        continue
                     with self._slots:
                         self._last_shapes[id(context)] = _shapes(feed)
         finally:

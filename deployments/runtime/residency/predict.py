@@ -25,6 +25,7 @@ from onnx import helper, shape_inference
 
 from ..backends.base import Footprint
 from ..contract.errors import ConfigError, unreadable_model_file
+from ..contract.files import shown_model_file
 from ..contract.repository import ModelEntry
 from ..contract.shapes import batch_of, max_profile_shapes
 
@@ -166,7 +167,8 @@ def predict(entry: ModelEntry, precision: str | None = None) -> Prediction:
 
     Raises:
         ConfigError: a pipeline model (no ONNX file), a dynamic axis without a profile.
-        LoadFault: a model file that cannot be read (``unreadable_model_file``).
+        LoadFault, InvalidModelFile: a model file that cannot be read, or parsed
+            (``unreadable_model_file``).
     """
     if entry.config.pipeline:
         raise ConfigError(f"model '{entry.name}' is a pipeline; it has no ONNX graph to plan")
@@ -174,7 +176,7 @@ def predict(entry: ModelEntry, precision: str | None = None) -> Prediction:
     try:
         key = (_file_key(path), precision)
     except OSError as e:
-        raise unreadable_model_file(entry.name, "onnx", e) from None
+        raise unreadable_model_file(entry.name, "onnx", e, shown_model_file(path)) from None
     with _PREDICTIONS_LOCK:
         cached = _PREDICTIONS.get(key)
     if cached is not None:
@@ -186,7 +188,7 @@ def predict(entry: ModelEntry, precision: str | None = None) -> Prediction:
         raise
     except Exception as e:  # a missing, truncated or damaged file: the reader's text names the path
         logger.warning("model '%s': cannot read %s: %s", entry.name, path, e)
-        raise unreadable_model_file(entry.name, "onnx", e) from None
+        raise unreadable_model_file(entry.name, "onnx", e, shown_model_file(path)) from None
     prediction = Prediction(model=entry.name, instances=config.instances, graph=graph)
     with _PREDICTIONS_LOCK:
         _PREDICTIONS[key] = prediction

@@ -31,7 +31,7 @@ from ..contract.repository import ModelEntry, ModelRepository
 from ..contract.shapes import shrunk_shapes
 from ..contract.units import MIB, format_mib, mib_to_bytes
 from ..residency.footprints import (MEASURE_INPUT_ELEMENTS, RECORD_FILENAME, load_and_measure,
-                                    measure_batch_of, read_record, write_record)
+                                    measure_batch_of, measurement_failure, read_record, write_record)
 from ..residency.host import ModelHost
 from ..residency.predict import CONTEXT_FACTOR, analyze_graph, predict
 
@@ -68,7 +68,7 @@ def _measure_in_subprocess(root: Path, name: str, measure_elements: int | None,
            "--measure-elements", str(measure_elements or 0), "--backend", backend]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"measuring {name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"measuring {name} failed: {' '.join(done.stderr.strip().splitlines()[-1:])}")
     record = json.loads(done.stdout)
     return Footprint(engine_bytes=record["engine_bytes"], context_bytes=record["context_bytes"], measured=True)
 
@@ -193,6 +193,9 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     backend = host.engine.backend if host.engine is not None else args.backend
     host.unload()
+    if not footprint.measured:  # the model refused the measuring runs' zeros: nothing measured
+        print(f"{entry.name} ({backend}): not measured: {measurement_failure(entry, backend)}", file=sys.stderr)
+        return 1
     record: dict[str, Any] = {"model": entry.name, "backend": backend, "engine_bytes": footprint.engine_bytes,
               "context_bytes": footprint.context_bytes, "instances": entry.config.instances,
               "total_bytes": footprint.total(entry.config.instances),
