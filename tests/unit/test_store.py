@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deployments.runtime.contract.errors import ConfigError, LoadFault, OverBudget, StoreUnavailable
+from deployments.runtime.contract.errors import ConfigError, InvalidModelFile, LoadFault, OverBudget, StoreUnavailable
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.contract.store import StoreOptions, safe_relative
 from deployments.runtime.residency.host import ModelHost
@@ -198,9 +198,9 @@ def test_a_truncated_object_fails_the_read_and_changes_nothing(seaweedfs, store_
     seaweedfs.filesystem().pipe(f"{seaweedfs.bucket}/{prefix}/tiny_cnn/2/model.onnx", data[:len(data) // 2])
     entry = repo.peek("tiny_cnn")  # what a load reads: version 2, whole as the store has it
     assert entry.served == (2,) and entry.onnx_path().stat().st_size == len(data) // 2
-    with pytest.raises(LoadFault) as bad:
+    with pytest.raises(InvalidModelFile) as bad:  # the user's content: a 400, as from a local folder
         ModelHost(entry, "onnxruntime").load()
-    assert bad.value.message.startswith("model 'tiny_cnn'")
+    assert bad.value.message.startswith("model 'tiny_cnn': its model file tiny_cnn/2/model.onnx is not a valid ONNX model")
     assert repo.get("tiny_cnn") == before
 
 
