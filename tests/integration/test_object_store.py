@@ -216,7 +216,9 @@ def test_a_truncated_upload_fails_its_load_and_the_other_models_serve(remote_ser
     data = (ENGINES / "resnet18/1/model.onnx").read_bytes()
     fs.pipe(f"{seaweedfs.bucket}/{prefix}/resnet18/1/model.onnx", data[:len(data) // 3])
     r = requests.post(f"{base}/v2/repository/models/resnet18/load", timeout=120)
-    assert r.status_code == 500 and "failed to load 'resnet18'" in r.json()["error"], r.text
+    assert r.status_code == 400, r.text  # the uploaded file is the user's content
+    assert r.json()["error"].startswith("failed to load 'resnet18': model 'resnet18': its model file "
+                                        "resnet18/1/model.onnx is not a valid ONNX model"), r.text
     [line] = [line for (name, _), line in _index(base).items() if name == "resnet18"]
     assert line["state"] == "UNAVAILABLE" and line["reason"].startswith("failed to load"), line
     assert _infer_tiny(base).status_code == 200
