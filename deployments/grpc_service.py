@@ -401,17 +401,18 @@ STOP_GRACE_S = 5.0
 
 
 class _HandlerCapture:
-    """Stands in for a server to collect the generated ``add_..._to_server``'s method handlers."""
+    """Stands in for a server to collect the generated ``add_..._to_server``'s generic handler
+    (every tritonclient version registers one; newer ones also register the same handlers by
+    method, which the generic one already serves)."""
 
     def __init__(self) -> None:
         self.generic: list[grpc.GenericRpcHandler] = []
-        self.methods: dict[str, grpc.RpcMethodHandler] = {}
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self.generic.extend(handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.methods.update(handlers)
+        pass
 
 
 class _Call:
@@ -456,12 +457,11 @@ def service_handler(routes: V2Routes, forward: IngressForward | None = None) -> 
     """``InferenceService(routes, forward)``'s methods as one handler, each parsing its own message."""
     capture = _HandlerCapture()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(routes, forward), capture)
+    (generated,) = capture.generic
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    methods = capture.methods or {  # older generated code registers the generic handler only
-        method.name: capture.generic[0].service(_Call(f"/{service.full_name}/{method.name}"))
-        for method in service.methods}
-    return grpc.method_handlers_generic_handler(
-        service.full_name, {name: _parsed_in_the_call(name, handler) for name, handler in methods.items()})
+    return grpc.method_handlers_generic_handler(service.full_name, {
+        method.name: _parsed_in_the_call(method.name, generated.service(_Call(f"/{service.full_name}/{method.name}")))
+        for method in service.methods})
 
 
 def _raylet(process: psutil.Process) -> str:
