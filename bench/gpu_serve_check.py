@@ -13,7 +13,12 @@ Starts ``serve run CONFIG`` (Ray's fast paths on), waits for ready, then records
   ``gpu_over_baseline_bytes`` of every load/evict event (the replica's own NVML reading less
   its bytes before any model), both against ``memory_budget_mib``.
 
-    python -m bench.gpu_serve_check --config serve_config.gpu.yaml [--churn 30] [--out DIR]
+* with ``--examples DIR`` (a checkout's ``src/python/examples`` of triton-inference-server/client),
+  Triton's own example clients run unmodified against it (HTTP on the config's port, gRPC on its
+  ``grpc_port``): the CUDA and system shared-memory ones, over HTTP and gRPC, and the plain infer
+  ones; each one's exit code and last lines.
+
+    python -m bench.gpu_serve_check --config serve_config.gpu.yaml [--churn 30] [--examples DIR] [--out DIR]
 
 Writes ``gpu-serve-<time>.json`` to ``--out`` and prints a summary.
 """
@@ -73,6 +78,7 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--config", default="serve_config.gpu.yaml")
     p.add_argument("--churn", type=int, default=30, help="pool requests in the LRU churn")
     p.add_argument("--ready-timeout-s", type=float, default=240)
+    p.add_argument("--examples", default="", help="Triton's client examples folder: run EXAMPLES against the server")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = p.parse_args(argv)
     from deployments.runtime.backends.gpu_memory import nvml_processes
@@ -101,6 +107,9 @@ def main(argv: Sequence[str]) -> None:
         else:
             raise RuntimeError("not ready in time")
         result["ready_after_s"] = round(a.ready_timeout_s - (deadline - time.time()), 1)
+        if a.examples:
+            grpc = f"{config['http_options']['host']}:{app['grpc_port']}"
+            result["examples"] = run_examples(Path(a.examples), base.removeprefix("http://"), grpc)
         # the OCR pipeline on the real PNG
         png = base64.b64encode((ROOT / "tests" / "data" / "ocr_sample.png").read_bytes()).decode()
         body = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
@@ -148,6 +157,27 @@ def main(argv: Sequence[str]) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+# Triton's example clients run against the GPU server: (script, protocol)
+EXAMPLES = [("simple_http_cudashm_client.py", "http"), ("simple_grpc_cudashm_client.py", "grpc"),
+            ("simple_http_shm_client.py", "http"), ("simple_grpc_shm_client.py", "grpc"),
+            ("simple_http_infer_client.py", "http"), ("simple_grpc_infer_client.py", "grpc")]
+
+
+def run_examples(folder: Path, http_address: str, grpc_address: str) -> list[dict[str, Any]]:
+    """Each of ``EXAMPLES`` run unmodified from ``folder``: exit code and the output's last lines."""
+    runs = []
+    for script, protocol in EXAMPLES:
+        url = http_address if protocol == "http" else grpc_address
+        try:
+            done = subprocess.run([sys.executable, script, "-u", url], cwd=folder, capture_output=True, text=True,
+                                  timeout=120)
+            runs.append({"example": script, "exit": done.returncode,
+                         "tail": (done.stdout + done.stderr).strip().splitlines()[-4:]})
+        except subprocess.TimeoutExpired:
+            runs.append({"example": script, "exit": None, "tail": ["timed out after 120 s"]})
+    return runs
+
+
 def summarize(result: dict[str, Any]) -> None:
     print("replicas (pid, title, NVML GPU MB):")
     for proc in result.get("replicas", []):
@@ -166,6 +196,8 @@ def summarize(result: dict[str, Any]) -> None:
               f"loads {sum(e['event'] in ('load', 'reload') for e in events)}, evictions {sum(e['event'] == 'evict' for e in events)}")
         for name, m in pool.get("models", {}).items():
             print(f"  pool {name}: {m.get('backend')} {m.get('device')} {m.get('bytes', 0) / 1e6:.0f} MB ({m.get('backend_reason')})")
+    for run in result.get("examples", []):
+        print(f"  example {run['example']}: exit {run['exit']}" + ("" if run["exit"] == 0 else f" {run['tail']}"))
     print("ocr:", result.get("ocr"))
     print("churn statuses:", sorted({c["status"] for c in result.get("churn", [])}))
     for m, md in (result.get("metadata") or {}).items():

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs of docs/h200.md, one step per device call, from the repository root
 # there (the device tool sends /work/main's tree; this branch travels as .device/gpu/repo):
+#   part N    carry .device/b/N (N = 0..4; bench/h200_bundle.sh makes them): one part of the bundle to /tmp/b
+#   bundle    carry .device/b/5: join the parts, then what setup and ray do below, the code from this
+#             tree (not .device/gpu/repo): all set up in 6 calls
 #   chunk N   carry .device/gpu/ortgpu/N (N = 0..3): the onnxruntime-gpu wheel's parts to /tmp/gpu
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
@@ -12,6 +15,19 @@ D=$PWD/.device/gpu
 export PYTHONPATH=/tmp/w:/tmp/site:/tmp/extra:/tmp/py/site PYTHONUNBUFFERED=1 PATH=/tmp/py/site/bin:$PATH
 HTTP="--duration-s 3 --warmup-s 1 --processes 4"
 case "$1" in
+  part) mkdir -p /tmp/b && cp .device/b/"$2"/b.part* /tmp/b/ && ls -la /tmp/b ;;
+  bundle)
+    cp .device/b/5/b.part* /tmp/b/ && (cd /tmp && cat /tmp/b/b.part* | tar xf -) && rm -rf /tmp/b || exit 1
+    B=/tmp/bundle; bash $B/ortgpu/unpack.sh /tmp/site || exit 1
+    rm -rf /tmp/w /tmp/extra /tmp/extra2 && mkdir -p /tmp/w /tmp/py
+    tar cf - --exclude=./.device . | tar xf - -C /tmp/w
+    xz -dc $B/extra.tar.xz | tar xf - -C /tmp && xz -dc $B/extra2.tar.xz | tar xf - -C /tmp && cp -r /tmp/extra2/. /tmp/extra/
+    mkdir -p /tmp/w/engines/.cache && cp $B/cache/*.whl /tmp/w/engines/.cache/
+    python3 -m pip install -q --no-deps --no-compile --target /tmp/extra /tmp/w/engines/.cache/rapidocr*.whl
+    xz -dc $B/site.tar.xz | tar xf - -C /tmp/py && rm -rf $B
+    cd /tmp/w && python3 -m deployments.runtime.tools.prepare --root engines | tail -3
+    python3 -c 'import onnxruntime as o, ray, tritonclient.grpc; print(o.__version__, o.get_available_providers(), ray.__version__)'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv ;;
   chunk) mkdir -p /tmp/gpu && cp "$D/ortgpu/$2"/part* /tmp/gpu/ && ls -la /tmp/gpu ;;
   setup)
     bash "$D/ortgpu/4/unpack.sh" /tmp/site || exit 1
@@ -22,7 +38,7 @@ case "$1" in
     python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv ;;
   ray) mkdir -p /tmp/py && xz -dc "$D/site.tar.xz" | tar xf - -C /tmp/py && python3 -c 'import ray; print(ray.__version__)' ;;
-  tests) cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
+  tests) export TRITON_CLIENT_EXAMPLES=$PWD/.device/examples/src/python/examples; cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
   embed) cd /tmp/w && python3 -m bench.embed --clients 1,16,64,256 --gpu-fraction 0.25 \
       --variants ${VARIANTS:-unbatched,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 \
       --out "$OUT/embed.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
@@ -30,7 +46,7 @@ case "$1" in
       --batched resnet18,tiny_cnn --padded --preferred-batch-size 8 --batch-levels 1,16,64 --gpu-fraction 0.1 \
       $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   engine) cd /tmp/w && python3 -m bench.gpu_engine --duration-s 1.5 --out "$OUT" 2>&1 | tail -80 ;;
-  serve) cd /tmp/w && timeout 300 python3 -m bench.gpu_serve_check --config serve_config.gpu.yaml --churn 30 --out "$OUT" 2>&1 | tail -60 ;;
+  serve) EX=$PWD/.device/examples/src/python/examples; cd /tmp/w && timeout 300 python3 -m bench.gpu_serve_check --config serve_config.gpu.yaml --churn 30 --examples "$EX" --out "$OUT" 2>&1 | tail -60 ;;
   batching) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 \
       --batched resnet18,tiny_cnn,ocr_cls,ocr_rec --batch-levels 1,16,64 --gpu-fraction 0.1 $HTTP --out "$OUT" 2>&1 | tail -40 ;;
   padded) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --padded \
