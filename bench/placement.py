@@ -36,6 +36,22 @@ clients, 25 s warm-up and a 30 s window per policy (about 4 minutes on 2 cores);
 models, 16 and 64 clients, 40 s and 60 s, then the shift (``--shift-s`` 40) and the kill
 (``--kill-s`` 30) at each client count.
 
+On a GPU (``--gpu-fraction F``: each pool replica's ``num_gpus``; 0, the default, runs on CPU
+as before): the footprints are measured on the backend the replicas serve with (``--backend``,
+passed to ``plan measure`` and to the application; ``auto`` picks ``onnxruntime_cuda`` on the
+H200, and with ``--gpu-fraction 0`` means ``onnxruntime``), so the budgets are GPU bytes, and
+answers are checked within TF32's tolerance. Beside the cache's accounting, every
+``NVML_SAMPLE_S`` each pool replica's GPU bytes as NVML counts them per process
+(``nvidia-smi --query-compute-apps``; nothing where ``nvidia-smi`` is missing):
+``max_nvml_process_bytes`` (the most any pool replica's pid held at any sample of the point,
+warm-up included) and ``max_nvml_over_budget_bytes`` (that less the budget, 0 when under). NVML
+counts the whole process: its CUDA context (about 0.5 GB on an H200) and ONNX Runtime's arena
+beside the models, so the raw figure and the budget are both in the row (``nvml``: each pid's
+most, the pool's and the others') for a reader to judge; ``max_gpu_over_baseline_over_budget_bytes``
+is the replicas' own reading of it less the bytes they held before any model (the cache's
+events, where the replica has ``nvidia-ml-py``; None where no event carried it).
+``--no-shift-kill`` skips the shift and the kill without ``--quick``'s other defaults.
+
 ``--policies`` also takes ``multiplexed``: issue 31's anchor, Ray Serve's plain
 ``@serve.multiplexed`` routing with a count cap of ``--budget-fraction`` of the models (10 of
 30: a third, as the byte budget holds) on as many replicas, reached through an ingress
@@ -46,6 +62,8 @@ byte budget.
 
     .venv/bin/python -m bench.placement --quick --out /tmp/placement.json
     .venv/bin/python -m bench.placement --out /tmp/placement.json
+    python -m bench.placement --policies hash,bytes --clients 16,64 --no-shift-kill --warmup-s 20 \
+        --duration-s 30 --gpu-fraction 0.2 --out placement.json    # the H200 (bench/h200.sh placement)
 """
 
 from __future__ import annotations
@@ -78,6 +96,7 @@ POLICIES = ("hash", "bytes", "multiplexed")
 SAMPLE_S = 0.5  # how often /v2/memory and /metrics are read
 BUCKET_S = 10.0  # the cold-load rate after a shift, per this many seconds
 SAMPLE_EVERY = 16  # one answer in this many per client has its values compared
+NVML_SAMPLE_S = 2.0  # how often nvidia-smi lists the GPU's processes
 
 
 # --- pure parts: popularity, counters, rows ----------------------------------------------------
@@ -154,6 +173,60 @@ def over_budget_bytes(memory: dict[str, Any] | None) -> int:
     return max(0, max(held) - budget)
 
 
+def gpu_over_budget_bytes(memory: dict[str, Any] | None) -> int | None:
+    """How far one pool replica's ``/v2/memory`` status (``pool``) shows its own GPU reading over
+    its budget: the most of its events' ``gpu_over_baseline_bytes`` (NVML's bytes of the process
+    less those before any model) less the budget, 0 when never over; None when no event carries
+    the reading (a CPU backend, no ``nvidia-ml-py`` in the replica) or there is no budget."""
+    if not memory or memory.get("budget_bytes") is None:
+        return None
+    held = [e["gpu_over_baseline_bytes"] for e in memory.get("events", ()) if e.get("gpu_over_baseline_bytes") is not None]
+    return max(0, max(held) - memory["budget_bytes"]) if held else None
+
+
+def parse_compute_apps(text: str) -> dict[int, int]:
+    """pid -> GPU bytes from ``nvidia-smi --query-compute-apps=pid,used_memory --format=csv,
+    noheader,nounits`` (one ``pid, MiB`` line per process and GPU, summed per pid); lines whose
+    figure NVML hides (``[N/A]``, ``[Not Supported]``) are left out."""
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        pid, _, mib = (part.strip() for part in line.partition(","))
+        if pid.isdigit() and mib.isdigit():
+            out[int(pid)] = out.get(int(pid), 0) + int(mib) * 2**20
+    return out
+
+
+def compute_apps(timeout_s: float = 10.0) -> dict[int, int]:
+    """Every GPU process's used memory as NVML counts it per process (``parse_compute_apps``),
+    through ``nvidia-smi`` (on every GPU machine, unlike ``nvidia-ml-py``); empty where
+    ``nvidia-smi`` is missing, fails or does not answer in time."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        done = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return parse_compute_apps(done.stdout) if done.returncode == 0 else {}
+
+
+def nvml_summary(most: dict[int, int], pool_pids: Iterable[int], budget_bytes: int, samples: int) -> dict[str, Any]:
+    """The NVML figures of one point: ``most`` (pid -> the most GPU bytes seen of it) split into
+    the pool replicas' (``pool_pids``) and the others', the most any pool replica held
+    (``max_nvml_process_bytes``, None when none was seen) and that less ``budget_bytes``
+    (``max_nvml_over_budget_bytes``, 0 when under, None when none was seen)."""
+    pool = set(pool_pids)
+    mine = {pid: b for pid, b in most.items() if pid in pool}
+    top = max(mine.values()) if mine else None
+    return {"max_nvml_process_bytes": top,
+            "max_nvml_over_budget_bytes": None if top is None else max(0, top - budget_bytes),
+            "nvml": {"samples": samples, "budget_bytes": budget_bytes,
+                     "pool_pid_bytes": {str(p): b for p, b in sorted(mine.items())},
+                     "other_pid_bytes": {str(p): b for p, b in sorted(most.items()) if p not in pool},
+                     "note": "per-process bytes: CUDA context and ONNX Runtime's arena beside the models"}}
+
+
 @dataclass(frozen=True)
 class Answer:
     """One request: when it was sent and answered (``time.monotonic`` s), its model and status
@@ -216,14 +289,16 @@ def model_names(count: int) -> list[str]:
     return [f"m{k:02d}" for k in range(count)]
 
 
-def prepare(dest: Path, source: Path, names: Sequence[str]) -> dict[str, int]:
+def prepare(dest: Path, source: Path, names: Sequence[str], backend: str = "onnxruntime") -> tuple[dict[str, int], str]:
     """``dest`` with each of ``names`` a pool model: ``source/BASE``'s config with the max batch
     ``MAX_BATCHES[k % 4]`` (profile max and opt to match) and its own copy of the model file.
     Returns each model's footprint in bytes, measured once per max batch in a fresh process
-    (``deployments.runtime.tools.plan measure``)."""
+    (``deployments.runtime.tools.plan measure --backend backend``: GPU bytes on a GPU backend),
+    and the backend that measured (``auto`` resolved)."""
     from bench.throughput import _base_config
 
     by_batch: dict[int, int] = {}
+    measured_on = backend
     for k, name in enumerate(names):
         batch = MAX_BATCHES[k % len(MAX_BATCHES)]
         raw = _base_config(source, BASE)
@@ -236,22 +311,26 @@ def prepare(dest: Path, source: Path, names: Sequence[str]) -> dict[str, int]:
         shutil.copy(source / BASE / "1" / "model.onnx", dest / name / "1" / "model.onnx")
     for k, batch in enumerate(MAX_BATCHES[:len(names)]):
         done = subprocess.run([sys.executable, "-m", "deployments.runtime.tools.plan", "measure", names[k],
-                               "--root", str(dest), "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
-        by_batch[batch] = int(json.loads(done.stdout)["total_bytes"])
-    return {name: by_batch[MAX_BATCHES[k % len(MAX_BATCHES)]] for k, name in enumerate(names)}
+                               "--root", str(dest), "--json", "--backend", backend], cwd=ROOT, capture_output=True,
+                              text=True, check=True)
+        record = json.loads(done.stdout)
+        by_batch[batch], measured_on = int(record["total_bytes"]), record["backend"]
+    return {name: by_batch[MAX_BATCHES[k % len(MAX_BATCHES)]] for k, name in enumerate(names)}, measured_on
 
 
 def write_config(tmp: Path, repository: Path, policy: str, replicas: int, budget_bytes: int, models: int,
-                 port: int, metrics_port: int) -> Path:
+                 port: int, metrics_port: int, gpu_fraction: float = 0.0, backend: str | None = None) -> Path:
     """``serve_config.yaml``'s router and pool applications on ``repository``: ``replicas`` pool
-    replicas, ``placement`` = ``policy``, ``lru`` under ``budget_bytes`` each, no count cap."""
+    replicas of ``num_gpus`` = ``gpu_fraction``, ``placement`` = ``policy``, ``lru`` under
+    ``budget_bytes`` each, no count cap; ``backend`` (None: the file's) for every model."""
     from deployments.check import write
 
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["http_options"]["port"] = port
     config["applications"] = [app := config["applications"][0]]
     app["args"].update(repository=str(repository), request_timeout_s=30, metrics={"port": metrics_port},
-                       pool=dict(app["args"]["pool"], num_gpus=0, num_replicas=replicas, placement=policy,
+                       **({"backend": backend} if backend else {}),
+                       pool=dict(app["args"]["pool"], num_gpus=gpu_fraction, num_replicas=replicas, placement=policy,
                                  load_policy="lru", memory_budget_mib=budget_bytes / 2**20,
                                  max_num_models_per_replica=models))
     path = tmp / f"serve_config.{policy}.yaml"
@@ -315,6 +394,7 @@ class Watch:
         self.cold: list[tuple[float, float]] = []
         self.counters: dict[str, dict[str, float]] = {}  # the last reading's, per replica
         self.placement: dict[str, Any] = {}  # the last placement a replica showed (bytes only)
+        self.gpu_over_bytes: int | None = None  # gpu_over_budget_bytes' most; None until one is seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -336,6 +416,9 @@ class Watch:
             if (pool.get("placement") or {}).get("revision") is not None:
                 self.placement = pool["placement"]
             self.over_bytes = max(self.over_bytes, over_budget_bytes(pool))
+            gpu_over = gpu_over_budget_bytes(pool)
+            if gpu_over is not None:
+                self.gpu_over_bytes = max(self.gpu_over_bytes or 0, gpu_over)
         return total
 
     def cold_at(self, t: float) -> float:
@@ -366,6 +449,53 @@ class Watch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class GpuWatch:
+    """Lists the GPU's processes (``compute_apps``) every ``NVML_SAMPLE_S`` in a thread while
+    entered: each pid's most bytes (``most``), the samples that listed any (``samples``), and
+    the pool replicas' pids seen (``pool_pids``: ``pids()`` at each such sample, so a replica
+    that replaces a killed one counts too). Nothing is sampled, and nothing found, without
+    ``nvidia-smi``."""
+
+    def __init__(self, pids: Any, interval_s: float = NVML_SAMPLE_S) -> None:
+        self.pids, self.interval_s = pids, interval_s
+        self.most: dict[int, int] = {}
+        self.pool_pids: set[int] = set()
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        apps = compute_apps()
+        if not apps:
+            return
+        self.samples += 1
+        self.pool_pids.update(self.pids())
+        for pid, used in apps.items():
+            self.most[pid] = max(self.most.get(pid, 0), used)
+
+    def summary(self, budget_bytes: int) -> dict[str, Any]:
+        return nvml_summary(self.most, self.pool_pids, budget_bytes, self.samples)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except Exception as e:  # a sample that fails must not end the run: say so, take the next
+                print(f"nvidia-smi sample failed: {e!r}", file=sys.stderr, flush=True)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "GpuWatch":
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 # --- the clients -------------------------------------------------------------------------------
@@ -424,7 +554,9 @@ class Load:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, repository: Path, footprints: dict[str, int],
-                 budget_bytes: int, scratch: Path) -> None:
+                 budget_bytes: int, scratch: Path, backend: str = "onnxruntime") -> None:
+        """``backend``: the one the footprints were measured on (``prepare``); a GPU one's answers
+        are checked within TF32's tolerance (1e-2), the CPU's within 1e-4."""
         from bench.loadgen import expected_from_onnx, make_workload
 
         self.args, self.repository, self.footprints = args, repository, footprints
@@ -432,7 +564,9 @@ class Bench:
         self.names = list(footprints)
         self.max_models = max(1, round(args.budget_fraction * len(self.names)))  # the anchor's count cap
         x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
-        expected = expected_from_onnx(str(ROOT / "engines" / BASE / "1" / "model.onnx"), x)
+        tolerance = 1e-4 if backend == "onnxruntime" else 1e-2
+        expected = expected_from_onnx(str(ROOT / "engines" / BASE / "1" / "model.onnx"), x, rtol=tolerance,
+                                      atol=tolerance)
         input_name = yaml.safe_load((repository / self.names[0] / "config.yaml").read_text())["inputs"][0]["name"]
         self.request = make_workload("placement", "http://x", self.names[0], input_name, x, binary=True,
                                      expected=expected)
@@ -460,7 +594,7 @@ class Bench:
                                      self.budget_bytes, log, **haproxy)
         else:
             config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
-                                  port, metrics_port)
+                                  port, metrics_port, a.gpu_fraction, a.serve_backend)
             proc = start_runner(config, log, **haproxy)
         url = f"http://127.0.0.1:{port}"
         rows = []
@@ -507,7 +641,8 @@ class Bench:
         extra: dict[str, Any] = {"replicas": a.replicas, "models": len(self.names), "budget_bytes": self.budget_bytes}
         if policy == "multiplexed":
             extra.update(max_num_models_per_replica=self.max_models, router_hop=True)
-        with Watch(url) as watch:
+        gpu = GpuWatch(lambda: replica_pids(proc.pid, APP, "pool"))
+        with Watch(url) as watch, gpu:
             await asyncio.sleep(a.warmup_s)
             pids = replica_pids(proc.pid, APP, "pool")
             cpu = {pid: cpu_seconds(pid) for pid in pids}
@@ -530,13 +665,15 @@ class Bench:
                 extra["reasons"] = sorted({w["reason"].split(":")[0] for w in watch.placement.get("models", {}).values()})
             result = row(policy, clients, steady, watch.cold_at(start), watch.cold_at(stop_s),
                          watch.over_bytes, over_budget_in_warmup_bytes=max(0, over_before), **extra)
-            if not a.quick:
+            if not a.no_shift_kill:
                 result.update(await self._shift_and_kill(load, watch, proc))
             stop.set()
             await task
             result["measured_footprints"] = {r: {m: s["bytes"] for m, s in mem.get("models", {}).items() if s["bytes"]}
                                              for r, mem in watch.memory.items()}
             result["max_resident_over_budget_bytes"] = max(result["max_resident_over_budget_bytes"], watch.over_bytes)
+        if a.gpu_fraction:
+            result.update(gpu.summary(self.budget_bytes), max_gpu_over_baseline_over_budget_bytes=watch.gpu_over_bytes)
         return result
 
     async def _shift_and_kill(self, load: Load, watch: Watch, proc: subprocess.Popen) -> dict[str, Any]:
@@ -568,7 +705,8 @@ class Bench:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16 clients, 30 models, shorter windows, no shift or kill")
+    parser.add_argument("--quick", action="store_true", help="16 clients, 30 models, shorter windows, no shift or kill "
+                        "(each overridable: --clients, --models, --warmup-s, --duration-s)")
     parser.add_argument("--out", type=Path, required=True, help="JSON rows are written here")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--models", type=int)
@@ -581,8 +719,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shift-s", type=float, default=40.0, help="without --quick: after the popularity shift")
     parser.add_argument("--kill-s", type=float, default=30.0, help="without --quick: after a pool replica is killed")
+    parser.add_argument("--no-shift-kill", action="store_true", help="no popularity shift and no kill (as --quick)")
+    parser.add_argument("--gpu-fraction", type=float, default=0.0,
+                        help="each pool replica's num_gpus (0: CPU); the footprints then measured on the GPU")
+    parser.add_argument("--backend", default="auto", help="footprints' and serving's backend: auto | onnxruntime | "
+                        "onnxruntime_cuda (auto with --gpu-fraction 0: onnxruntime)")
     a = parser.parse_args(argv)
     quick = a.quick
+    a.no_shift_kill = a.no_shift_kill or quick
+    # The footprints are measured on the backend the replicas serve with: ONNX Runtime on CPU
+    # without a GPU share (a GPU machine's replicas too), else the one auto picks there.
+    a.serve_backend = "onnxruntime" if a.backend == "auto" and not a.gpu_fraction else a.backend
     a.models = a.models or (30 if quick else 48)
     a.replicas = a.replicas or 4
     a.clients = [int(c) for c in (a.clients or ("16" if quick else "16,64")).split(",")]
@@ -592,16 +739,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-placement-") as tmp:
         scratch = Path(tmp)
         repository = scratch / "engines"
-        footprints = prepare(repository, ROOT / "engines", model_names(a.models))
+        footprints, backend = prepare(repository, ROOT / "engines", model_names(a.models), a.serve_backend)
         budget = int(a.budget_fraction * sum(footprints.values()))
-        print(f"{a.models} models, {sum(footprints.values()) / 2**20:.0f} MiB together; budget per replica "
-              f"{budget / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-        bench = Bench(a, repository, footprints, budget, scratch)
+        print(f"{a.models} models, {sum(footprints.values()) / 2**20:.0f} MiB together ({backend}); budget per "
+              f"replica {budget / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+        if a.gpu_fraction and "multiplexed" in a.policies.split(","):
+            print("multiplexed: the anchor loads ONNX Runtime CPU sessions, not on the GPU", file=sys.stderr, flush=True)
+        bench = Bench(a, repository, footprints, budget, scratch, backend)
         rows = [r for policy in a.policies.split(",") for r in bench.policy(policy)]
     meta = {"command": " ".join(["python -m bench.placement", *(argv if argv is not None else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "load_average": os.getloadavg(), "wall_s": round(time.monotonic() - started),
-            "footprints_planned": sorted(set(footprints.values())), "verdict": verdict(rows)}
+            "footprints_planned": sorted(set(footprints.values())), "footprint_backend": backend,
+            "gpu_fraction": a.gpu_fraction, "verdict": verdict(rows)}
     a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(json.dumps(meta, indent=1))
     return 0

@@ -1,13 +1,16 @@
 """The pure parts of ``bench.placement``: Zipf popularity and sampling, the cache counters read
-from ``/metrics``, the over-budget figure from ``/v2/memory``, and the rows."""
+from ``/metrics``, the over-budget figures from ``/v2/memory`` and from ``nvidia-smi``, the
+rows, and the GPU configuration it writes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bench.placement import (Answer, Sampler, cache_counters, cold_loads, over_budget_bytes, popularity, row,
-                             verdict, window_stats, zipf_weights)
+import bench.placement as placement
+from bench.placement import (Answer, GpuWatch, Sampler, cache_counters, cold_loads, compute_apps,
+                             gpu_over_budget_bytes, nvml_summary, over_budget_bytes, parse_compute_apps, popularity,
+                             row, verdict, window_stats, zipf_weights)
 
 
 def test_zipf_weights_fall_as_one_over_rank_and_sum_to_one():
@@ -118,3 +121,84 @@ def test_the_anchors_metrics_read_back_as_each_replicas_loads_and_most_bytes_hel
     counters = cache_counters(prometheus_text(replicas))
     assert counters == {r: {k: float(v) for k, v in state.items()} for r, state in replicas.items()}
     assert cold_loads(counters) == 22.0
+
+
+def test_the_replicas_own_gpu_reading_over_budget_is_the_most_any_event_shows_and_none_without_one():
+    memory = {"budget_bytes": 1000, "events": [{"gpu_over_baseline_bytes": 900}, {"gpu_over_baseline_bytes": 1100},
+                                               {"resident_bytes": 5000}]}
+    assert gpu_over_budget_bytes(memory) == 100
+    assert gpu_over_budget_bytes({**memory, "events": [{"gpu_over_baseline_bytes": 999}]}) == 0
+    assert gpu_over_budget_bytes({**memory, "events": [{"resident_bytes": 5000}]}) is None  # a CPU backend's events
+    assert gpu_over_budget_bytes({**memory, "budget_bytes": None}) is None
+    assert gpu_over_budget_bytes(None) is None
+
+
+def test_nvidia_smi_compute_apps_read_as_bytes_per_pid_summed_over_gpus_and_hidden_figures_left_out():
+    text = "1234, 812\n1234, 100\n  99 , 2048 \n77, [N/A]\n88, [Not Supported]\n\n"
+    assert parse_compute_apps(text) == {1234: 912 * 2**20, 99: 2048 * 2**20}
+    assert parse_compute_apps("") == {}
+
+
+def test_without_nvidia_smi_nothing_is_sampled_and_the_nvml_figures_are_none(monkeypatch):
+    monkeypatch.setattr(placement.shutil, "which", lambda name: None)
+    assert compute_apps() == {}
+    with GpuWatch(lambda: [1, 2], interval_s=0.01) as gpu:
+        gpu.sample()
+    assert not gpu._thread.is_alive() and gpu.samples == 0
+    summary = gpu.summary(1000)
+    assert summary["max_nvml_process_bytes"] is None and summary["max_nvml_over_budget_bytes"] is None
+    assert summary["nvml"]["samples"] == 0 and summary["nvml"]["pool_pid_bytes"] == {}
+
+
+def test_a_failing_nvidia_smi_reads_as_no_processes(monkeypatch, tmp_path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{placement.os.environ['PATH']}")
+    assert compute_apps() == {}
+
+
+def test_the_gpu_watch_keeps_each_pids_most_and_the_summary_judges_only_pool_replicas(monkeypatch, tmp_path):
+    """A stand-in ``nvidia-smi`` (a script answering as the real one does) lists two pool
+    replicas and another process; the pool replica's most bytes are set against the budget."""
+    readings = tmp_path / "readings"
+    readings.write_text("0")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"""#!/bin/sh
+n=$(cat {readings}); echo $((n + 1)) > {readings}
+if [ "$n" = 0 ]; then printf '10, 600\\n11, 500\\n99, 9000\\n'; else printf '10, 700\\n11, 400\\n'; fi
+""")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{placement.os.environ['PATH']}")
+    gpu = GpuWatch(lambda: [10, 11])
+    gpu.sample()
+    gpu.sample()
+    summary = gpu.summary(650 * 2**20)
+    assert summary["max_nvml_process_bytes"] == 700 * 2**20
+    assert summary["max_nvml_over_budget_bytes"] == 50 * 2**20
+    assert summary["nvml"]["pool_pid_bytes"] == {"10": 700 * 2**20, "11": 500 * 2**20}
+    assert summary["nvml"]["other_pid_bytes"] == {"99": 9000 * 2**20}
+    assert summary["nvml"]["samples"] == 2 and summary["nvml"]["budget_bytes"] == 650 * 2**20
+    assert nvml_summary({10: 100}, [10], 650 * 2**20, 1)["max_nvml_over_budget_bytes"] == 0
+
+
+def test_the_config_gives_each_pool_replica_its_gpu_share_and_every_model_the_backend(tmp_path):
+    import yaml
+
+    from bench.throughput import _base_config
+
+    raw = _base_config(placement.ROOT / "engines", placement.BASE)
+    raw.update(deployment={"mode": "pool"})
+    (tmp_path / "engines" / "m00" / "1").mkdir(parents=True)
+    (tmp_path / "engines" / "m00" / "config.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "engines" / "m00" / "1" / "model.onnx").symlink_to(
+        placement.ROOT / "engines" / placement.BASE / "1" / "model.onnx")
+    path = placement.write_config(tmp_path, tmp_path / "engines", "bytes", 4, 100 * 2**20, 30, 8123, 8124,
+                                  gpu_fraction=0.2, backend="onnxruntime_cuda")
+    args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+    assert args["backend"] == "onnxruntime_cuda"
+    assert args["pool"]["num_gpus"] == 0.2 and args["pool"]["num_replicas"] == 4
+    assert args["pool"]["placement"] == "bytes" and args["pool"]["memory_budget_mib"] == 100.0
+    cpu = yaml.safe_load(placement.write_config(tmp_path, tmp_path / "engines", "hash", 4, 2**20, 30, 1, 2)
+                         .read_text())["applications"][0]["args"]
+    assert cpu["pool"]["num_gpus"] == 0 and cpu["backend"] == "auto"  # the file's own
