@@ -8,7 +8,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | embed | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard
+#   tests | embed | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -78,5 +78,7 @@ case "$1" in
       --rounds 5 --requests 30 --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -12 ;;
   dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
       --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
+  placement) cd /tmp/w && timeout 560 python3 -m bench.placement --policies hash,bytes --clients 16,64 --no-shift-kill \
+      --models 48 --warmup-s 20 --duration-s 30 --gpu-fraction 0.2 --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

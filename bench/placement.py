@@ -211,17 +211,53 @@ def compute_apps(timeout_s: float = 10.0) -> dict[int, int]:
     return parse_compute_apps(done.stdout) if done.returncode == 0 else {}
 
 
-def nvml_summary(most: dict[int, int], pool_pids: Iterable[int], budget_bytes: int, samples: int) -> dict[str, Any]:
+PRIME = ("import os, sys\n"
+         "from deployments.runtime.backends.onnxruntime_cuda import prime\n"
+         "prime()\n"
+         "print(os.getpid(), flush=True)\n"
+         "sys.stdin.read()\n")
+
+
+def primed_process_bytes(timeout_s: float = 120.0) -> int | None:
+    """NVML's bytes of a process that holds what a pool replica holds before any model: the
+    CUDA context and ONNX Runtime's CUDA provider primed (``onnxruntime_cuda.prime``), read
+    through ``nvidia-smi`` while it waits; None where that process fails or NVML does not list it."""
+    with subprocess.Popen([sys.executable, "-c", PRIME], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            line = proc.stdout.readline().strip()
+            deadline = time.monotonic() + min(timeout_s, 10.0)
+            while line.isdigit() and time.monotonic() < deadline:
+                used = compute_apps().get(int(line))
+                if used is not None:
+                    return used
+                time.sleep(0.5)
+            return None
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def nvml_summary(most: dict[int, int], pool_pids: Iterable[int], budget_bytes: int, samples: int,
+                 primed_bytes: int | None = None) -> dict[str, Any]:
     """The NVML figures of one point: ``most`` (pid -> the most GPU bytes seen of it) split into
     the pool replicas' (``pool_pids``) and the others', the most any pool replica held
     (``max_nvml_process_bytes``, None when none was seen) and that less ``budget_bytes``
-    (``max_nvml_over_budget_bytes``, 0 when under, None when none was seen)."""
+    (``max_nvml_over_budget_bytes``, 0 when under, None when none was seen); with
+    ``primed_bytes`` (``primed_process_bytes``) also the most less both
+    (``max_nvml_over_budget_less_primed_bytes``)."""
     pool = set(pool_pids)
     mine = {pid: b for pid, b in most.items() if pid in pool}
     top = max(mine.values()) if mine else None
+    less_primed = None if top is None or primed_bytes is None else max(0, top - primed_bytes - budget_bytes)
     return {"max_nvml_process_bytes": top,
             "max_nvml_over_budget_bytes": None if top is None else max(0, top - budget_bytes),
-            "nvml": {"samples": samples, "budget_bytes": budget_bytes,
+            "max_nvml_over_budget_less_primed_bytes": less_primed,
+            "nvml": {"samples": samples, "budget_bytes": budget_bytes, "primed_process_bytes": primed_bytes,
                      "pool_pid_bytes": {str(p): b for p, b in sorted(mine.items())},
                      "other_pid_bytes": {str(p): b for p, b in sorted(most.items()) if p not in pool},
                      "note": "per-process bytes: CUDA context and ONNX Runtime's arena beside the models"}}
@@ -475,8 +511,8 @@ class GpuWatch:
         for pid, used in apps.items():
             self.most[pid] = max(self.most.get(pid, 0), used)
 
-    def summary(self, budget_bytes: int) -> dict[str, Any]:
-        return nvml_summary(self.most, self.pool_pids, budget_bytes, self.samples)
+    def summary(self, budget_bytes: int, primed_bytes: int | None = None) -> dict[str, Any]:
+        return nvml_summary(self.most, self.pool_pids, budget_bytes, self.samples, primed_bytes)
 
     def _run(self) -> None:
         while True:
@@ -561,6 +597,8 @@ class Bench:
 
         self.args, self.repository, self.footprints = args, repository, footprints
         self.budget_bytes, self.scratch = budget_bytes, scratch
+        # what a pool replica holds on the GPU before any model (NVML's figure counts it)
+        self.primed_bytes = primed_process_bytes() if args.gpu_fraction and backend == "onnxruntime_cuda" else None
         self.names = list(footprints)
         self.max_models = max(1, round(args.budget_fraction * len(self.names)))  # the anchor's count cap
         x = np.random.default_rng(0).random((1, 3, 48, 192), dtype=np.float32)
@@ -673,7 +711,8 @@ class Bench:
                                              for r, mem in watch.memory.items()}
             result["max_resident_over_budget_bytes"] = max(result["max_resident_over_budget_bytes"], watch.over_bytes)
         if a.gpu_fraction:
-            result.update(gpu.summary(self.budget_bytes), max_gpu_over_baseline_over_budget_bytes=watch.gpu_over_bytes)
+            result.update(gpu.summary(self.budget_bytes, self.primed_bytes),
+                          max_gpu_over_baseline_over_budget_bytes=watch.gpu_over_bytes)
         return result
 
     async def _shift_and_kill(self, load: Load, watch: Watch, proc: subprocess.Popen) -> dict[str, Any]:
@@ -746,13 +785,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.gpu_fraction and "multiplexed" in a.policies.split(","):
             print("multiplexed: the anchor loads ONNX Runtime CPU sessions, not on the GPU", file=sys.stderr, flush=True)
         bench = Bench(a, repository, footprints, budget, scratch, backend)
-        rows = [r for policy in a.policies.split(",") for r in bench.policy(policy)]
-    meta = {"command": " ".join(["python -m bench.placement", *(argv if argv is not None else sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "load_average": os.getloadavg(), "wall_s": round(time.monotonic() - started),
-            "footprints_planned": sorted(set(footprints.values())), "footprint_backend": backend,
-            "gpu_fraction": a.gpu_fraction, "verdict": verdict(rows)}
-    a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        rows: list[dict[str, Any]] = []
+        policies = a.policies.split(",")
+        for k, policy in enumerate(policies):
+            rows += bench.policy(policy)
+            # written after each policy, so a run stopped by a time limit keeps what it measured
+            meta = {"command": " ".join(["python -m bench.placement", *(argv if argv is not None else sys.argv[1:])]),
+                    "date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                    "load_average": os.getloadavg(), "wall_s": round(time.monotonic() - started),
+                    "footprints_planned": sorted(set(footprints.values())), "footprint_backend": backend,
+                    "gpu_fraction": a.gpu_fraction, "verdict": verdict(rows),
+                    **({"partial": f"{k + 1} of {len(policies)} policies"} if k + 1 < len(policies) else {})}
+            a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(json.dumps(meta, indent=1))
     return 0
 

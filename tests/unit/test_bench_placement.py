@@ -180,6 +180,17 @@ if [ "$n" = 0 ]; then printf '10, 600\\n11, 500\\n99, 9000\\n'; else printf '10,
     assert summary["nvml"]["other_pid_bytes"] == {"99": 9000 * 2**20}
     assert summary["nvml"]["samples"] == 2 and summary["nvml"]["budget_bytes"] == 650 * 2**20
     assert nvml_summary({10: 100}, [10], 650 * 2**20, 1)["max_nvml_over_budget_bytes"] == 0
+    assert summary["max_nvml_over_budget_less_primed_bytes"] is None  # no primed figure given
+    primed = gpu.summary(650 * 2**20, primed_bytes=30 * 2**20)
+    assert primed["max_nvml_over_budget_less_primed_bytes"] == 20 * 2**20
+    assert primed["nvml"]["primed_process_bytes"] == 30 * 2**20
+    assert gpu.summary(650 * 2**20, primed_bytes=60 * 2**20)["max_nvml_over_budget_less_primed_bytes"] == 0
+
+
+def test_without_a_cuda_provider_the_primed_process_figure_is_none(monkeypatch):
+    """The process that primes ONNX Runtime's CUDA provider fails here (no GPU): no figure, no hang."""
+    monkeypatch.setattr(placement.shutil, "which", lambda name: None)
+    assert placement.primed_process_bytes(timeout_s=60) is None
 
 
 def test_the_config_gives_each_pool_replica_its_gpu_share_and_every_model_the_backend(tmp_path):
