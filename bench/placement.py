@@ -47,7 +47,9 @@ answers are checked within TF32's tolerance. Beside the cache's accounting, ever
 warm-up included) and ``max_nvml_over_budget_bytes`` (that less the budget, 0 when under). NVML
 counts the whole process: its CUDA context (about 0.5 GB on an H200) and ONNX Runtime's arena
 beside the models, so the raw figure and the budget are both in the row (``nvml``: each pid's
-most, the pool's and the others') for a reader to judge; ``max_gpu_over_baseline_over_budget_bytes``
+most, the pool's and the others') for a reader to judge, with NVML's bytes of a process that
+primed the CUDA provider and holds no model (``primed_process_bytes``, measured once) and the
+most less both (``max_nvml_over_budget_less_primed_bytes``); ``max_gpu_over_baseline_over_budget_bytes``
 is the replicas' own reading of it less the bytes they held before any model (the cache's
 events, where the replica has ``nvidia-ml-py``; None where no event carried it).
 ``--no-shift-kill`` skips the shift and the kill without ``--quick``'s other defaults.
