@@ -51,7 +51,9 @@ most, the pool's and the others') for a reader to judge, with NVML's bytes of a 
 primed the CUDA provider and holds no model (``primed_process_bytes``, measured once) and the
 most less both (``max_nvml_over_budget_less_primed_bytes``); ``max_gpu_over_baseline_over_budget_bytes``
 is the replicas' own reading of it less the bytes they held before any model (the cache's
-events, where the replica has ``nvidia-ml-py``; None where no event carried it).
+events, where the replica has ``nvidia-ml-py``; None where no event carried it), and
+``replica_gpu_sources`` how the replicas read their GPU bytes (``device``: the whole GPU's,
+so their footprints measured while a neighbour loads count its bytes too).
 ``--no-shift-kill`` skips the shift and the kill without ``--quick``'s other defaults.
 
 ``--policies`` also takes ``multiplexed``: issue 31's anchor, Ray Serve's plain
@@ -433,6 +435,7 @@ class Watch:
         self.counters: dict[str, dict[str, float]] = {}  # the last reading's, per replica
         self.placement: dict[str, Any] = {}  # the last placement a replica showed (bytes only)
         self.gpu_over_bytes: int | None = None  # gpu_over_budget_bytes' most; None until one is seen
+        self.gpu_sources: set[str] = set()  # the events' gpu_source: nvml-process, or device (other processes in it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -455,6 +458,7 @@ class Watch:
                 self.placement = pool["placement"]
             self.over_bytes = max(self.over_bytes, over_budget_bytes(pool))
             gpu_over = gpu_over_budget_bytes(pool)
+            self.gpu_sources.update(e["gpu_source"] for e in pool.get("events", ()) if e.get("gpu_source"))
             if gpu_over is not None:
                 self.gpu_over_bytes = max(self.gpu_over_bytes or 0, gpu_over)
         return total
@@ -714,7 +718,8 @@ class Bench:
             result["max_resident_over_budget_bytes"] = max(result["max_resident_over_budget_bytes"], watch.over_bytes)
         if a.gpu_fraction:
             result.update(gpu.summary(self.budget_bytes, self.primed_bytes),
-                          max_gpu_over_baseline_over_budget_bytes=watch.gpu_over_bytes)
+                          max_gpu_over_baseline_over_budget_bytes=watch.gpu_over_bytes,
+                          replica_gpu_sources=sorted(watch.gpu_sources))
         return result
 
     async def _shift_and_kill(self, load: Load, watch: Watch, proc: subprocess.Popen) -> dict[str, Any]:
