@@ -72,15 +72,17 @@ def latencies_ms(client: Any, module: Any, model: str, n: int, warmup: int = 20)
     return timed_ms(lambda: client.infer(model, inputs), n, warmup)
 
 
-def in_process_ms(repository: str, model: str, n: int) -> list[float]:
+def in_process_ms(repository: str, model: str, n: int, inputs: dict[str, np.ndarray] | None = None,
+                  backend: str = "auto") -> list[float]:
     """``n`` sequential latencies (ms) of ``ModelHost.infer`` on ``model``'s engine, loaded in
-    this process (its input validation included, as a replica runs it)."""
+    this process on ``backend`` (its input validation included, as a replica runs it);
+    ``inputs``: name -> array (default: ``CASES[model]``'s)."""
     from deployments.runtime.contract.repository import ModelRepository
     from deployments.runtime.residency.host import ModelHost
 
-    host = ModelHost(ModelRepository(repository).get(model)).load()
+    host = ModelHost(ModelRepository(repository).get(model), backend).load()
     try:
-        inputs = {name: x for name, x, _ in CASES[model]}
+        inputs = inputs if inputs is not None else {name: x for name, x, _ in CASES[model]}
         return timed_ms(lambda: host.infer(inputs), n)
     finally:
         host.unload()
@@ -99,10 +101,16 @@ def _http_body(model: str) -> tuple[bytes, dict[str, str]]:
 
 def _grpc_request(model: str) -> Any:
     """The ``ModelInferRequest`` ``tritonclient.grpc`` sends for ``model``'s case (raw contents)."""
+    return infer_request(model, CASES[model])
+
+
+def infer_request(model: str, tensors: Sequence[tuple[str, np.ndarray, str]]) -> Any:
+    """A ``ModelInferRequest`` for ``model`` with ``tensors`` (name, array, KServe datatype) as
+    raw contents, as ``tritonclient.grpc`` sends them."""
     from tritonclient.grpc import service_pb2 as pb
 
     request = pb.ModelInferRequest(model_name=model)
-    for name, x, datatype in CASES[model]:
+    for name, x, datatype in tensors:
         request.inputs.add(name=name, datatype=datatype, shape=list(x.shape))
         request.raw_input_contents.append(np.ascontiguousarray(x).tobytes())
     return request

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -70,38 +70,52 @@ class Expected:
         """What is wrong with a 200 answer's ``body`` (None: nothing); ``compare``: check the
         values too."""
         from tritonclient.http import InferResult
-        from tritonclient.utils import triton_to_np_dtype
 
         length = headers.get(HEADER_LENGTH)
         try:
             result = InferResult.from_response_body(body, header_length=int(length) if length else None)
             described = {o["name"]: o for o in result.get_response().get("outputs", [])}
-            for name, (datatype, shape) in self.outputs.items():
+            for name in self.outputs:
                 out = described.get(name)
                 if out is None:
                     return f"no output {name!r} (answered: {sorted(described)})"
-                if out.get("datatype") != datatype or tuple(out.get("shape", ())) != shape:
-                    return (f"output {name!r} is {out.get('datatype')} {out.get('shape')}, "
-                            f"expected {datatype} {list(shape)}")
-                size = (out.get("parameters") or {}).get("binary_data_size")
-                if datatype != "BYTES" and size is not None:
-                    want = int(np.prod(shape)) * np.dtype(triton_to_np_dtype(datatype)).itemsize
-                    if size != want:
-                        return f"output {name!r} carries {size} bytes, expected {want}"
-                array = result.as_numpy(name)
-                if array is None or array.shape != shape:
-                    got = None if array is None else list(array.shape)
-                    return f"output {name!r} carries data of shape {got}, expected {list(shape)}"
-                reference = self.values.get(name)
-                if compare and reference is not None:
-                    if datatype == "BYTES":
-                        same = [bytes(a) for a in array.ravel()] == [bytes(b) for b in reference.ravel()]
-                    else:
-                        same = np.allclose(array, reference, rtol=self.rtol, atol=self.atol)
-                    if not same:
-                        return f"output {name!r} differs from the reference"
+                problem = self.output_problem(name, out.get("datatype"), out.get("shape", ()),
+                                              (out.get("parameters") or {}).get("binary_data_size"),
+                                              lambda: result.as_numpy(name), compare)
+                if problem is not None:
+                    return problem
         except Exception as e:  # an answer the client cannot parse is a wrong answer
             return f"unparseable answer ({type(e).__name__}: {e})"
+        return None
+
+    def output_problem(self, name: str, datatype: str | None, shape: Sequence[int], size: int | None,
+                       array_of: Callable[[], np.ndarray | None], compare: bool) -> str | None:
+        """What is wrong with output ``name`` as an answer describes it (``datatype``, ``shape``,
+        ``size``: the bytes it says it carries, None: unsaid) and carries it (``array_of()``:
+        its data, read only once the description is right); None: nothing. ``compare``: check
+        the values too. Any protocol's answer (HTTP, gRPC raw contents, shared memory) is
+        checked here."""
+        from tritonclient.utils import triton_to_np_dtype
+
+        want_datatype, want_shape = self.outputs[name]
+        if datatype != want_datatype or tuple(shape) != want_shape:
+            return f"output {name!r} is {datatype} {list(shape)}, expected {want_datatype} {list(want_shape)}"
+        if datatype != "BYTES" and size is not None:
+            want = int(np.prod(want_shape)) * np.dtype(triton_to_np_dtype(datatype)).itemsize
+            if size != want:
+                return f"output {name!r} carries {size} bytes, expected {want}"
+        array = array_of()
+        if array is None or array.shape != want_shape:
+            got = None if array is None else list(array.shape)
+            return f"output {name!r} carries data of shape {got}, expected {list(want_shape)}"
+        reference = self.values.get(name)
+        if compare and reference is not None:
+            if datatype == "BYTES":
+                same = [bytes(a) for a in array.ravel()] == [bytes(b) for b in reference.ravel()]
+            else:
+                same = np.allclose(array, reference, rtol=self.rtol, atol=self.atol)
+            if not same:
+                return f"output {name!r} differs from the reference"
         return None
 
 
@@ -189,6 +203,17 @@ class _Samples:
     errors: dict[str, int] = field(default_factory=dict)
     examples: dict[str, str] = field(default_factory=dict)
 
+    def add(self, sent: float, done: float, status: str, answer: bytes, start: float, stop: float) -> None:
+        """One answer (``status`` "200": a good one) sent at ``sent``, completed at ``done``
+        (``time.perf_counter``), counted if it completed in the window ``[start, stop]``."""
+        if start <= done <= stop:  # completed in the window (sent before it, too, under a long queue)
+            if status == "200":
+                self.latencies_s.append(done - sent)
+            else:
+                self.errors[status] = self.errors.get(status, 0) + 1
+                if status not in self.examples and status.isdigit():
+                    self.examples[status] = answer[:500].decode(errors="replace")
+
 
 async def _worker(session, workload: Workload, start: float, stop: float, samples: _Samples,
                   first: int = 0) -> None:
@@ -220,13 +245,7 @@ async def _worker(session, workload: Workload, start: float, stop: float, sample
             status = type(e).__name__
         answers += 1
         done = time.perf_counter()
-        if start <= done <= stop:  # completed in the window (sent before it, too, under a long queue)
-            if status == "200":
-                samples.latencies_s.append(done - sent)
-            else:
-                samples.errors[status] = samples.errors.get(status, 0) + 1
-                if status not in samples.examples and status.isdigit():
-                    samples.examples[status] = answer[:500].decode(errors="replace")
+        samples.add(sent, done, status, answer, start, stop)
         if retry_after_s is not None:  # a polite client waits as told (never past the window)
             await asyncio.sleep(max(0.0, min(retry_after_s, stop - done)))
 
@@ -277,11 +296,15 @@ def split_clients(concurrency: int, parts: int) -> list[int]:
 
 
 def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s: float = 2.0,
-        processes: int = 1) -> list[Result]:
+        processes: int = 1, runner: Callable[[tuple], list[_Samples]] = _run_in_process) -> list[Result]:
     """Run every ``(workload, concurrency)`` at once; one ``Result`` per workload.
 
     ``processes > 1``: each workload's workers are split across that many client processes
-    (a workload with fewer workers than processes uses fewer).
+    (a workload with fewer workers than processes uses fewer). ``runner``: what each client
+    process runs, ``runner((share, warmup_s, duration_s))`` -> one ``_Samples`` per workload of
+    ``share`` (its ``(workload, clients)``); the default sends ``Workload``s over HTTP, another
+    protocol brings its own (a module-level function: it crosses to spawned processes) with
+    workloads of its own kind (anything with a ``label``).
     """
     processes = max(1, processes)
     splits = [split_clients(c, processes) for _, c in plan]
@@ -291,26 +314,29 @@ def run(plan: Sequence[tuple[Workload, int]], duration_s: float = 10.0, warmup_s
         if any(c for _, c in share):
             shares.append(share)
     if len(shares) == 1:
-        parts = [_run_in_process((shares[0], warmup_s, duration_s))]
+        parts = [runner((shares[0], warmup_s, duration_s))]
     else:
         with multiprocessing.get_context("spawn").Pool(len(shares)) as pool:
-            parts = pool.map(_run_in_process, [(s, warmup_s, duration_s) for s in shares])
-    results = []
-    for i, (workload, concurrency) in enumerate(plan):
-        latencies = np.array([x for part in parts for x in part[i].latencies_s])
-        errors: dict[str, int] = {}
-        examples: dict[str, str] = {}
-        for part in parts:
-            for status, n in part[i].errors.items():
-                errors[status] = errors.get(status, 0) + n
-            examples = {**part[i].examples, **examples}
-        results.append(Result(
-            label=workload.label, concurrency=concurrency, duration_s=duration_s,
-            requests=int(latencies.size), errors=sum(errors.values()),
-            qps=round(latencies.size / duration_s, 2), p50_ms=_percentile_ms(latencies, 50),
-            p90_ms=_percentile_ms(latencies, 90), p99_ms=_percentile_ms(latencies, 99),
-            error_statuses=errors, error_examples=examples))
-    return results
+            parts = pool.map(runner, [(s, warmup_s, duration_s) for s in shares])
+    return [merge(workload.label, concurrency, duration_s, [part[i] for part in parts])
+            for i, (workload, concurrency) in enumerate(plan)]
+
+
+def merge(label: str, concurrency: int, duration_s: float, parts: Sequence[_Samples]) -> Result:
+    """One ``Result`` of the samples of one workload's client processes."""
+    latencies = np.array([x for part in parts for x in part.latencies_s])
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for part in parts:
+        for status, n in part.errors.items():
+            errors[status] = errors.get(status, 0) + n
+        examples = {**part.examples, **examples}
+    return Result(
+        label=label, concurrency=concurrency, duration_s=duration_s,
+        requests=int(latencies.size), errors=sum(errors.values()),
+        qps=round(latencies.size / duration_s, 2), p50_ms=_percentile_ms(latencies, 50),
+        p90_ms=_percentile_ms(latencies, 90), p99_ms=_percentile_ms(latencies, 99),
+        error_statuses=errors, error_examples=examples)
 
 
 def sweep(workload: Workload, levels: Sequence[int] = SWEEP, duration_s: float = 10.0,

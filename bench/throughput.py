@@ -242,6 +242,8 @@ def _serve_ray(args: argparse.Namespace) -> None:
         app_args.setdefault("backend", args.backend)
         if args.models:
             app_args["models"] = args.models.split(",")
+        if args.grpc_port:
+            app_args["grpc_port"] = args.grpc_port
         # the router's, and each dedicated model's at /v2/models/<name> (--two-hop: no prefix)
         run_applications(app_args, "models", "/", one_hop=not args.two_hop)
         if args.echo:
@@ -338,12 +340,13 @@ class Server:
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
                  models: Sequence[str] = (), direct: Sequence[str] = (),
                  app_args: dict[str, Any] | None = None, backend: str = "auto", echo: bool = False,
-                 one_hop: bool = True) -> None:
+                 one_hop: bool = True, grpc_port: int | None = None) -> None:
         """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
         instead of ``repository`` with ``replicas`` router replicas. ``echo``: also serve the
         echo ceiling at ``/echo`` with ``replicas`` replicas (Ray only). ``one_hop`` False: the
         dedicated models' applications get no route prefix, so the router answers their routes
-        and calls them through its handles (the path before one hop; Ray only)."""
+        and calls them through its handles (the path before one hop; Ray only). ``grpc_port``:
+        the port of the router replicas' gRPC front door (Ray only; default the app's, 8001)."""
         self.kind, self.ray_config = kind, ray_config
         self.echo = echo and kind == "ray"
         self.port = free_port()
@@ -357,6 +360,7 @@ class Server:
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
             cmd += ["--echo"] if echo else []
             cmd += [] if one_hop else ["--two-hop"]
+            cmd += ["--grpc-port", str(grpc_port)] if grpc_port else []
             # The cluster's environment set before the server's Python starts, as ``make serve``
             # does: Ray Serve reads some of it once, when imported (the transport of the handles
             # the server process makes).
@@ -993,6 +997,7 @@ def main(argv: Sequence[str]) -> None:
         p.add_argument("--backend", default="auto")
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)
+        p.add_argument("--grpc-port", type=int)
         p.add_argument("--echo", action="store_true")
         p.add_argument("--two-hop", action="store_true")
         _serve_ray(p.parse_args(argv[1:]))
