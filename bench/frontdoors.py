@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import yaml
 
 from bench import echo
 from bench.grpc_latency import in_process_ms, infer_request, session_cpu_s
@@ -342,9 +343,8 @@ class FrontDoors:
         self.model_file = Path(args.repository) / MODEL / "1" / "model.onnx"
         self.expected = expected_from_onnx(str(self.model_file), self.x, rtol=args.tolerance, atol=args.tolerance,
                                            sample_every=args.check_every)
-        import onnx
-
-        self.input_name = onnx.load(str(self.model_file), load_external_data=False).graph.input[0].name
+        config = yaml.safe_load((Path(args.repository) / MODEL / "config.yaml").read_text())
+        self.input_name = config["inputs"][0]["name"]
         self.results: dict[str, Any] = {"meta": meta(args), "in_process": None, "points": [], "added_latency": []}
         args.out.mkdir(parents=True, exist_ok=True)
         self.stem = args.out / f"frontdoors-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -457,7 +457,8 @@ def markdown(results: dict[str, Any]) -> str:
     meta_ = results["meta"]
     out = [f"# Front doors: {MODEL} through HTTP binary, gRPC raw, system shared memory\n",
            f"`{meta_['command']}`, {meta_['date']}, {meta_['machine']} ({meta_['cpus']} CPUs), Ray {meta_['ray']}, "
-           f"ONNX Runtime {meta_['onnxruntime']}, backend {meta_['backend']}, gpu fraction {meta_['gpu_fraction']}, "
+           f"ONNX Runtime {meta_['onnxruntime']}, backend {meta_['backend']} ({meta_['backend_here']} in the "
+           f"benchmark's process), gpu fraction {meta_['gpu_fraction']}, "
            f"window {meta_['duration_s']} s after {meta_['warmup_s']} s, {meta_['processes']} client processes, "
            f"values checked on every {meta_['check_every']}th answer within {meta_['tolerance']}\n",
            "QPS: good answers per second in the window; p50/p99 ms: their latency; errors: answers other "
@@ -512,10 +513,13 @@ def meta(a: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime
     import ray
 
+    from deployments.runtime.backends.select import resolve_backend
+
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     return {"command": a.command, "machine": cpu, "cpus": os.cpu_count(), "ray": ray.__version__,
             "onnxruntime": onnxruntime.__version__, "python": platform.python_version(), "backend": a.backend,
+            "backend_here": resolve_backend(a.backend),
             "gpu_fraction": a.gpu_fraction, "duration_s": a.duration_s, "warmup_s": a.warmup_s,
             "processes": a.processes, "tolerance": a.tolerance, "check_every": a.check_every,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -578,8 +582,8 @@ def main(argv: Sequence[str]) -> None:
         try:
             plot(bench.results, bench.stem.with_suffix(".png"))
             png = ", .png"
-        except ImportError as e:
-            png = f" (no plot: {e})"
+        except Exception as e:  # matplotlib missing, or no point measured: the tables stand without it
+            png = f" (no plot: {type(e).__name__}: {e})"
         print(markdown(bench.results))
         print(f"wrote {bench.stem}.json, .md{png}", file=sys.stderr)
 

@@ -8,7 +8,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | embed | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
+#   tests | embed | frontdoors | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -42,6 +42,9 @@ case "$1" in
   embed) cd /tmp/w && python3 -m bench.embed --clients 1,16,64,256 --gpu-fraction 0.25 \
       --variants ${VARIANTS:-unbatched,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 \
       --out "$OUT/embed.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
+  frontdoors) cd /tmp/w && python3 -m bench.frontdoors --gpu-fraction ${GPU_FRACTION:-0.04} --replicas ${REPLICAS:-1,8} \
+      --clients ${CLIENTS:-1,16,64,256} --variants ${VARIANTS:-unbatched,padded,echo} --protocols ${PROTOCOLS:-http,grpc,shm} \
+      $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -90 ;;
   firstclient) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18,tiny_cnn \
       --batched resnet18,tiny_cnn --padded --preferred-batch-size 8 --batch-levels 1,16,64 --gpu-fraction 0.1 \
       $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
