@@ -52,6 +52,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -293,8 +294,15 @@ async def _clients(target: Target, clients: int, warmup_s: float, duration_s: fl
                 await shared.close(session, target.http_url)
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _run_share(args: tuple[list[tuple[Target, int]], float, float]) -> list[_Samples]:
-    """``bench.loadgen.run``'s runner for gRPC and shared-memory targets (one client process)."""
+    """``bench.loadgen.run``'s runner for gRPC and shared-memory targets (one client process).
+    A SIGTERM (the pool's ``terminate`` on an interrupted run) unwinds it as Ctrl-C does, so
+    its regions are unregistered and destroyed."""
+    signal.signal(signal.SIGTERM, _interrupted)
     share, warmup_s, duration_s = args
     return [asyncio.run(_clients(target, clients, warmup_s, duration_s)) for target, clients in share]
 
@@ -567,6 +575,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> None:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM (e.g. `timeout`) stops the servers too
     os.environ["ORT_INTRA_OP_THREADS"] = "1"  # as bench.throughput: replicas, not ORT's threads, scale
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     bench = FrontDoors(a)
