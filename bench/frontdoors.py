@@ -34,7 +34,8 @@ status (gRPC: ``grpc <CODE>``), ``of echo`` (QPS / the echo's at the same k and 
 the server's CPU ms per request (every process of the server's session: Ray, HAProxy, replicas;
 CPU over the whole run / (QPS x (warm-up + window)): approximate, idle use included). Per k, at
 one client: the p50 of each protocol (unbatched) less the p50 of the model's ``ModelHost``
-called in this process on the same backend (``bench.grpc_latency.in_process_ms``).
+called in this process on the same backend (``bench.grpc_latency.in_process_ms``), measured
+beside the idle server just before its points.
 
 Results (``--out``): ``frontdoors-<time>.json`` (rewritten after every point), ``.md`` (the
 tables) and ``.png`` (QPS by clients, one panel per k; where matplotlib is importable).
@@ -353,7 +354,7 @@ class FrontDoors:
                                            sample_every=args.check_every)
         config = yaml.safe_load((Path(args.repository) / MODEL / "config.yaml").read_text())
         self.input_name = config["inputs"][0]["name"]
-        self.results: dict[str, Any] = {"meta": meta(args), "in_process": None, "points": [], "added_latency": []}
+        self.results: dict[str, Any] = {"meta": meta(args), "in_process": [], "points": [], "added_latency": []}
         args.out.mkdir(parents=True, exist_ok=True)
         self.stem = args.out / f"frontdoors-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -361,14 +362,15 @@ class FrontDoors:
         self.stem.with_suffix(".json").write_text(json.dumps(self.results, indent=2))
         self.stem.with_suffix(".md").write_text(markdown(self.results))
 
-    def in_process(self, repository: Path) -> None:
-        """p50/p99 of ``ModelHost.infer`` in this process, on the servers' backend."""
+    def in_process(self, repository: Path, replicas: int) -> None:
+        """p50/p99 of ``ModelHost.infer`` in this process, on the servers' backend, beside the
+        idle server of ``replicas`` replicas (the conditions of its one-client points)."""
         times = in_process_ms(str(repository), MODEL, self.args.in_process_requests, {self.input_name: self.x},
                               self.args.backend)
-        self.results["in_process"] = {"p50_ms": round(statistics.median(times), 3),
-                                      "p99_ms": round(float(np.percentile(times, 99)), 3),
-                                      "requests": len(times), "backend": self.args.backend}
-        print(f"in-process {MODEL}: p50 {self.results['in_process']['p50_ms']} ms", flush=True)
+        row = {"replicas": replicas, "p50_ms": round(statistics.median(times), 3),
+               "p99_ms": round(float(np.percentile(times, 99)), 3), "requests": len(times)}
+        self.results["in_process"].append(row)
+        print(f"k={replicas} in-process {MODEL}: p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms", flush=True)
         self.save()
 
     def serve(self, scratch: Path, replicas: int) -> tuple[Server, int]:
@@ -427,7 +429,7 @@ class FrontDoors:
 
     def added_latency(self, replicas: int) -> None:
         """One row: p50 at one client (unbatched) of each protocol, less the in-process call's."""
-        base = (self.results["in_process"] or {}).get("p50_ms")
+        base = next((r["p50_ms"] for r in self.results["in_process"] if r["replicas"] == replicas), None)
         p50 = {p["protocol"]: p.get("p50_ms") for p in self.results["points"]
                if (p["replicas"], p["variant"], p["clients"]) == (replicas, "unbatched", 1)}
         if not p50:
@@ -449,6 +451,12 @@ class FrontDoors:
         server, grpc_port = self.serve(scratch, replicas)
         with server:
             print(f"k={replicas}: server up in {time.monotonic() - began:.0f} s", flush=True)
+            if {"unbatched", "padded"} & set(a.variants) and 1 in a.clients:
+                try:
+                    self.in_process(prepare_repository(scratch / f"engines-floor-{replicas}", Path(a.repository),
+                                                       [MODEL], [], 1, 0), replicas)
+                except Exception as e:  # the points go on without their floor
+                    print(f"k={replicas} in-process FAILED {type(e).__name__}: {e}"[:500], flush=True)
             for variant in a.variants:
                 for protocol in (("http",) if variant == "echo" else a.protocols):
                     for clients in a.clients:
@@ -581,8 +589,6 @@ def main(argv: Sequence[str]) -> None:
     bench = FrontDoors(a)
     scratch = Path(tempfile.mkdtemp(prefix="bench-frontdoors-"))
     try:
-        if {"unbatched", "padded"} & set(a.variants):
-            bench.in_process(prepare_repository(scratch / "engines-floor", Path(a.repository), [MODEL], [], 1, 0))
         for replicas in a.replicas:
             bench.run_replicas(scratch, replicas)
     finally:
