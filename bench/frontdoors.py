@@ -29,13 +29,15 @@ output for the same input, computed in this process on the CPU (``--tolerance``,
 where the server runs on the CPU, 1e-2 on a GPU, where cuDNN and TF32 differ); the echo's fixed
 answer likewise. A wrong answer counts as an error (``wrong answer: ...``), never as a success.
 
-Per point: QPS over ``--duration-s`` after ``--warmup-s``, p50/p99 of the good answers, errors by
-status (gRPC: ``grpc <CODE>``), ``of echo`` (QPS / the echo's at the same k and clients), and
-the server's CPU ms per request (every process of the server's session: Ray, HAProxy, replicas;
-CPU over the whole run / (QPS x (warm-up + window)): approximate, idle use included). Per k, at
-one client: the p50 of each protocol (unbatched) less the p50 of the model's ``ModelHost``
-called in this process on the same backend (``bench.grpc_latency.in_process_ms``), measured
-beside the idle server just before its points.
+Per point: QPS over ``--duration-s`` after ``--warmup-s``, p50/p99 of the good answers, errors
+by status (gRPC: ``grpc <CODE>``; a request shed with a retry-after, HTTP 503 or gRPC
+UNAVAILABLE, makes its client wait that long, as ``bench.loadgen``'s clients do), ``of echo``
+(QPS / the echo's at the same k and clients), and the server's CPU ms per request (every process
+of the server's session: Ray, HAProxy, replicas; CPU over the whole run / (QPS x (warm-up +
+window)): approximate, idle use included). Per k, at one client: the p50 of each protocol
+(unbatched) less the p50 of the model's ``ModelHost`` called in this process on the same
+backend (``bench.grpc_latency.in_process_ms``), measured beside the idle server just before its
+points.
 
 Results (``--out``): ``frontdoors-<time>.json`` (rewritten after every point), ``.md`` (the
 tables) and ``.png`` (QPS by clients, one panel per k; where matplotlib is importable).
@@ -68,7 +70,7 @@ import yaml
 
 from bench import echo
 from bench.grpc_latency import in_process_ms, infer_request, session_cpu_s
-from bench.loadgen import Expected, _Samples, expected_from_onnx, make_workload, run
+from bench.loadgen import Expected, _Samples, expected_from_onnx, is_shed, make_workload, run
 from bench.throughput import (PADDED_SUFFIX, ROOT, SHAPES, Server, _ints, _ratio, _table, free_port,
                               prepare_repository)
 
@@ -140,13 +142,16 @@ class GrpcClient:
     async def setup(self) -> None:
         pass
 
-    async def send(self, compare: bool) -> tuple[str, bytes]:
+    async def send(self, compare: bool) -> tuple[str, bytes, float | None]:
+        """(status, body of an error, seconds to wait before the next: a shed request's
+        ``retry-after``, else None)."""
         try:
             response = await self.stub.ModelInfer(self.request)
         except self.grpc.aio.AioRpcError as e:
-            return f"grpc {e.code().name}", (e.details() or "").encode()
+            retry = dict(e.trailing_metadata() or ()).get("retry-after")
+            return f"grpc {e.code().name}", (e.details() or "").encode(), float(retry) if retry else None
         problem = grpc_problem(response, self.target.expected, compare)
-        return (OK, b"") if problem is None else (f"wrong answer: {problem}", b"")
+        return (OK, b"", None) if problem is None else (f"wrong answer: {problem}", b"", None)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -217,19 +222,25 @@ class ShmClient:
             await self.input.register(self.session, self.target.http_url)
         await self.output.register(self.session, self.target.http_url)
 
-    async def send(self, compare: bool) -> tuple[str, bytes]:
+    async def send(self, compare: bool) -> tuple[str, bytes, float | None]:
+        """(status, body of an error, seconds to wait before the next: a shed request's
+        ``Retry-After``, as ``bench.loadgen``'s clients wait, else None)."""
         self.output.shm.set_shared_memory_region(self.output.handle, [self.blank])
         try:
             async with self.session.post(self.url, data=self.body,
                                          headers={"Content-Type": "application/json"}) as answer:
                 body = await answer.read()
                 status = str(answer.status)
+                if status == "503" and is_shed(answer.headers, body):
+                    return status, body, float(answer.headers["Retry-After"])
         except (self.aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return type(e).__name__, b""
+            return type(e).__name__, b"", None
+        if status == "503":
+            return "503 without Retry-After or error body", body, None
         if status != OK:
-            return status, body
+            return status, body, None
         problem = self.problem(body, compare)
-        return (OK, b"") if problem is None else (f"wrong answer: {problem}", b"")
+        return (OK, b"", None) if problem is None else (f"wrong answer: {problem}", b"", None)
 
     def problem(self, body: bytes, compare: bool) -> str | None:
         """What is wrong with a 200 answer (its JSON, the output region); None: nothing."""
@@ -261,9 +272,12 @@ class ShmClient:
 async def _worker(client: Any, start: float, stop: float, samples: _Samples, check_every: int) -> None:
     answers = 0
     while (sent := time.perf_counter()) < stop:
-        status, answer = await client.send(answers % check_every == 0)
+        status, answer, retry_after_s = await client.send(answers % check_every == 0)
         answers += 1
-        samples.add(sent, time.perf_counter(), status, answer, start, stop)
+        done = time.perf_counter()
+        samples.add(sent, done, status, answer, start, stop)
+        if retry_after_s is not None:  # a polite client waits as told (never past the window)
+            await asyncio.sleep(max(0.0, min(retry_after_s, stop - done)))
 
 
 async def _clients(target: Target, clients: int, warmup_s: float, duration_s: float) -> _Samples:
@@ -516,8 +530,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot([p["clients"] for p in rows], [p["qps"] for p in rows], "--" if variant == "echo" else "-",
                     marker="o", label=f"{variant} {protocol}")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("clients")
-        ax.set_ylabel("QPS")
+        ax.set_ylabel("QPS (log)")
         ax.set_title(f"{MODEL}, {k} replica{'s' if k > 1 else ''}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
