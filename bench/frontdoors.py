@@ -605,7 +605,10 @@ def main(argv: Sequence[str]) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="bench-frontdoors-"))
     try:
         for replicas in a.replicas:
-            bench.run_replicas(scratch, replicas)
+            try:
+                bench.run_replicas(scratch, replicas)
+            except Exception as e:  # a server that did not start: the next replica count still runs
+                print(f"k={replicas} FAILED {type(e).__name__}: {e}"[:1000], flush=True)
     finally:
         bench.save()
         shutil.rmtree(scratch, ignore_errors=True)
