@@ -51,7 +51,7 @@ from bench import echo, stage_cpu
 from bench.replicas import CpuSampler, replica_pids
 from bench.throughput import RAY_CONFIGS, ROOT, SHAPES, Bench, Server, prepare_repository, write_results
 
-ORDER = ["header", "decode", "validate", "model", "encode", "metrics", "rest"]
+ORDER = ["header", "decode", "validate", "model", "encode", "metrics", "gc", "rest"]
 
 
 def py_spy() -> str:

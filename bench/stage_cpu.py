@@ -13,7 +13,9 @@ step), and counts their calls:
 - ``encode_response``, ``apply_classification``, ``parameters_of`` (**encode**);
 - the router observer's ``finished`` and ``add_phases``, the replica recorder's ``request`` and
   ``on_execution`` (**metrics**, their own calls; the context manager's enter and exit are not);
-- the echo's ``response_for`` (its answer; counts the echo's requests).
+- the echo's ``response_for`` (its answer; counts the echo's requests);
+- the cycle collector's runs (``gc.callbacks``: **gc**), wherever they fall (one that runs
+  inside a stage above counts as gc only).
 
 What no wrapper covers (uvicorn, Starlette, Serve's ingress, the event loop, the thread hop,
 reading the body and writing the answer, Ray's C++ threads) is the process's CPU from /proc less
@@ -24,6 +26,7 @@ these. Every 0.25 s each process writes its totals, ``{key: [calls, cpu_s]}``, t
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import threading
@@ -34,16 +37,17 @@ from typing import Any, Callable
 ENV = "BENCH_STAGE_CPU"
 _totals: dict[str, list[float]] = {}
 _lock = threading.Lock()
+_collections = threading.local()  # this thread's collections: start_s of the one running, cpu_s in all
 
 
 def _timed(key: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
+        start, collected = time.thread_time(), getattr(_collections, "cpu_s", 0.0)
         try:
             return fn(*args, **kwargs)
-        finally:
-            spent = time.thread_time() - start
+        finally:  # a collection that ran inside counts as gc, not as this stage
+            spent = time.thread_time() - start - (getattr(_collections, "cpu_s", 0.0) - collected)
             with _lock:
                 cell = _totals.setdefault(key, [0, 0.0])
                 cell[0] += 1
@@ -83,9 +87,23 @@ def install() -> None:
         pass
     else:
         _wrap(echo, "response_for", "echo_answer")
+    gc.callbacks.append(_collection)
     path = Path(folder) / f"{os.getpid()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_write_forever, args=(path,), daemon=True).start()
+
+
+def _collection(phase: str, info: dict[str, Any]) -> None:
+    """``gc.callbacks`` entry: the thread CPU of each collection, as the stage ``gc``."""
+    if phase == "start":
+        _collections.start_s = time.thread_time()
+        return
+    spent = time.thread_time() - getattr(_collections, "start_s", time.thread_time())
+    _collections.cpu_s = getattr(_collections, "cpu_s", 0.0) + spent
+    with _lock:
+        cell = _totals.setdefault("gc", [0, 0.0])
+        cell[0] += 1
+        cell[1] += spent
 
 
 def _write_forever(path: Path) -> None:
@@ -120,7 +138,7 @@ def stages_us(before: dict[str, list[float]], after: dict[str, list[float]], req
 
     decode = spent("join") + spent("tensor")
     per = {"header": spent("decode_body") - decode, "decode": decode, "validate": spent("validate"),
-           "model": spent("model"), "encode": spent("encode") + spent("echo_answer"), "metrics": spent("metrics")}
+           "model": spent("model"), "encode": spent("encode") + spent("echo_answer"), "metrics": spent("metrics"), "gc": spent("gc")}
     return {k: round(v * 1e6 / requests, 1) for k, v in per.items() if v > 0}
 
 
