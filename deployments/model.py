@@ -22,7 +22,7 @@ from .control import Desired, config_kept, first_sync, loaded_at_start, outcome,
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
-from .node import node_id
+from .node import freeze_start_heap, node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -37,6 +37,10 @@ from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
 
 logger = logging.getLogger("ray.serve")
+# An unbatched request of a model whose recent runs took at most this long runs on the event
+# loop (``ModelDeployment._runs_inline``): the hop to a worker thread and back cost a replica
+# more CPU than that (docs/performance.md, "A replica's CPU per request by stage").
+INLINE_RUN_S = float(os.environ.get("TRT_SERVE_INLINE_RUN_US", "200")) * 1e-6
 
 
 @serve.deployment
@@ -91,6 +95,7 @@ class ModelDeployment:
             lambda items, loaded: run_batch(self.host, items, self._policy, loaded), policy.max_rows, policy.wait_s,
             self.host.config.instances, self._batch_ran)
         await first_sync(self.routes.follower)  # routed only once it serves the current state
+        freeze_start_heap()
 
     @errors_as_values
     @observe_replica_infer(lambda self, *_: (self.host.name, self.host.version))
@@ -115,6 +120,8 @@ class ModelDeployment:
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
         if self._batched is None or device_io(inputs, outputs):  # CUDA shared memory runs where it lies
+            if self._runs_inline():
+                return self.host.infer(inputs, outputs)
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
         item = BatchItem.of(self.host.config, inputs, outputs, self._policy.sequence)
         if item.rows > self._batched.max_rows:  # a request over the batch size runs alone
@@ -122,6 +129,14 @@ class ModelDeployment:
         if self.recorder is not None:
             self.recorder.batch_member(item)
         return await self._batched.infer(item)
+
+    def _runs_inline(self) -> bool:
+        """Whether an unbatched request runs on the event loop, not in a worker thread: where the
+        model's recent runs took at most ``INLINE_RUN_S`` (``ModelHost.recent_run_s``), the hop
+        to a thread and back costs the replica more CPU than the run holds the loop, and where no
+        run is in flight, no context is taken, so the run's checkout cannot wait on the loop."""
+        recent = self.host.recent_run_s
+        return recent is not None and recent <= INLINE_RUN_S and self.host.in_flight == 0
 
     def _batch_ran(self, items: list[BatchItem], run: BatchRun, seconds: float) -> None:
         if self.recorder is not None:

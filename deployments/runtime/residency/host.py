@@ -22,6 +22,7 @@ from ..contract.validation import validate_request
 from .warmup import warmup_requests, warmup_shape
 
 logger = logging.getLogger(__name__)
+RECENT_WEIGHT = 0.1  # of each run in ``ModelHost.recent_run_s``: about the last 10 runs count
 
 
 class ModelHost:
@@ -43,6 +44,9 @@ class ModelHost:
     ``on_execution``, when set, is called after every successful run with
     ``(name, version, rows, run_s)``: axis-0 rows (1 for a model without a batch axis) and the
     run's seconds (``time.perf_counter``), in the thread that ran it; it must not raise.
+    ``recent_run_s`` is those seconds averaged over recent runs (exponentially, ``RECENT_WEIGHT``;
+    None before the first; warmups are not runs): what a caller weighs to run a request in its
+    own thread or hand it to another.
     Tensors with a ``reshape`` in the config run in the model's shape and are answered in the
     client's (``contract.reshape``): every run here, requests and warmups, goes through it.
     """
@@ -67,6 +71,7 @@ class ModelHost:
         self.load_ms: float | None = None  # engine and contexts, without the warmup runs
         self.warmup_ms = 0.0  # the config's warmup runs at the last load (``residency.warmup``)
         self.on_execution: Callable[[str, int, int, float], None] | None = None
+        self.recent_run_s: float | None = None  # ``run``'s engine call, recent runs weighted (None: no run yet)
         self._reshape = Reshape.of(self.config)
 
     @property
@@ -229,6 +234,9 @@ class ModelHost:
                 run_s = time.perf_counter() - start
             finally:
                 self._check_in([context])
+            # one float written under the GIL: a race between threads loses a sample, no more
+            last = self.recent_run_s
+            self.recent_run_s = run_s if last is None else last + RECENT_WEIGHT * (run_s - last)
             if self.on_execution is not None:
                 self.on_execution(self.name, self.version, _rows(self.config.max_batch_size, inputs), run_s)
         finally:
