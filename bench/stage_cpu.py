@@ -98,7 +98,10 @@ def _collection(phase: str, info: dict[str, Any]) -> None:
     if phase == "start":
         _collections.start_s = time.thread_time()
         return
-    spent = time.thread_time() - getattr(_collections, "start_s", time.thread_time())
+    start = getattr(_collections, "start_s", None)
+    if start is None:  # installed while a collection ran
+        return
+    spent = time.thread_time() - start
     _collections.cpu_s = getattr(_collections, "cpu_s", 0.0) + spent
     with _lock:
         cell = _totals.setdefault("gc", [0, 0.0])

@@ -36,3 +36,19 @@ def test_summary_takes_medians_and_outside_model_over_rounds():
     summary = replica_cpu.summarize(rounds)
     assert summary["qps"] == 100 and summary["cpu_us_per_request"] == 5000
     assert summary["outside_model_us"] == 1500 and summary["stages_us"] == {"model": 3500, "rest": 1000}
+
+
+def test_a_collection_inside_a_stage_counts_as_gc_not_as_the_stage(monkeypatch):
+    clock = iter([0.0, 1.0, 1.5, 4.0])  # stage starts; collection from 1.0 to 1.5 s; stage ends
+    monkeypatch.setattr(stage_cpu.time, "thread_time", lambda: next(clock))
+    stage_cpu._totals.clear()
+
+    def step() -> str:
+        stage_cpu._collection("start", {})
+        stage_cpu._collection("stop", {})
+        return "done"
+
+    assert stage_cpu._timed("probe", step)() == "done"
+    assert stage_cpu._totals == {"gc": [1, 0.5], "probe": [1, 3.5]}
+    stage_cpu._totals.clear()
+    assert stage_cpu.stages_us({}, {"gc": [1, 0.5], "model": [1, 0.25]}, 1000) == {"model": 250.0, "gc": 500.0}
