@@ -37,10 +37,6 @@ from .runtime.residency.host import ModelHost
 from .runtime.residency.predict import predict
 
 logger = logging.getLogger("ray.serve")
-# An unbatched request of a model whose recent runs took at most this long runs on the event
-# loop (``ModelDeployment._runs_inline``): the hop to a worker thread and back cost a replica
-# more CPU than that (docs/performance.md, "A replica's CPU per request by stage").
-INLINE_RUN_S = float(os.environ.get("TRT_SERVE_INLINE_RUN_US", "200")) * 1e-6
 
 
 @serve.deployment
@@ -120,7 +116,7 @@ class ModelDeployment:
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
         if self._batched is None or device_io(inputs, outputs):  # CUDA shared memory runs where it lies
-            if self._runs_inline():
+            if self.host.runs_inline():  # a short run: the hop to a thread costs more
                 return self.host.infer(inputs, outputs)
             return await asyncio.to_thread(self.host.infer, inputs, outputs)
         item = BatchItem.of(self.host.config, inputs, outputs, self._policy.sequence)
@@ -129,14 +125,6 @@ class ModelDeployment:
         if self.recorder is not None:
             self.recorder.batch_member(item)
         return await self._batched.infer(item)
-
-    def _runs_inline(self) -> bool:
-        """Whether an unbatched request runs on the event loop, not in a worker thread: where the
-        model's recent runs took at most ``INLINE_RUN_S`` (``ModelHost.recent_run_s``), the hop
-        to a thread and back costs the replica more CPU than the run holds the loop, and where no
-        run is in flight, no context is taken, so the run's checkout cannot wait on the loop."""
-        recent = self.host.recent_run_s
-        return recent is not None and recent <= INLINE_RUN_S and self.host.in_flight == 0
 
     def _batch_ran(self, items: list[BatchItem], run: BatchRun, seconds: float) -> None:
         if self.recorder is not None:

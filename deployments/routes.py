@@ -30,7 +30,7 @@ from .observe.metrics import node_directory, node_families, render as render_met
 from .observe.options import start as start_metrics
 from .observe.router import RouterObserver, add_phases, observe_infer
 from .observe.statistics import statistics
-from .protocol.answer import answer, request_bound, timeout_error
+from .protocol.answer import answer, late, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import detached, error_status, retry_after_headers
@@ -457,8 +457,7 @@ class V2Routes:
         try:
             async with asyncio.timeout(timeout_s + grace_s) as bound:  # in this task: no task per request
                 result = await call
-            # an answer past the bound that never yielded to the loop (a model run inline) is late too
-            if asyncio.get_running_loop().time() < bound.when():  # type: ignore[operator]
+            if not late(bound):
                 return result
         except TimeoutError:
             pass

@@ -104,7 +104,18 @@ async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], tim
     """
     timeout_s, asked = request_bound(timeout_s, default_s)
     try:
-        async with asyncio.timeout(timeout_s):  # in this task: no task per request, as wait_for's
-            return await call
+        async with asyncio.timeout(timeout_s) as bound:  # in this task: no task per request, as wait_for's
+            result = await call
+        if not late(bound):
+            return result
     except TimeoutError:
-        raise timeout_error(model, timeout_s, asked) from None
+        pass
+    raise timeout_error(model, timeout_s, asked) from None
+
+
+def late(bound: asyncio.Timeout) -> bool:
+    """Whether an answer came past ``bound`` without the bound firing: a call that never yielded
+    to the event loop (a model run in the loop's thread, ``ModelHost.runs_inline``) is as late as
+    one answered from a worker thread after its deadline, and answers 504 alike."""
+    when = bound.when()
+    return when is not None and asyncio.get_running_loop().time() >= when

@@ -372,8 +372,9 @@ class ModelCache:
 
     async def infer_async(self, name: str, inputs: Mapping[str, np.ndarray],
                           outputs: Iterable[str] | None = None, version: int | None = None) -> dict[str, np.ndarray]:
-        """Async ``infer``: the load wait and the run happen in threads. If the calling task is
-        cancelled, the run still finishes in its thread and releases the model then.
+        """Async ``infer``: the load wait and the run happen in threads (a short run of a loaded
+        model in the caller's: ``ModelHost.runs_inline``). If the calling task is cancelled, the
+        run still finishes in its thread and releases the model then.
 
         ``version``: the version the answer will be labelled with; the request runs only on that
         version's engine, and on the very entry it was validated against (``add`` may replace
@@ -396,6 +397,9 @@ class ModelCache:
                 return host.run(inputs, wanted)
             finally:
                 self._release(name)
+
+        if host.runs_inline():  # a short run: the hop to a thread costs more (``ModelHost.runs_inline``)
+            return run()
 
         # The run's thread sees the caller's context variables (as ``asyncio.to_thread`` would).
         return await asyncio.shield(loop.run_in_executor(None, contextvars.copy_context().run, run))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -23,12 +24,17 @@ from .warmup import warmup_requests, warmup_shape
 
 logger = logging.getLogger(__name__)
 RECENT_WEIGHT = 0.1  # of each run in ``ModelHost.recent_run_s``: about the last 10 runs count
+# A request of a model whose recent runs took at most this long runs in the event loop's own thread
+# (``ModelHost.runs_inline``): the hop to a worker thread and back cost a replica more CPU than
+# that (docs/performance.md, "A replica's CPU per request by stage").
+INLINE_RUN_S = float(os.environ.get("TRT_SERVE_INLINE_RUN_US", "200")) * 1e-6
 
 
 class ModelHost:
     """Owns an ``Engine`` and ``config.instances`` execution contexts; one request per context.
 
-    ``infer`` blocks the calling thread: call it from a worker thread in async code. Requests
+    ``infer`` blocks the calling thread: call it from a worker thread in async code, or in the
+    event loop's thread where ``runs_inline()`` says the run is short and cannot wait. Requests
     beyond the pool size wait up to ``checkout_timeout_s`` for a free context, first come first
     served: a context that comes free goes to the longest waiting request, never to one that
     arrives meanwhile (Python's ``Condition`` lets a newcomer take it while the woken waiter
@@ -85,6 +91,14 @@ class ModelHost:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def runs_inline(self) -> bool:
+        """Whether a request may run in the caller's own thread (an event loop's) rather than be
+        handed to a worker thread: the model's recent runs took at most ``INLINE_RUN_S``
+        (``recent_run_s``; the hop to a thread and back costs more CPU than such a run holds the
+        loop), and no run is in flight, so no context is taken and the checkout cannot wait."""
+        recent = self.recent_run_s
+        return recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0
 
     def load(self) -> "ModelHost":
         """Load the engine, create the contexts and run the config's warmup requests on each
