@@ -22,7 +22,7 @@ from .control import Desired, config_kept, first_sync, loaded_at_start, outcome,
 from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
-from .node import freeze_start_heap, node_id
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -91,7 +91,6 @@ class ModelDeployment:
             lambda items, loaded: run_batch(self.host, items, self._policy, loaded), policy.max_rows, policy.wait_s,
             self.host.config.instances, self._batch_ran)
         await first_sync(self.routes.follower)  # routed only once it serves the current state
-        freeze_start_heap()
 
     @errors_as_values
     @observe_replica_infer(lambda self, *_: (self.host.name, self.host.version))

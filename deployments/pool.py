@@ -24,7 +24,7 @@ from .control import Desired, first_sync, follow, outcome, read_as_desired
 from .admission import Admission
 from .replica_routes import pool_routes
 from .routes import RouterOptions
-from .node import freeze_start_heap, node_id
+from .node import node_id
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .placement import PlacementFollower, PoolReport, haproxy_server_name
@@ -124,7 +124,6 @@ class PoolDeployment:
         await first_sync(self.routes.follower)  # routed only once it serves the current state
         self.rates = RateMeter()
         self.placement = None if placement != "bytes" else self._follow_placement(router_app, options)
-        freeze_start_heap()
 
     def _follow_placement(self, router_app: str, options: CacheOptions) -> PlacementFollower:
         """Start following the router application's placement deployment (``placement: bytes``)."""
