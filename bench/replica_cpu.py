@@ -11,9 +11,10 @@ Per round:
   divided by the requests answered: **CPU per request**, every thread of the process;
 - the stages' own CPU (``bench.stage_cpu``, installed in the replicas by Ray's worker setup hook:
   ``time.thread_time()`` around the synchronous steps of the request path, exact however loaded
-  the machine) per request: header, decode, validate, model, encode, metrics; **rest** is the
-  process's CPU less them: uvicorn, Starlette, Serve's ingress and its hop between event loops,
-  reading the body and writing the answer, the thread hop to the model, Ray's C++ threads.
+  the machine) per request: header, decode, validate, model, encode, metrics, and the cycle
+  collector's runs (gc); **rest** is the process's CPU less them: uvicorn, Starlette, Serve's
+  ingress and its hop between event loops, reading the body and writing the answer, the thread
+  hop to the model, Ray's C++ threads.
 
 The model call is its own stage (``model``: ``ModelHost.run``, the engine under it); "outside the
 model call" is the process's CPU per request less it, the figure issue 30 compares with the
