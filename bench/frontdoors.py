@@ -513,31 +513,19 @@ def markdown(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """QPS by clients, one panel per replica count, a line per variant and protocol."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.panels import save_panels
 
     points = [p for p in results["points"] if p.get("qps") is not None]
-    counts = sorted({p["replicas"] for p in points})
-    if not counts:
-        return
-    fig, axes = plt.subplots(1, len(counts), figsize=(5.5 * len(counts), 4), squeeze=False)
-    for ax, k in zip(axes[0], counts):
-        lines = sorted({(p["variant"], p["protocol"]) for p in points if p["replicas"] == k})
-        for variant, protocol in lines:
+    panels = []
+    for k in sorted({p["replicas"] for p in points}):
+        lines = []
+        for variant, protocol in sorted({(p["variant"], p["protocol"]) for p in points if p["replicas"] == k}):
             rows = [p for p in points if (p["replicas"], p["variant"], p["protocol"]) == (k, variant, protocol)]
-            ax.plot([p["clients"] for p in rows], [p["qps"] for p in rows], "--" if variant == "echo" else "-",
-                    marker="o", label=f"{variant} {protocol}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("clients")
-        ax.set_ylabel("QPS (log)")
-        ax.set_title(f"{MODEL}, {k} replica{'s' if k > 1 else ''}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            lines.append((f"{variant} {protocol}", [p["clients"] for p in rows], [p["qps"] for p in rows],
+                          "--" if variant == "echo" else "-"))
+        panels.append((f"{MODEL}, {k} replica{'s' if k > 1 else ''}", lines))
+    if panels:
+        save_panels(path, panels, xlabel="clients", ylabel="QPS (log)", ylog=True)
 
 
 def meta(a: argparse.Namespace) -> dict[str, Any]:

@@ -164,25 +164,17 @@ def markdown(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from bench.panels import save_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    panels = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        lines = []
         for server in dict.fromkeys(r["server"] for r in rows):
             pts = [r for r in rows if r["model"] == model and r["server"] == server]
-            ax.plot([r["concurrency"] for r in pts], [r["qps"] for r in pts], marker="o", label=server)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients (closed loop)")
-        ax.set_ylabel("QPS (200s)")
-        ax.set_title(f"{model}: overload sweep")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            lines.append((server, [r["concurrency"] for r in pts], [r["qps"] for r in pts], "-"))
+        panels.append((f"{model}: overload sweep", lines))
+    save_panels(path, panels, xlabel="concurrent clients (closed loop)", ylabel="QPS (200s)", size=(5, 3.8),
+                legend_size=8)
 
 
 def main(argv: Sequence[str]) -> None:
