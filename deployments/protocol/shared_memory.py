@@ -16,8 +16,13 @@ echoed.
 
 Where registrations live is the ``RegionStore``'s business (``deployments.regions``: Ray's GCS
 key-value store, read by every replica of the cluster when a request names a region); each process
-maps a region's bytes once, on first use (``Mappings``: by key, offset and size) and unmaps them
-once the region is unregistered (``SharedMemory.sweep``).
+maps a region's bytes once, on first use, and unmaps them once the region is unregistered
+(``SharedMemory.sweep``). A mapping is kept by the object's identity (device and inode, recorded
+at register), offset and size, never by name or key alone: a client that unregisters, removes its
+object, creates a new one at the same key and registers the same name (Triton's HTTP and gRPC
+shm examples, one after another) gets the new object read and written, in every process, even
+one that still has the first object mapped; an object replaced at its key without a new register
+is refused (400), as is a key that names another node's object.
 
 The server's host is the client's: a key names a file of this node's ``/dev/shm`` directly (no
 ``/`` after its leading ones, not ``.`` or ``..``), so no request reaches another file.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import functools
 import json
@@ -61,8 +67,10 @@ REGION, BYTE_SIZE, OFFSET = PARAMETERS = SHARED_MEMORY_PARAMETERS
 @dataclass(frozen=True)
 class Region:
     """A registered region. ``kind``: ``system`` or ``cuda``; ``key`` and ``offset`` (bytes into
-    the key's object) for a system region, ``device_id`` and ``raw_handle`` (base64 of the
-    ``cudaIpcMemHandle_t``) for a CUDA one; ``byte_size``: its size in bytes."""
+    the key's object) for a system region, with ``dev`` and ``ino``, the object's ``st_dev`` and
+    ``st_ino`` when it was registered (0: not recorded, a registration of an older server),
+    ``device_id`` and ``raw_handle`` (base64 of the ``cudaIpcMemHandle_t``) for a CUDA one;
+    ``byte_size``: its size in bytes."""
 
     name: str
     kind: str
@@ -71,6 +79,8 @@ class Region:
     offset: int = 0
     device_id: int = 0
     raw_handle: str = ""
+    dev: int = 0
+    ino: int = 0
 
     def status(self) -> dict[str, Any]:
         """Triton's status object: ``{"name", "key", "offset", "byte_size"}`` for a system
@@ -177,16 +187,16 @@ def system_region(name: str, body: Any) -> Region:
         raise SharedMemoryError(f"failed to register shared memory region '{name}': invalid args; byte_size is 0, "
                                 "a region holds at least one byte")
     path = key_path(name, key)
-    size = _object_size(path, key)
-    if offset + byte_size > size:
+    status = _object_status(path, key)
+    if offset + byte_size > status.st_size:
         raise SharedMemoryError(
             f"failed to register shared memory region '{name}': invalid args; offset {offset} + byte_size "
-            f"{byte_size} = {offset + byte_size} bytes, and the object of key '{key}' holds {size} bytes")
-    return Region(name, SYSTEM, byte_size, key=key, offset=offset)
+            f"{byte_size} = {offset + byte_size} bytes, and the object of key '{key}' holds {status.st_size} bytes")
+    return Region(name, SYSTEM, byte_size, key=key, offset=offset, dev=status.st_dev, ino=status.st_ino)
 
 
-def _object_size(path: Path, key: str) -> int:
-    """The size of the shared-memory object at ``path``, a regular file (a symbolic link is not
+def _object_status(path: Path, key: str) -> os.stat_result:
+    """The status of the shared-memory object at ``path``, a regular file (a symbolic link is not
     followed, as glibc's ``shm_open`` opens with ``O_NOFOLLOW``: a link in ``/dev/shm`` must not
     lead the server to read or write another file).
 
@@ -202,7 +212,7 @@ def _object_size(path: Path, key: str) -> int:
     if not stat.S_ISREG(status.st_mode):
         raise SharedMemoryError(f"Unable to open shared memory region: '{key}'; {path} is not a shared-memory "
                                 "object (a symbolic link or a folder)")
-    return status.st_size
+    return status
 
 
 def cuda_region(name: str, body: Any) -> Region:
@@ -313,46 +323,76 @@ def tensor_ref(where: str, params: Mapping[str, Any]) -> TensorRef | None:
     return TensorRef(region, values[0], values[1])
 
 
-class _Mapping:
-    """One mapped region: ``view`` is its ``byte_size`` bytes (a writable ``memoryview``)."""
+def _unable_to_open(region: Region, path: Path, replaced: bool = False) -> SharedMemoryError:
+    """The 400 of a region whose object is not at its key on this node (``replaced``: another
+    object is there), in Triton's words, then why."""
+    why = (f"was registered over another object than {path} is now: the client removed that object and created a "
+           "new one at the key since the register (unregister the region and register it again), or"
+           if replaced else f"is registered, but {path} does not exist on the node of the replica that runs this "
+           "request: the client removed the object (register it again or send the tensor in the body), or")
+    return SharedMemoryError(f"Unable to open shared memory region: '{region.key}'; region '{region.name}' {why} the "
+                             "request reached another node than the client's (shared memory works only on the "
+                             "server's host)")
 
-    def __init__(self, region: Region) -> None:
-        path = key_path(region.name, region.key)
+
+def _check_object(region: Region, path: Path, status: os.stat_result) -> None:
+    """``status`` is of the object ``region`` was registered over (a registration that recorded
+    none, of an older server, is taken as it is).
+
+    Raises:
+        SharedMemoryError: another object is at the key now (``_unable_to_open``).
+    """
+    if region.ino and (status.st_dev, status.st_ino) != (region.dev, region.ino):
+        raise _unable_to_open(region, path, replaced=True)
+
+
+class _Mapping:
+    """One mapped region: ``view`` is its ``byte_size`` bytes (a writable ``memoryview``) of the
+    object it was registered over.
+
+    Raises:
+        SharedMemoryError: no object at the key, another one than the registered
+            (``_unable_to_open``), or one too small for the region now.
+    """
+
+    def __init__(self, region: Region, path: Path) -> None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
-            raise SharedMemoryError(
-                f"Unable to open shared memory region: '{region.key}'; region '{region.name}' is registered, but "
-                f"{path} does not exist on the node of the replica that runs this request: the request reached "
-                "another node than the client's (shared memory works only on the server's host), or the client "
-                "removed the object; register it again or send the tensor in the body") from None
+            raise _unable_to_open(region, path) from None
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            _check_object(region, path, status)
             end = region.offset + region.byte_size
-            if end > size:
+            if end > status.st_size:
                 raise SharedMemoryError(
                     f"Invalid shared memory region: '{region.key}'; region '{region.name}' needs {end} bytes of "
-                    f"it and it holds {size} now (it shrank since it was registered); register it again")
+                    f"it and it holds {status.st_size} now (it shrank since it was registered); register it again")
             start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
             self.map = mmap.mmap(fd, end - start, offset=start)
         finally:
             os.close(fd)
         self.view = memoryview(self.map)[region.offset - start:]
 
-    def close(self) -> bool:
-        """Unmap; False while a request still holds a view of it (closed at a later ``sweep``)."""
-        try:
-            self.view.release()
+    def close(self) -> None:
+        """Unmap now; while a request still holds a view of it, once the last such view is gone
+        (the views keep the ``mmap`` alive; its memory is unmapped when it is freed)."""
+        self.view.release()
+        with contextlib.suppress(BufferError):
             self.map.close()
-            return True
-        except BufferError:
-            return False
+
+
+def _mapping_key(region: Region) -> tuple[int, int, str, int, int]:
+    """What a system region's mapping is kept by: the object (device, inode: each new object at
+    a key is another), key, offset and size; never the region's name."""
+    return region.dev, region.ino, region.key, region.offset, region.byte_size
 
 
 class SharedMemory:
     """This process's use of the registered regions: ``read_input`` and ``write_outputs`` for an
-    infer request (any protocol), each region's bytes mapped once, on first use, and kept by
-    (key, offset, byte_size) until the region is unregistered (``forget``, ``sweep``).
+    infer request (any protocol), each region's bytes mapped once, on first use, and kept by the
+    object's identity, offset and size (``_mapping_key``) until the region is unregistered
+    (``forget``, ``sweep``).
 
     Args:
         store: the registered regions (read when a request names one: a region registered or
@@ -362,13 +402,13 @@ class SharedMemory:
     def __init__(self, store: RegionStore, cuda: IpcOpenings | None = None) -> None:
         self.store = store
         self._lock = threading.Lock()
-        self._maps: dict[tuple[str, int, int], _Mapping] = {}
+        self._maps: dict[tuple[int, int, str, int, int], _Mapping] = {}
         self.cuda = cuda or IpcOpenings()
         self.registry = Registry(store, self.forget)
 
     @property
     def mapped(self) -> int:
-        """How many regions this process has mapped."""
+        """How many regions this process has mapped (and uses for new requests)."""
         return len(self._maps)
 
     def _region(self, where: str, ref: TensorRef) -> Region:
@@ -391,12 +431,25 @@ class SharedMemory:
         return region
 
     def _bytes(self, region: Region, ref: TensorRef) -> memoryview:
-        """``ref``'s bytes of system region ``region``, mapped on first use."""
-        with self._lock:
-            mapping = self._maps.get((region.key, region.offset, region.byte_size))
+        """``ref``'s bytes of system region ``region``, mapped on first use; the object at the
+        region's key must be the one it was registered over, at every use (one ``stat``).
+
+        Raises:
+            SharedMemoryError: as ``_Mapping``.
+        """
+        path = key_path(region.name, region.key)
+        if region.ino:
+            try:
+                status = os.stat(path, follow_symlinks=False)
+            except OSError:
+                raise _unable_to_open(region, path) from None
+            _check_object(region, path, status)
+        key = _mapping_key(region)
+        with self._lock:  # the view is taken before a sweep or forget can close the mapping
+            mapping = self._maps.get(key)
             if mapping is None:
-                mapping = self._maps[(region.key, region.offset, region.byte_size)] = _Mapping(region)
-        return mapping.view[ref.offset:ref.offset + ref.byte_size]
+                mapping = self._maps[key] = _Mapping(region, path)
+            return mapping.view[ref.offset:ref.offset + ref.byte_size]
 
     def _lease(self, region: Region, device_id: int) -> ContextManager[int]:
         """CUDA region ``region``'s base address on ``device_id`` (``IpcOpenings.lease``)."""
@@ -486,36 +539,42 @@ class SharedMemory:
         return written
 
     def forget(self, region: Region) -> None:
-        """Unmap ``region`` here (it was unregistered), unless another registered region maps
-        the same bytes or a request still reads them (then ``sweep`` does it later)."""
+        """Unmap ``region`` here (it was unregistered): at once, or once the requests that still
+        read or write it let go. New requests no longer use the mapping either way."""
         if region.kind == CUDA:
             self.cuda.close(base64.b64decode(region.raw_handle))
             return
         with self._lock:
-            key = (region.key, region.offset, region.byte_size)
-            mapping = self._maps.get(key)
-            if mapping is not None and mapping.close():
-                del self._maps[key]
+            mapping = self._maps.pop(_mapping_key(region), None)
+            if mapping is not None:
+                mapping.close()
 
     def sweep(self) -> int:
         """Unmap every mapping that no registered region names any more (unregistered through
-        another router, or registered again elsewhere); returns how many stay mapped. Reads the
-        store only when something is mapped."""
+        another router), as ``forget``; returns how many stay mapped or opened. Reads the store
+        only when something is mapped. Only what was mapped before the store was read is
+        unmapped: a region registered and first used while it is read is not in what it read,
+        and stays."""
         if not self._maps and not self.cuda.opened:
             return 0
-        regions = self.store.regions()
-        live = {(r.key, r.offset, r.byte_size) for r in regions if r.kind == SYSTEM}
-        opened = self.cuda.keep_only(base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA)
         with self._lock:
-            for key in [k for k in self._maps if k not in live]:
-                if self._maps[key].close():
-                    del self._maps[key]
+            before = set(self._maps)
+        opened_before = self.cuda.keys()
+        regions = self.store.regions()
+        live = {_mapping_key(r) for r in regions if r.kind == SYSTEM}
+        opened = self.cuda.keep_only((base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA),
+                                     among=opened_before)
+        with self._lock:
+            for key in before - live:
+                mapping = self._maps.pop(key, None)
+                if mapping is not None:
+                    mapping.close()
             return len(self._maps) + opened
 
     def close(self) -> None:
         """Unmap and close everything (the process stops serving)."""
         self.cuda.close_all()
         with self._lock:
-            for key in list(self._maps):
-                if self._maps[key].close():
-                    del self._maps[key]
+            for mapping in self._maps.values():
+                mapping.close()
+            self._maps.clear()

@@ -78,6 +78,24 @@ def server(serve_instance, grpc_port):
     return serve_instance
 
 
+@pytest.fixture(scope="session")
+def grpc_url(server, grpc_port) -> str:
+    """``127.0.0.1:<grpc_port>`` once the router's gRPC server answers ServerLive."""
+    import tritonclient.grpc as grpcclient
+
+    url = f"127.0.0.1:{grpc_port}"
+    deadline = time.monotonic() + 60
+    with grpcclient.InferenceServerClient(url) as client:
+        while True:
+            try:
+                if client.is_server_live(client_timeout=5):
+                    return url
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:
     """Poll ``/v2/health/ready`` until 200 (every dedicated model answered); an answer slower
     than its 5 s (a busy machine) or a refused connection counts as not yet."""

@@ -19,24 +19,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def grpc_url(server, grpc_port) -> str:
-    """``127.0.0.1:<grpc_port>`` once the router's gRPC server answers ServerLive."""
-    import tritonclient.grpc as grpcclient
-
-    url = f"127.0.0.1:{grpc_port}"
-    deadline = time.monotonic() + 60
-    with grpcclient.InferenceServerClient(url) as client:
-        while True:
-            try:
-                if client.is_server_live(client_timeout=5):
-                    return url
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
 def client(grpc_url):
     import tritonclient.grpc as grpcclient
 

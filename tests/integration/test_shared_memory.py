@@ -221,3 +221,51 @@ def test_shared_memory_requests_count_in_the_statistics_as_any_other(server, cli
     for _ in range(3):
         client.infer("simple", inputs, outputs=outputs)
     assert settled_count(server, "simple", before + 3) == before + 3
+
+
+def example_round(module, triton, keys: tuple[str, str], base: int) -> tuple[np.ndarray, np.ndarray]:
+    """What Triton's simple_http_shm_client.py and simple_grpc_shm_client.py each do (``module``:
+    ``tritonclient.http`` or ``tritonclient.grpc``): objects created at fixed keys, registered as
+    "input_data" and "output_data", one infer of ``simple``, unregistered, destroyed. Returns the
+    outputs read from the output object (sum, difference) and the inputs (``base``: this round's)."""
+    import tritonclient.utils.shared_memory as shm
+
+    a, b = np.arange(base, base + 16, dtype=np.int32), np.full(16, base + 1, np.int32)
+    out_handle = shm.create_shared_memory_region("output_data", keys[1], 128)
+    in_handle = shm.create_shared_memory_region("input_data", keys[0], 128)
+    try:
+        shm.set_shared_memory_region(in_handle, [a])
+        shm.set_shared_memory_region(in_handle, [b], offset=64)
+        triton.register_system_shared_memory("output_data", keys[1], 128)
+        triton.register_system_shared_memory("input_data", keys[0], 128)
+        inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs[0].set_shared_memory("input_data", 64)
+        inputs[1].set_shared_memory("input_data", 64, offset=64)
+        outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT1")]
+        outputs[0].set_shared_memory("output_data", 64)
+        outputs[1].set_shared_memory("output_data", 64, offset=64)
+        triton.infer("simple", inputs, outputs=outputs)
+        got = (shm.get_contents_as_numpy(out_handle, np.int32, [16]).copy(),
+               shm.get_contents_as_numpy(out_handle, np.int32, [16], offset=64).copy())
+        triton.unregister_system_shared_memory()
+    finally:
+        shm.destroy_shared_memory_region(out_handle)
+        shm.destroy_shared_memory_region(in_handle)
+    return got, (a, b)
+
+
+def test_the_shm_examples_one_after_another_each_get_their_own_sums(server, grpc_url, client):
+    """Triton's HTTP and gRPC shm examples, run one after another against one server, use the
+    same region names and keys: the second's objects are new objects at the same keys, and its
+    answer must be read from and written into them, not into the first's (unlinked) objects
+    that a replica may still have mapped."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    run = uuid.uuid4().hex[:8]
+    keys = (f"/trt_serve_it_input_simple_{run}", f"/trt_serve_it_output_simple_{run}")
+    with grpcclient.InferenceServerClient(grpc_url) as over_grpc:
+        for base, (module, triton) in enumerate([(httpclient, client), (grpcclient, over_grpc), (grpcclient, over_grpc),
+                                                 (httpclient, client), (httpclient, client)]):
+            (sums, differences), (a, b) = example_round(module, triton, keys, 100 * base)
+            assert (sums.tolist(), differences.tolist()) == ((a + b).tolist(), (a - b).tolist()), (base, module.__name__)

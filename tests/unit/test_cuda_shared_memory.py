@@ -28,7 +28,7 @@ from deployments.runtime.contract.validation import validate_inputs
 from deployments.runtime.residency import host as host_module
 from deployments.runtime.residency.host import ModelHost
 
-from .test_shared_memory import DictStore, request, shm_input
+from .test_shared_memory import DictStore, ListedWhileRegistering, request, shm_input
 
 HANDLE = bytes(range(64))
 OTHER = bytes(range(1, 65))
@@ -300,3 +300,23 @@ def test_a_handle_that_does_not_open_is_400_naming_the_cuda_error():
                                            "on CUDA device 0 of this replica (cudaIpcOpenMemHandle(device 0) failed: "
                                            "cudaErrorInvalidValue (1))")
     assert memory.cuda.opened == 0
+
+
+def test_a_cuda_region_registered_while_the_sweep_reads_the_store_stays_open(opener):
+    """The sweep closes only what was opened before it read the store: a region registered and
+    first used meanwhile is not in what it read, and stays open."""
+    memory = SharedMemory(ListedWhileRegistering(), IpcOpenings(opener))
+    register(memory, "old", HANDLE)
+    with decode_request(request([shm_input("A", "old", 64)]), None, memory).inputs["A"].lease(0):
+        pass
+
+    def register_and_use():
+        register(memory, "new", OTHER)
+        with decode_request(request([shm_input("A", "new", 64)]), None, memory).inputs["A"].lease(0):
+            pass
+
+    memory.store.meanwhile = register_and_use
+    assert memory.sweep() == 2 and opener.closed == []
+    memory.store.meanwhile = None
+    memory.registry.unregister(CUDA, "new")
+    assert memory.sweep() == 1 and opener.closed == [0x20000]

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -247,13 +248,24 @@ def test_only_shared_memory_outputs_answer_plain_json(memory, key):
         "shared_memory_region": "out", "shared_memory_byte_size": 4}}]
 
 
-def test_a_mapping_held_by_a_request_is_unmapped_by_a_later_sweep(memory, key):
-    memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
-    held = decode_request(request([shm_input("A", "in", 64)]), None, memory)
-    memory.store.remove("in")  # unregistered through another router: this process learns it at its sweep
-    assert memory.sweep() == 1  # still held by the request in flight
-    del held
-    assert memory.sweep() == 0
+def mapped_here(key: str) -> bool:
+    """Whether this process has the object of ``key`` mapped (its ``/proc/self/maps``)."""
+    return str(key_path("r", key)) in Path("/proc/self/maps").read_text()
+
+
+def test_a_mapping_held_by_a_request_is_unmapped_by_the_sweep_once_the_request_lets_go(memory):
+    key = f"/trt_serve_test_{uuid.uuid4().hex[:12]}"
+    key_path("r", key).write_bytes(bytes(64))  # not mapped by this process as a client's would be
+    try:
+        memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+        held = decode_request(request([shm_input("A", "in", 64)]), None, memory)
+        memory.store.remove("in")  # unregistered through another router: this process learns it at its sweep
+        assert memory.sweep() == 0 and memory.mapped == 0  # no new request uses it
+        assert mapped_here(key) and held.inputs["A"].tolist() == [[0] * 16]  # the request in flight still reads it
+        del held
+        assert not mapped_here(key)
+    finally:
+        key_path("r", key).unlink()
 
 
 def test_the_sweep_stops_quietly_once_the_loop_executor_is_shut_down(monkeypatch, caplog):
@@ -278,3 +290,103 @@ def test_the_sweep_stops_quietly_once_the_loop_executor_is_shut_down(monkeypatch
     with caplog.at_level("WARNING", logger=regions.logger.name):
         asyncio.run(run())
     assert Store.swept == 1 and caplog.records == []
+
+
+def recreate(key: str, array: np.ndarray) -> None:
+    """What a client does that destroys its object and creates a new one at the same key
+    (Triton's simple_http_shm_client.py, then simple_grpc_shm_client.py): a new object, a new inode."""
+    path = key_path("r", key)
+    path.unlink()
+    path.write_bytes(array.tobytes().ljust(256, b"\0"))
+
+
+def test_a_name_registered_again_over_a_new_object_at_its_key_is_read_and_written_there(key):
+    """The replica maps "in" and "out" for a first client; the client unregisters them through
+    the router (the replica is not told: it learns at its sweep), creates new objects at the same
+    keys and registers the same names: the replica reads the new input and writes the new output
+    object, never the first (unlinked) ones it still has mapped."""
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    out_key = f"{key}_out"
+    shm_client.create_shared_memory_region("o", out_key, 256)
+    try:
+        for round_, base in enumerate((1, 100)):
+            if round_:
+                router.registry.unregister(SYSTEM)
+                recreate(key, np.full(16, base, np.int32))
+                recreate(out_key, np.zeros(64, np.int32))
+            else:
+                write(key, np.full(16, base, np.int32))
+            router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+            router.registry.register(SYSTEM, "out", {"key": out_key, "byte_size": 64})
+            decoded = decode_request(request([shm_input("A", "in", 64)], [
+                {"name": "Y", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}]),
+                None, replica)
+            assert decoded.inputs["A"].tolist() == [[base] * 16]
+            encode_response("m", "1", decoded, {"Y": decoded.inputs["A"] + 1}, shm=replica)
+            assert read(out_key, np.int32, 16).tolist() == [base + 1] * 16
+            del decoded
+    finally:
+        key_path("o", out_key).unlink()
+        replica.close()
+    assert replica.sweep() == 0  # the first objects' mappings are gone once unregistered
+
+
+def test_an_object_replaced_at_its_key_without_a_new_register_is_400_naming_why(memory, key):
+    memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+    assert decode_request(request([shm_input("A", "in", 64)]), None, memory).inputs["A"].tolist() == [[0] * 16]
+    recreate(key, np.full(16, 7, np.int32))
+    for process in (memory, SharedMemory(memory.store)):  # one that mapped the first object, one that did not
+        with pytest.raises(SharedMemoryError) as raised:
+            decode_request(request([shm_input("A", "in", 64)]), None, process)
+        assert raised.value.message.startswith(f"Unable to open shared memory region: '{key}'; region 'in' was "
+                                               f"registered over another object than {key_path('r', key)} is now")
+        assert error_status(raised.value)[0] == 400
+
+
+class ListedWhileRegistering(DictStore):
+    """A store whose listing is overtaken: while a sweep reads it, ``meanwhile`` runs (a client
+    registers a region and a request maps it) after the regions were listed."""
+
+    meanwhile = None
+
+    def regions(self):
+        listed = super().regions()
+        if self.meanwhile is not None:
+            self.meanwhile()
+        return listed
+
+
+def test_a_region_registered_while_the_sweep_reads_the_store_stays_mapped_and_usable(key):
+    memory = SharedMemory(ListedWhileRegistering())
+    try:
+        memory.registry.register(SYSTEM, "old", {"key": key, "byte_size": 64})
+        decode_request(request([shm_input("A", "old", 64)]), None, memory)  # something mapped: the sweep reads
+        new_key = f"{key}_new"
+        shm_client.create_shared_memory_region("n", new_key, 64)
+        write(new_key, np.full(16, 9, np.int32))
+        held = []
+
+        def register_and_use():
+            memory.registry.register(SYSTEM, "new", {"key": new_key, "byte_size": 64})
+            held.append(decode_request(request([shm_input("A", "new", 64)]), None, memory))  # in flight
+
+        memory.store.meanwhile = register_and_use
+        assert memory.sweep() == 2
+        memory.store.meanwhile = None
+        again = decode_request(request([shm_input("A", "new", 64)]), None, memory)
+        assert again.inputs["A"].tolist() == held[0].inputs["A"].tolist() == [[9] * 16]
+    finally:
+        held.clear()
+        memory.close()
+        key_path("n", new_key).unlink()
+
+
+def test_a_region_unregistered_while_a_request_reads_it_and_registered_again_is_usable(memory, key):
+    memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+    held = decode_request(request([shm_input("A", "in", 64)]), None, memory)
+    memory.registry.unregister(SYSTEM, "in")  # unmapped here once the request lets go
+    memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})  # the same object again
+    write(key, np.full(16, 4, np.int32))
+    assert decode_request(request([shm_input("A", "in", 64)]), None, memory).inputs["A"].tolist() == [[4] * 16]
+    assert held.inputs["A"].tolist() == [[4] * 16]  # the request's view stays valid

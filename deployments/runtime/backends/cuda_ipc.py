@@ -16,7 +16,7 @@ import contextlib
 import ctypes
 import logging
 import threading
-from typing import Iterable, Iterator, Protocol
+from typing import Collection, Iterable, Iterator, Protocol
 
 from ..contract.errors import SharedMemoryError
 from .cuda import CudaError, _runtime, check
@@ -119,12 +119,19 @@ class IpcOpenings:
             for key in [k for k in self._open if k[0] == handle]:
                 self._retire(key)
 
-    def keep_only(self, handles: Iterable[bytes]) -> int:
+    def keys(self) -> set[tuple[bytes, int]]:
+        """The (handle, device) of every opening now (``keep_only``'s ``among``)."""
+        with self._lock:
+            return set(self._open)
+
+    def keep_only(self, handles: Iterable[bytes], among: Collection[tuple[bytes, int]] | None = None) -> int:
         """Close every opening whose handle is not in ``handles`` (the registered ones), as
-        ``close``; returns how many openings stay."""
+        ``close``, of those in ``among`` (``keys()`` taken before ``handles`` was read: an
+        opening made since, of a region registered meanwhile, stays; None: every opening);
+        returns how many openings stay."""
         live = set(handles)
         with self._lock:
-            for key in [k for k in self._open if k[0] not in live]:
+            for key in [k for k in self._open if k[0] not in live and (among is None or k in among)]:
                 self._retire(key)
             return len(self._open)
 
