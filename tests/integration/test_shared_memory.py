@@ -2,12 +2,15 @@
 tritonclient.utils.shared_memory unmodified: regions registered through the router and used by a
 pool replica and a dedicated model's replica (other processes), and by a process started after
 the registration; every fault 400 (status 404) in Triton's words, the server serving after each;
-shared-memory requests counted by the statistics as any other."""
+shared-memory requests counted by the statistics as any other; Triton's HTTP and gRPC shm examples'
+sequence (the same names and keys over new objects) and a burst of requests on regions registered a
+moment before answered 200 with the right outputs."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime as ort
@@ -269,3 +272,55 @@ def test_the_shm_examples_one_after_another_each_get_their_own_sums(server, grpc
                                                  (httpclient, client), (httpclient, client)]):
             (sums, differences), (a, b) = example_round(module, triton, keys, 100 * base)
             assert (sums.tolist(), differences.tolist()) == ((a + b).tolist(), (a - b).tolist()), (base, module.__name__)
+
+
+def test_a_burst_of_requests_on_regions_registered_a_moment_before_is_answered_200_with_the_right_outputs(
+        server, client, regions):
+    """Closed-loop clients, each registering fresh input and output regions and naming them in
+    requests at once (bench.frontdoors' shared-memory clients), while every replica that maps
+    them checks what is still registered every 2 s (its sweep reads each of the many regions
+    registered, so that a region registered meanwhile is first used while the sweep reads):
+    every request is answered 200 with the model's output in its region, none 500."""
+    import tritonclient.utils.shared_memory as shm
+
+    _, filler_key = regions("filler", 64)
+    with ThreadPoolExecutor(6) as pool:  # a sweep reads each registered region: this makes it take a while
+        list(pool.map(lambda i: post(server, f"/v2/systemsharedmemory/region/filler_{i}/register",
+                                     {"key": filler_key, "byte_size": 64}).raise_for_status(), range(300)))
+    x = np.random.default_rng(5).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    expected = reference("tiny_cnn", x)
+    stop = time.monotonic() + 15
+
+    def burst(worker: int) -> list:
+        answers = []
+        with requests.Session() as session:
+            while time.monotonic() < stop:
+                name = f"burst_{worker}_{len(answers)}"
+                in_key, out_key = (f"/trt_serve_it_{name}_{end}_{uuid.uuid4().hex[:8]}" for end in ("in", "out"))
+                in_handle = shm.create_shared_memory_region(f"{name}_in", in_key, x.nbytes)
+                out_handle = shm.create_shared_memory_region(f"{name}_out", out_key, expected.nbytes)
+                shm.set_shared_memory_region(in_handle, [x])
+                for region, key, size in ((f"{name}_in", in_key, x.nbytes), (f"{name}_out", out_key, expected.nbytes)):
+                    registered = session.post(f"{server}/v2/systemsharedmemory/region/{region}/register",
+                                              json={"key": key, "byte_size": size}, timeout=60)
+                    assert registered.status_code == 200, registered.text
+                body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "parameters": {
+                            "shared_memory_region": f"{name}_in", "shared_memory_byte_size": x.nbytes}}],
+                        "outputs": [{"name": "logits", "parameters": {
+                            "shared_memory_region": f"{name}_out", "shared_memory_byte_size": expected.nbytes}}]}
+                for _ in range(3):
+                    shm.set_shared_memory_region(out_handle, [np.full_like(expected, np.nan)])
+                    r = session.post(f"{server}/v2/models/tiny_cnn/infer", json=body, timeout=60)
+                    got = shm.get_contents_as_numpy(out_handle, np.float32, expected.shape)
+                    answers.append((r.status_code, r.text if r.status_code != 200 else "",
+                                    bool(np.allclose(got, expected, rtol=1e-4, atol=1e-4))))
+                for region in (f"{name}_in", f"{name}_out"):
+                    session.post(f"{server}/v2/systemsharedmemory/region/{region}/unregister", timeout=60)
+                shm.destroy_shared_memory_region(in_handle)
+                shm.destroy_shared_memory_region(out_handle)
+        return answers
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = [a for worker in pool.map(burst, range(6)) for a in worker]
+    failed = [a for a in answers if a != (200, "", True)]
+    assert answers and not failed, (len(answers), failed[:5])
