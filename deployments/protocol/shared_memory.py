@@ -94,7 +94,11 @@ class Region:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Region":
-        return cls(**json.loads(raw))
+        """The region ``to_json`` wrote, by this server or another version of it: a field it
+        lacks takes its default, one it does not know is left out (registrations outlive a
+        ``serve deploy``)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 class RegionStore(Protocol):

@@ -390,3 +390,11 @@ def test_a_region_unregistered_while_a_request_reads_it_and_registered_again_is_
     write(key, np.full(16, 4, np.int32))
     assert decode_request(request([shm_input("A", "in", 64)]), None, memory).inputs["A"].tolist() == [[4] * 16]
     assert held.inputs["A"].tolist() == [[4] * 16]  # the request's view stays valid
+
+
+def test_a_registration_of_another_server_version_reads_with_defaults_and_without_unknown_fields():
+    older = json.dumps({"name": "r", "kind": SYSTEM, "byte_size": 8, "key": "/k", "offset": 0, "device_id": 0,
+                        "raw_handle": ""}).encode()
+    assert Region.from_json(older) == Region("r", SYSTEM, 8, key="/k")  # no object identity: taken as it is
+    newer = json.dumps({**json.loads(older), "dev": 5, "ino": 7, "added_later": 1}).encode()
+    assert Region.from_json(newer) == Region("r", SYSTEM, 8, key="/k", dev=5, ino=7)
