@@ -320,3 +320,20 @@ def test_a_cuda_region_registered_while_the_sweep_reads_the_store_stays_open(ope
     memory.store.meanwhile = None
     memory.registry.unregister(CUDA, "new")
     assert memory.sweep() == 1 and opener.closed == [0x20000]
+
+
+def test_a_cuda_name_registered_again_over_other_memory_is_used_there_in_a_replica_that_had_the_first_open():
+    """As for a system region: the replica still holds the first memory's opening when the name
+    is registered again (through the router) with another allocation's handle; the request uses
+    the new handle's memory, and the first is closed at the replica's sweep."""
+    store, opener = DictStore(), FakeOpener()
+    router, replica = SharedMemory(store, IpcOpenings(FakeOpener())), SharedMemory(store, IpcOpenings(opener))
+    register(router, "g", HANDLE)
+    with decode_request(request([shm_input("A", "g", 64)]), None, replica).inputs["A"].lease(0) as first:
+        pass
+    router.registry.unregister(CUDA, "g")
+    register(router, "g", OTHER)
+    with decode_request(request([shm_input("A", "g", 64)]), None, replica).inputs["A"].lease(0) as second:
+        pass
+    assert opener.opened == [(HANDLE, 0), (OTHER, 0)] and second != first
+    assert replica.sweep() == 1 and opener.closed == [first]
