@@ -8,14 +8,12 @@ import pytest
 
 from bench import grpc_fuzz
 
-from .test_grpc import grpc_url  # noqa: F401  (the fixture)
-
 pytestmark = pytest.mark.integration
 
 CASES = 150
 
 
-def test_mutated_grpc_requests_get_client_errors_and_the_server_keeps_serving(grpc_url):  # noqa: F811
+def test_mutated_grpc_requests_get_client_errors_and_the_server_keeps_serving(grpc_url):
     report = grpc_fuzz.fuzz(grpc_url, CASES, seed=0)
     assert report.sent == CASES
     assert report.findings == []
