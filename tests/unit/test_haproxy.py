@@ -371,8 +371,8 @@ def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int], bufsize: int = 163
                         metrics_socket_path=str(tmp_path / "metrics.sock"),
                         observe_error_limit=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]),
                         health_check_fall=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]),
-                        bufsize=bufsize)
-    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+                        bufsize=bufsize, stats_port=_free_port(), metrics_port=_free_port())  # not Ray's 8404 / 9101:
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))      # another server may hold them
     api.set_backend_configs({"http-app": BackendConfig(
         name="http-app", path_prefix="/", app_name="app",
         servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])})
