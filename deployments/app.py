@@ -196,6 +196,10 @@ class AppArgs(BaseModel):
     backend: Backend = "auto"
     use_gpus: Union[Literal["auto"], bool] = "auto"
     max_body_mib: float = Field(64.0, gt=0)
+    # A request whose body is at most this (and max_body_mib) is sent again by HAProxy when the
+    # replica holding it dies: HAProxy's buffer holds it whole (`make serve` sets it before Ray
+    # starts: deployments/run.py, retry_buffer_env); docs/configuration.md, "Application args".
+    retry_body_mib: float = Field(1.0, ge=0)
     # Each router replica serves KServe v2 gRPC on this port (Triton's 8001; null: no gRPC).
     grpc_port: Optional[int] = Field(8001, ge=1, le=65535)
     request_timeout_s: float = Field(60.0, gt=0)

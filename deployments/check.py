@@ -126,6 +126,15 @@ def model_applications_of(path: Path) -> list[Any]:
     return _our_applications(_schema(path))[1]
 
 
+def router_applications_of(path: Path) -> list[Any]:
+    """The router applications the config at ``path`` lists (``_our_applications``).
+
+    Raises:
+        ConfigError: as ``_schema``.
+    """
+    return _our_applications(_schema(path))[0]
+
+
 def expected_model_applications(schema: Any) -> list[dict[str, Any]]:
     """The application of each dedicated model and pipeline that the config's router
     applications (``import_path: deployments.app:build_app`` without ``args.model``) serve, as

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as pb_grpc
 
+from .haproxy import ERROR_ANSWERS
 from .protocol.binary import HEADER_LENGTH
 from .protocol.errors import grpc_code
 from .protocol.grpc import (cuda_register_body, infer_body, infer_response, json_message, region_statuses,
@@ -126,6 +127,10 @@ INGRESS_DOWN_S = 5.0
 # (gRPC compresses its own messages).
 _FORWARD_HEADERS = {"Content-Type": "application/octet-stream", "Accept-Encoding": "identity"}
 _ANSWER_HEADERS = (HEADER_LENGTH, "retry-after", "content-type")
+# HAProxy's own answers (deployments/haproxy.py, ``answer_replica_deaths``) for a request no
+# replica answered: the one holding it died and HAProxy could not send it again (a body past its
+# buffer, ``retry_body_mib``; its one retry spent on a dead replica), or none could take it.
+_INGRESS_GAVE_UP = {status: json.dumps({"error": ERROR_ANSWERS[status]}).encode() for status in (502, 503)}
 
 
 class IngressForward:
@@ -160,10 +165,12 @@ class IngressForward:
 
     async def infer(self, model: str, path: str, chunks: list[bytes], header_length: int) -> Response | None:
         """The ingress's answer to ``chunks`` (an infer body whose JSON header is
-        ``header_length`` bytes) POSTed to ``path``; None where it never answered (no
+        ``header_length`` bytes) POSTed to ``path``; None where no replica answered it (no
         connection, or one closed before the answer, as HAProxy closes idle connections on a
-        reload): the caller takes the router's path instead (a request that had reached a
-        replica runs again, as HAProxy's own retry of a dead replica runs it).
+        reload; HAProxy's own 502 / 503 for a request whose replica died, ``_INGRESS_GAVE_UP``):
+        the caller takes the router's path instead (a request that had reached a replica runs
+        again, as HAProxy's own retry of a dead replica runs it: an infer is a pure function of
+        its request, and the dead replica answered nothing).
 
         Raises:
             InferenceTimeout: no answer in time (504, naming ``model`` and ``request_timeout_s``).
@@ -178,6 +185,8 @@ class IngressForward:
             self._down_until = asyncio.get_running_loop().time() + INGRESS_DOWN_S
             return None
         except aiohttp.ClientError:
+            return None
+        if _INGRESS_GAVE_UP.get(answer.status) == body:
             return None
         kept = {name: answer.headers[name] for name in _ANSWER_HEADERS if name in answer.headers}
         return Response(body, status_code=answer.status, headers=kept)

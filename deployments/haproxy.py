@@ -169,8 +169,10 @@ def bind_failure(stderr: str, ports: Mapping[str, int]) -> str | None:
 # 1. Retry it once: on a refused connection (``conn-failure``: no replica saw the request), or
 #    when no byte of an answer came back (``empty-response``: a replica took it and died),
 #    when the request fits in one HAProxy buffer (``tune.bufsize``, Ray's
-#    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``, 16 KiB): ``option http-buffer-request`` makes HAProxy
-#    hold the whole body of such a request before sending it, so that it can send it again.
+#    ``RAY_SERVE_HAPROXY_TUNE_BUFSIZE``; ``retry_bufsize``): ``option http-buffer-request`` makes
+#    HAProxy hold the whole body of such a request before sending it, so that it can send it
+#    again (HAProxy 2.8 keeps the retry copy only of a request it has whole when it first sends
+#    it: ``sc_conn_send``, ``TX_L7_RETRY``); a larger one cannot be sent again.
 #    Once, because a request that kills its replica (a crash in native code) would kill every
 #    replica it is sent to: with ``RETRIES`` retries it can take down ``RETRIES`` + 1 of them.
 #    HAProxy 2.8 (Ray's) counts both kinds in one ``retries`` (``s->conn_retries``, spent by
@@ -203,6 +205,23 @@ def bind_failure(stderr: str, ports: Mapping[str, int]) -> str | None:
 #    per request).
 RETRY_ON = ("conn-failure", "empty-response")
 RETRIES = 1
+# HAProxy's buffer (``tune.bufsize``) that holds a request of ``retry_body_bytes`` of body whole:
+# the body plus this room for the request line and headers, HAProxy's reserve for rewriting them
+# (``tune.maxrewrite``, 1 KiB) and its HTX block index (tests/unit/test_haproxy.py measures a body
+# of exactly ``retry_body_bytes`` sent again, one this room larger not). Every buffer HAProxy
+# allocates has this size, whatever it holds, and only while a stream or connection holds data:
+# a request in flight holds at most its request, the copy kept to send it again and its answer
+# (3 x ``tune.bufsize``), and a connection's own input and output buffers while bytes pass.
+BUFSIZE_ENV = "RAY_SERVE_HAPROXY_TUNE_BUFSIZE"
+RETRY_HEADER_ROOM_BYTES = 16384
+
+
+def retry_bufsize(retry_body_bytes: int) -> int:
+    """HAProxy's ``tune.bufsize`` (bytes) for requests of up to ``retry_body_bytes`` of body to be
+    sent again when the replica holding them dies (the comment above)."""
+    return int(retry_body_bytes) + RETRY_HEADER_ROOM_BYTES
+
+
 SERVER_CONNECTION_REUSE = "never"
 _REUSE = re.compile(r"^(?P<indent>\s+)http-reuse\s+\S+\s*$")
 RETRY_AFTER_S = 1

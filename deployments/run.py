@@ -154,6 +154,31 @@ def _stay_on_loopback() -> bool:
     return "RAY_SERVE_HAPROXY_BINARY_PATH" in added
 
 
+def retry_buffer_env(path: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``{RAY_SERVE_HAPROXY_TUNE_BUFSIZE: bytes}`` for the config at ``path``, to set before Ray
+    starts (Ray's HAProxy manager reads it as it starts): a buffer that holds a request of its
+    router applications' ``retry_body_mib`` (at most their ``max_body_mib``; the largest of
+    them) whole, so that HAProxy sends it again when the replica holding it dies
+    (``haproxy.retry_bufsize``). Empty where HAProxy is off or the variable is set already
+    (the user's size stands).
+
+    Raises:
+        ConfigError: as ``check``'s reading of ``path``.
+    """
+    from .app import AppArgs
+    from .haproxy import BUFSIZE_ENV, retry_bufsize
+    from .runtime.contract.units import mib_to_bytes
+
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or BUFSIZE_ENV in environ:
+        return {}
+    routers = [AppArgs.model_validate(app.args or {}) for app in check.router_applications_of(path)]
+    if not routers:
+        return {}
+    body = max(mib_to_bytes(min(args.retry_body_mib, args.max_body_mib)) for args in routers)
+    return {BUFSIZE_ENV: str(retry_bufsize(body))}
+
+
 class HAProxyWatch:
     """What ``make serve`` says about HAProxy's side ports: where they are once HAProxy took
     them (the wrapper's record, ``haproxy.choose_side_ports``: a port taken since start is
@@ -288,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = check.main([str(path)])
     if status:
         return status
+    os.environ.update(retry_buffer_env(path))
     taken = port_taken(path)
     if taken:
         print(taken, file=sys.stderr)

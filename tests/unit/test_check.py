@@ -290,6 +290,26 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
     assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops
 
 
+def test_make_serve_sizes_haproxys_buffer_to_send_again_a_body_of_retry_body_mib(prepared_engines, tmp_path):
+    """HAProxy's ``tune.bufsize`` from the router's args: ``retry_body_mib`` (1 MiB by default),
+    at most ``max_body_mib``, plus the header room; a size the user set stands; none without
+    HAProxy."""
+    from deployments.haproxy import RETRY_HEADER_ROOM_BYTES
+    from deployments.run import retry_buffer_env
+
+    shipped = (ROOT / "serve_config.yaml").read_text().replace("repository: engines", f"repository: {prepared_engines}")
+    path = tmp_path / "serve_config.yaml"
+    on = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    sizes = []
+    for text in (shipped, shipped.replace("max_body_mib: 64", "max_body_mib: 64\n      retry_body_mib: 4"),
+                 shipped.replace("max_body_mib: 64", "max_body_mib: 0.5\n      retry_body_mib: 4")):
+        path.write_text(text)
+        sizes.append(retry_buffer_env(path, on))
+    assert sizes == [{"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(int(mib * 2**20) + RETRY_HEADER_ROOM_BYTES)} for mib in (1, 4, 0.5)]
+    assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "65536"}) == {}
+    assert retry_buffer_env(path, {}) == {}
+
+
 def test_make_serve_on_a_taken_port_exits_2_naming_the_port_before_ray_starts(prepared_engines, tmp_path):
     """A second ``make serve`` while the first holds its port started Ray and hung silently
     (its proxy retried the bind forever); now one line and status 2, before Ray starts."""

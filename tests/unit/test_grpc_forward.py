@@ -17,6 +17,7 @@ from starlette.responses import Response
 from tritonclient.grpc import service_pb2 as pb
 
 from deployments.grpc_service import INGRESS_DOWN_S, IngressForward, InferenceService
+from deployments.haproxy import ERROR_ANSWERS
 from deployments.protocol.binary import HEADER_LENGTH, decode_body, encode_response
 from deployments.protocol.grpc import infer_body, infer_response
 from deployments.runtime.contract.errors import unknown_model
@@ -125,6 +126,30 @@ def test_an_error_answer_of_the_ingress_keeps_its_status_text_and_retry_after():
     assert response.status_code == 503
     assert json.loads(bytes(response.body)) == {"error": text}
     assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("status", [502, 503])
+def test_haproxys_own_answer_for_a_replica_that_died_sends_the_call_through_the_router(status):
+    """HAProxy's JSON 502 / 503 (``haproxy.ERROR_ANSWERS``, as its ``http-error`` line writes
+    it): no replica answered (the one holding the request died and HAProxy could not send it
+    again, e.g. a body past its buffer), so the router's route runs it; the ingress stays usable."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=json.dumps({"error": ERROR_ANSWERS[status]}).encode(), status=status,
+                            content_type="application/json", headers={"Retry-After": "1"})
+
+    async def main() -> tuple[Response, list[str], bool, int]:
+        runner, url, seen = await ingress(answer)
+        routes = Routes()
+        forward = IngressForward(url, 30.0)
+        try:
+            response = await InferenceService(routes, forward).infer(message())
+            return response, routes.called, forward.usable(), len(seen)
+        finally:
+            await forward.close()
+            await runner.cleanup()
+
+    response, called, usable, sent = asyncio.run(main())
+    assert (response.status_code, called, usable, sent) == (200, ["/v2/models/simple/infer"], True, 1)
 
 
 def test_an_ingress_that_cannot_be_reached_leaves_the_calls_to_the_router_for_a_while():

@@ -8,6 +8,7 @@ import contextlib
 import http.client
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -356,10 +357,11 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 
 
 @contextlib.contextmanager
-def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int]) -> Iterator[tuple[int, Path]]:
+def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int], bufsize: int = 16384) -> Iterator[tuple[int, Path]]:
     """The real HAProxy on Ray's config for one application at ``/`` whose servers are
-    ``servers`` (name -> port), rendered as Ray renders it under ``HAPROXY_HEALTH_ENV`` and
-    rewritten by the wrapper; yields (its port, its admin socket)."""
+    ``servers`` (name -> port), rendered as Ray renders it under ``HAPROXY_HEALTH_ENV`` (and
+    ``tune.bufsize`` ``bufsize``: Ray's default 16 KiB) and rewritten by the wrapper; yields
+    (its port, its admin socket)."""
     from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
     from ray.serve.config import HTTPOptions
 
@@ -368,8 +370,9 @@ def _ray_app_haproxy(tmp_path: Path, servers: dict[str, int]) -> Iterator[tuple[
                         server_state_base=str(tmp_path), server_state_file=str(tmp_path / "server-state"),
                         metrics_socket_path=str(tmp_path / "metrics.sock"),
                         observe_error_limit=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT"]),
-                        health_check_fall=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]))
-    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))
+                        health_check_fall=int(haproxy.HAPROXY_HEALTH_ENV["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]),
+                        bufsize=bufsize, stats_port=_free_port(), metrics_port=_free_port())  # not Ray's 8404 / 9101:
+    api = HAProxyApi(cfg=cfg, config_file_path=str(tmp_path / "haproxy.cfg"))      # another server may hold them
     api.set_backend_configs({"http-app": BackendConfig(
         name="http-app", path_prefix="/", app_name="app",
         servers=[ServerConfig(name, "127.0.0.1", port) for name, port in servers.items()])})
@@ -459,6 +462,45 @@ def test_a_request_sent_to_a_dead_replica_is_answered_by_a_live_one(tmp_path):
             assert (dead["status"], dead["stot"]) == ("DOWN", "1"), dead  # one request was sent to it
     finally:
         for process in replicas.values():
+            process.kill()
+            process.wait()
+
+
+def test_a_request_held_by_a_dying_replica_is_sent_again_up_to_the_retry_body_size(tmp_path):
+    """Ray's config with ``tune.bufsize`` = ``retry_bufsize(R)``, two replicas: the live one
+    busy with a held request (so that leastconn sends the next to the other), the other killed
+    while it holds a POST. A body of exactly R bytes is sent again, to the live replica (200);
+    one the header room larger cannot be, and is answered HAProxy's JSON 502."""
+    retry_body = 256 * 1024
+    ports = {"dying": _free_port(), "live": _free_port()}
+    (tmp_path / "backend.py").write_text(_BACKEND)
+    live = subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(ports["live"]), "live"])
+    processes = [live]
+    try:
+        _until(lambda: _get(ports["live"], "/who") is not None)
+        with _ray_app_haproxy(tmp_path, ports, bufsize=haproxy.retry_bufsize(retry_body)) as (front, admin):
+            busy = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=60)
+            busy.request("GET", "/hold")  # held by live: leastconn sends the POST to dying
+            _until(lambda: _server_stats(admin)["live"]["scur"] == "1")
+            answers = []
+            for size in (retry_body, retry_body + haproxy.RETRY_HEADER_ROOM_BYTES):
+                dying = subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(ports["dying"]), "dying"],
+                                         stdout=subprocess.PIPE, text=True)
+                processes.append(dying)
+                _until(lambda: _get(ports["dying"], "/who") is not None)
+                _until(lambda: (_server_stats(admin)["dying"]["status"], _server_stats(admin)["dying"]["check_status"])
+                       == ("UP", "L7OK"))  # up again, checked since it runs
+                conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=30)
+                conn.request("POST", "/v2/models/m/infer", body=b"x" * size,
+                             headers={"Content-Type": "application/octet-stream"})
+                assert select.select([dying.stdout], [], [], 30)[0] and dying.stdout.readline() == "holding\n"
+                dying.kill()
+                dying.wait()
+                response = conn.getresponse()
+                answers.append((response.status, json.loads(response.read())))
+            assert answers == [(200, {"by": "live"}), (502, {"error": haproxy.ERROR_ANSWERS[502]})]
+    finally:
+        for process in processes:
             process.kill()
             process.wait()
 
