@@ -106,7 +106,7 @@ async def _echo_server(http: str, port: int, model: str) -> Any:
 def _serve(args: argparse.Namespace, port: int, started: threading.Event, stop: threading.Event,
            loop_thread: list[int]) -> None:
     async def main() -> None:
-        loop_thread.append(threading.get_native_id())
+        loop_thread.append(threading.get_ident())
         forward = grpc_service.IngressForward(f"http://{args.http}", 60.0)
         if args.echo:
             server = await _echo_server(args.http, port, args.model)
@@ -121,13 +121,9 @@ def _serve(args: argparse.Namespace, port: int, started: threading.Event, stop: 
     uvloop.run(main())
 
 
-def _thread_cpu_s(native_id: int) -> float:
-    """CPU seconds of this process's thread ``native_id`` (``/proc``)."""
-    import os
-
-    with open(f"/proc/self/task/{native_id}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _thread_cpu_s(ident: int) -> float:
+    """CPU seconds of this process's thread ``ident`` (``threading.get_ident``)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
 def main(argv: Sequence[str]) -> int:
