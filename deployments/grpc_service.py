@@ -30,11 +30,11 @@ import asyncio
 import functools
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
-from urllib.parse import quote
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, NamedTuple
+from urllib.parse import quote, urlsplit
 
-import aiohttp
 import grpc
+import httptools
 import psutil
 from google.protobuf.message import DecodeError
 from starlette.requests import Request
@@ -123,9 +123,15 @@ def _answers_errors(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awai
 # Seconds the gRPC edge sends no ModelInfer to an HTTP ingress it could not connect to (it
 # answers them through the router meanwhile), e.g. a node whose HAProxy has not started.
 INGRESS_DOWN_S = 5.0
+# Seconds a kept-alive connection to the ingress may idle and still be used: below HAProxy's own
+# keep-alive timeout (90 s), so that HAProxy seldom closes one as a request is sent on it.
+KEEP_ALIVE_S = 15.0
+# A body up to this size is written in one piece (one segment, one wake-up of HAProxy); a larger
+# one chunk by chunk, without a copy.
+_JOIN_BYTES = 64 << 10
 # What the forwarded request asks: the binary answer as the replica writes it, never compressed
 # (gRPC compresses its own messages).
-_FORWARD_HEADERS = {"Content-Type": "application/octet-stream", "Accept-Encoding": "identity"}
+_FORWARD_HEADERS = "Content-Type: application/octet-stream\r\nAccept-Encoding: identity\r\n"
 _ANSWER_HEADERS = (HEADER_LENGTH, "retry-after", "content-type")
 # HAProxy's own answers (deployments/haproxy.py, ``answer_replica_deaths``) for a request no
 # replica answered: the one holding it died and HAProxy could not send it again (a body past its
@@ -133,35 +139,119 @@ _ANSWER_HEADERS = (HEADER_LENGTH, "retry-after", "content-type")
 _INGRESS_GAVE_UP = {status: json.dumps({"error": ERROR_ANSWERS[status]}).encode() for status in (502, 503)}
 
 
+class _Answer(NamedTuple):
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection to the ingress, one request at a time (``send``), its
+    answer read by ``httptools`` (the parser uvicorn serves with)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._parser = httptools.HttpResponseParser(self)
+        self._answer: asyncio.Future[_Answer] | None = None
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+
+    def send(self, data: list[bytes]) -> asyncio.Future[_Answer]:
+        """Write one request (``data``: its pieces); the future of its answer (ConnectionError:
+        the connection closed before the whole answer came)."""
+        assert self.transport is not None
+        self._answer = asyncio.get_running_loop().create_future()
+        if sum(map(len, data)) <= _JOIN_BYTES:
+            self.transport.write(b"".join(data))
+        else:
+            for piece in data:
+                self.transport.write(piece)
+        return self._answer
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(ConnectionError(f"the ingress's answer is not HTTP/1.1: {e}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(ConnectionError("the ingress closed the connection before answering"))
+
+    def _fail(self, error: Exception) -> None:
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(error)
+
+    # httptools' callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        if key in _ANSWER_HEADERS:
+            self._headers[key] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        answer = _Answer(self._parser.get_status_code(), self._headers, b"".join(self._body),
+                         self._parser.should_keep_alive())
+        self._headers, self._body = {}, []
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_result(answer)
+
+
 class IngressForward:
     """An infer body's one hop through the node's HTTP ingress (HAProxy): POSTed to
-    ``base_url`` (the HAProxy frontend, on loopback) over a pool of kept-alive HTTP/1.1
-    connections (aiohttp's, which Ray ships), so that HAProxy sends it to the model's replica as
-    it sends an HTTP client's (a dedicated model's replica, the pool replica its hash or placement
-    names, the router as backup; its retry of a dead replica; the replica's admission, checks,
-    timeouts and counting: the router counts nothing of it). A call waits up to
-    ``request_timeout_s`` (the application's) plus ``POOL_TIMEOUT_GRACE_S``, so that the
-    replica's own 504, naming its bound, arrives first."""
+    ``base_url`` (the HAProxy frontend, on loopback, an IP literal) over a pool of kept-alive
+    HTTP/1.1 connections, so that HAProxy sends it to the model's replica as it sends an HTTP
+    client's (a dedicated model's replica, the pool replica its hash or placement names, the
+    router as backup; its retry of a dead replica; the replica's admission, checks, timeouts and
+    counting: the router counts nothing of it). A call waits up to ``request_timeout_s`` (the
+    application's) plus ``POOL_TIMEOUT_GRACE_S``, so that the replica's own 504, naming its
+    bound, arrives first.
+
+    The connections are asyncio's own (TCP_NODELAY) and the answer is parsed by ``httptools``:
+    one request costs the edge's event loop a fraction of what an HTTP client library's does
+    (docs/performance.md, "Where the gRPC edge's time went")."""
 
     def __init__(self, base_url: str, request_timeout_s: float) -> None:
+        address = urlsplit(base_url)
         self.base_url = base_url.rstrip("/")
+        self.host, self.port = address.hostname or "127.0.0.1", address.port or 80
         self.request_timeout_s = request_timeout_s
-        self._session: aiohttp.ClientSession | None = None  # made on first use, on the serving loop
+        self._host_header = address.netloc
+        self._idle: list[_Connection] = []  # the most recently used last
         self._down_until = 0.0
 
     def usable(self) -> bool:
         """False for ``INGRESS_DOWN_S`` after a connection to the ingress failed."""
         return asyncio.get_running_loop().time() >= self._down_until
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No connection limit: the router's own max_ongoing_requests and the replicas'
-            # admission bound the calls. aiohttp's 15 s keep-alive is below HAProxy's (90 s).
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s + POOL_TIMEOUT_GRACE_S),
-                auto_decompress=False, skip_auto_headers=("User-Agent",))
-        return self._session
+    async def _connection(self) -> _Connection:
+        """An idle kept-alive connection (one idle for over ``KEEP_ALIVE_S`` is closed), or a new one.
+
+        Raises:
+            OSError: the ingress cannot be connected to.
+        """
+        loop = asyncio.get_running_loop()
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed and loop.time() - connection.idle_since < KEEP_ALIVE_S:
+                return connection
+            connection.close()
+        _, connection = await loop.create_connection(_Connection, self.host, self.port)
+        return connection
 
     async def infer(self, model: str, path: str, chunks: list[bytes], header_length: int) -> Response | None:
         """The ingress's answer to ``chunks`` (an infer body whose JSON header is
@@ -175,25 +265,36 @@ class IngressForward:
         Raises:
             InferenceTimeout: no answer in time (504, naming ``model`` and ``request_timeout_s``).
         """
-        headers = {**_FORWARD_HEADERS, HEADER_LENGTH: str(header_length)}
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self._host_header}\r\n{_FORWARD_HEADERS}"
+                f"{HEADER_LENGTH}: {header_length}\r\nContent-Length: {sum(map(len, chunks))}\r\n\r\n")
+        connection: _Connection | None = None
+        answer: _Answer | None = None
         try:
-            async with self._client().post(self.base_url + path, data=b"".join(chunks), headers=headers) as answer:
-                body = await answer.read()
+            async with asyncio.timeout(self.request_timeout_s + POOL_TIMEOUT_GRACE_S):
+                try:
+                    connection = await self._connection()
+                except OSError:
+                    self._down_until = asyncio.get_running_loop().time() + INGRESS_DOWN_S
+                    return None
+                answer = await connection.send([head.encode("latin-1"), *chunks])
+                if _INGRESS_GAVE_UP.get(answer.status) == answer.body:
+                    return None
+                return Response(answer.body, status_code=answer.status, headers=answer.headers)
         except TimeoutError:
             raise timeout_error(model, self.request_timeout_s, False) from None
-        except aiohttp.ClientConnectorError:
-            self._down_until = asyncio.get_running_loop().time() + INGRESS_DOWN_S
+        except ConnectionError:
             return None
-        except aiohttp.ClientError:
-            return None
-        if _INGRESS_GAVE_UP.get(answer.status) == body:
-            return None
-        kept = {name: answer.headers[name] for name in _ANSWER_HEADERS if name in answer.headers}
-        return Response(body, status_code=answer.status, headers=kept)
+        finally:
+            if connection is not None:
+                if answer is not None and answer.keep_alive and not connection.closed:
+                    connection.idle_since = asyncio.get_running_loop().time()
+                    self._idle.append(connection)
+                else:  # a request still on it (a timeout, a cancelled call), or the ingress ends it
+                    connection.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        while self._idle:
+            self._idle.pop().close()
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):

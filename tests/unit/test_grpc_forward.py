@@ -194,3 +194,127 @@ def test_calls_the_ingress_should_not_take_go_through_the_router(request_, max_b
 
     called, seen = asyncio.run(main())
     assert len(called) == 1 and seen == []
+
+
+def _answer_simple(status: int = 200, **headers: str) -> Any:
+    async def answer(request: web.Request) -> web.Response:
+        body, binary_headers = encode_response("simple", "1", decode_body([await request.read()],
+                                                                          request.headers[HEADER_LENGTH]), {"OUTPUT0": A})
+        return web.Response(body=body, status=status, headers={**binary_headers, **headers})
+    return answer
+
+
+async def _peers(answer: Any, calls: int, forward_args: tuple = (30.0,)) -> tuple[list[Any], list[Response]]:
+    """``calls`` ModelInfers in turn through one ``IngressForward``; (the client address of each
+    request the ingress saw, the answers)."""
+    peers: list[Any] = []
+
+    async def seen(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        return await answer(request)
+
+    runner, url, _ = await ingress(seen)
+    forward = IngressForward(url, *forward_args)
+    try:
+        return peers, [await InferenceService(Routes(), forward).infer(message()) for _ in range(calls)]
+    finally:
+        await forward.close()
+        await runner.cleanup()
+
+
+def test_calls_in_turn_share_one_kept_alive_connection_to_the_ingress():
+    peers, answers = asyncio.run(_peers(_answer_simple(), 3))
+    assert [a.status_code for a in answers] == [200] * 3
+    assert len(peers) == 3 and len(set(peers)) == 1
+
+
+@pytest.mark.parametrize("headers, keep", [({"Connection": "close"}, False), ({}, True)], ids=["close", "keep-alive"])
+def test_an_answer_saying_connection_close_is_not_followed_by_another_request_on_it(headers, keep):
+    peers, answers = asyncio.run(_peers(_answer_simple(**headers), 2))
+    assert [a.status_code for a in answers] == [200, 200]
+    assert (peers[0] == peers[1]) is keep
+
+
+def test_a_connection_idle_past_keep_alive_s_is_not_used_again(monkeypatch):
+    monkeypatch.setattr("deployments.grpc_service.KEEP_ALIVE_S", 0.0)
+    peers, _ = asyncio.run(_peers(_answer_simple(), 2))
+    assert peers[0] != peers[1]
+
+
+def test_a_chunked_answer_is_read_whole():
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body, headers = encode_response("simple", "1", decode_body([await request.read()], request.headers[HEADER_LENGTH]),
+                                        {"OUTPUT0": A + 2})
+        response = web.StreamResponse(headers=headers)
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for i in range(0, len(body), 7):
+            await response.write(body[i:i + 7])
+        await response.write_eof()
+        return response
+
+    _, [response] = asyncio.run(_peers(answer, 1))
+    result = infer_response(bytes(response.body), response.headers)
+    assert np.frombuffer(result.raw_output_contents[0], np.int32).tolist() == (A + 2).ravel().tolist()
+
+
+def test_a_connection_the_ingress_closes_before_answering_sends_the_call_through_the_router():
+    async def main() -> tuple[list[str], int, int]:
+        received = []
+
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            received.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        routes = Routes()
+        forward = IngressForward(f"http://127.0.0.1:{port}", 30.0)
+        try:
+            response = await InferenceService(routes, forward).infer(message())
+        finally:
+            await forward.close()
+            server.close()
+        return routes.called, len(received), response.status_code
+
+    called, received, status = asyncio.run(main())
+    assert (called, received, status) == (["/v2/models/simple/infer"], 1, 200)
+
+
+def test_an_ingress_that_answers_too_late_gives_504_naming_the_model_and_the_bound(monkeypatch):
+    from deployments.runtime.contract.errors import InferenceTimeout
+
+    monkeypatch.setattr("deployments.grpc_service.POOL_TIMEOUT_GRACE_S", 0.0)
+    slow = _answer_simple()
+
+    async def answer(request: web.Request) -> web.Response:
+        if len(calls) == 2:
+            await asyncio.sleep(2)
+        return await slow(request)
+
+    calls: list[int] = []
+
+    async def main() -> tuple[str, list[Any], int]:
+        peers: list[Any] = []
+
+        async def seen(request: web.Request) -> web.StreamResponse:
+            calls.append(1)
+            peers.append(request.transport.get_extra_info("peername"))
+            return await answer(request)
+
+        runner, url, _ = await ingress(seen)
+        forward = IngressForward(url, 0.5)
+        service = InferenceService(Routes(), forward)
+        try:
+            await service.infer(message())  # a connection kept alive
+            with pytest.raises(InferenceTimeout) as timeout:
+                await service.infer(message())
+            after = await service.infer(message())  # not on the connection the late answer would come on
+        finally:
+            await forward.close()
+            await runner.cleanup()
+        return str(timeout.value), peers, after.status_code
+
+    text, peers, status = asyncio.run(main())
+    assert text == "model 'simple' did not answer within 500 ms (request_timeout_s of the application args)"
+    assert status == 200 and peers[0] == peers[1] != peers[2]
