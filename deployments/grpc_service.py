@@ -137,6 +137,9 @@ _ANSWER_HEADERS = (HEADER_LENGTH, "retry-after", "content-type")
 # replica answered: the one holding it died and HAProxy could not send it again (a body past its
 # buffer, ``retry_body_mib``; its one retry spent on a dead replica), or none could take it.
 _INGRESS_GAVE_UP = {status: json.dumps({"error": ERROR_ANSWERS[status]}).encode() for status in (502, 503)}
+# A replica's answer to a request that HAProxy sent to another server's replica on this host
+# (``routes.ClusterGuard``): not run; the router's handles reach this cluster's own replicas.
+_MISDIRECTED = 421
 
 
 class _Answer(NamedTuple):
@@ -257,7 +260,8 @@ class IngressForward:
         """The ingress's answer to ``chunks`` (an infer body whose JSON header is
         ``header_length`` bytes) POSTed to ``path``; None where no replica answered it (no
         connection, or one closed before the answer, as HAProxy closes idle connections on a
-        reload; HAProxy's own 502 / 503 for a request whose replica died, ``_INGRESS_GAVE_UP``):
+        reload; HAProxy's own 502 / 503 for a request whose replica died, ``_INGRESS_GAVE_UP``;
+        421 from another server's replica that HAProxy sent it to, ``_MISDIRECTED``):
         the caller takes the router's path instead (a request that had reached a replica runs
         again, as HAProxy's own retry of a dead replica runs it: an infer is a pure function of
         its request, and the dead replica answered nothing).
@@ -277,7 +281,7 @@ class IngressForward:
                     self._down_until = asyncio.get_running_loop().time() + INGRESS_DOWN_S
                     return None
                 answer = await connection.send([head.encode("latin-1"), *chunks])
-                if _INGRESS_GAVE_UP.get(answer.status) == answer.body:
+                if _INGRESS_GAVE_UP.get(answer.status) == answer.body or answer.status == _MISDIRECTED:
                     return None
                 return Response(answer.body, status_code=answer.status, headers=answer.headers)
         except TimeoutError:

@@ -10,7 +10,9 @@ holds it retried once or answered in JSON (``answer_replica_deaths``); a request
 takes answered in JSON (``answer_unrouted``: 503 while the server starts or stops); the router's
 servers as backups of each dedicated model's backend (``router_backs_up_models``); a pool model's
 requests sent to the replica its name hashes to (``hash_pool_models``), or to one its placement
-names (``place_pool_models``, ``publish_placement``: ``placement: bytes``). Standard library only (it
+names (``place_pool_models``, ``publish_placement``: ``placement: bytes``); every request stamped
+with this Ray cluster's id, which a replica of another cluster refuses (``mark_cluster``,
+``cluster_id``). Standard library only (it
 runs under the first ``python3`` on PATH, as a script, outside the ``deployments`` package).
 
 HAProxy's ``listen stats`` (``bind *:8404``) and ``frontend prometheus`` (``bind :9101``) come
@@ -669,12 +671,64 @@ def publish_placement(map_path: str, socket_path: str | None, entries: Mapping[s
         return f"{socket_path}: {e}"
 
 
-def rewrite_config(config: str, map_file: str | None = None) -> str:
+# Several servers (Ray clusters) may run on one host, each replica on a port of Ray's
+# direct-ingress range (30000 and up; ``deployments.loopback``). A port one cluster's HAProxy
+# still lists can be held by another cluster's replica now: a server entry kept after its
+# replica went (until Ray renders the config again), or a port another cluster's replica bound
+# between Ray's choice of it and this replica's own bind ("Failed to bind ... Retrying"). HAProxy's
+# health check (Ray's ``/-/healthz``, answered by any Serve replica) passes there, so the request
+# went to the other cluster's replica, which answered it under a 200 with its own model (or,
+# for a shared-memory infer, "region not registered"). So every HTTP frontend stamps each
+# request with its cluster's id (``CLUSTER_HEADER``, replacing one a client sent), and every
+# replica app answers a request stamped with another cluster's id 421 without running it
+# (``deployments.routes.ClusterGuard``). The id is the Ray session's name, which every process
+# of a cluster, on every node, reads the same way (``cluster_id``).
+CLUSTER_HEADER = "X-Trt-Serve-Cluster"
+CLUSTER_MARKER = "# trt-serve: each request names this server's Ray cluster (deployments/haproxy.py)"
+_SESSION_NAME = "--session-name="
+
+
+def cluster_id(environ: Mapping[str, str]) -> str | None:
+    """This Ray cluster's id, as any of its processes (a replica, HAProxy's manager actor and so
+    this wrapper) reads it: the Ray session name (``session_<date>_<pid>``, shared by every node
+    of the cluster) from the command line of the node's raylet (``RAY_RAYLET_PID``, which Ray
+    sets in each worker's environment). None outside a Ray worker or where it cannot be read."""
+    pid = environ.get("RAY_RAYLET_PID", "")
+    if not pid.isdigit():
+        return None
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    names = [arg[len(_SESSION_NAME):] for arg in args if arg.startswith(_SESSION_NAME)]
+    return names[0] if names and re.fullmatch(r"[\w.-]+", names[0]) else None
+
+
+def mark_cluster(config: str, cluster: str) -> str:
+    """``config`` with each ``frontend`` (but Prometheus', ``WILDCARD_SECTIONS``) setting
+    ``CLUSTER_HEADER: cluster`` on every request as its first rule (``set-header`` replaces any
+    a client sent). Idempotent (a marker comment)."""
+    if CLUSTER_MARKER in config:
+        return config
+    if not re.fullmatch(r"[\w.-]+", cluster):
+        raise ValueError(f"cluster id {cluster!r}: letters, digits, '_', '.' and '-' only")
+    out = []
+    for line in config.splitlines(keepends=True):
+        out.append(line if line.endswith("\n") else line + "\n")
+        words = line.split()
+        if words[:1] == ["frontend"] and line.strip() not in WILDCARD_SECTIONS:
+            out += [f"    {CLUSTER_MARKER}\n", f"    http-request set-header {CLUSTER_HEADER} {cluster}\n"]
+    return "".join(out)
+
+
+def rewrite_config(config: str, map_file: str | None = None, cluster: str | None = None) -> str:
     """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
     ``answer_unrouted``, ``router_backs_up_models``, ``hash_pool_models`` then, given the
-    placement's ``map_file``, ``place_pool_models``."""
+    placement's ``map_file``, ``place_pool_models``, and given this Ray ``cluster``'s id
+    (``cluster_id``), ``mark_cluster``."""
     config = hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
-    return config if map_file is None else place_pool_models(config, map_file)
+    config = config if map_file is None else place_pool_models(config, map_file)
+    return config if cluster is None else mark_cluster(config, cluster)
 
 
 def real_haproxy(environ: Mapping[str, str]) -> str:
@@ -707,7 +761,8 @@ def _config_path(args: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, then its side
+    """As Ray's HAProxy binary: rewrite the ``-f`` config (``rewrite_config``, with this Ray
+    cluster's id from the environment Ray gave it, ``cluster_id``; then its side
     ports ``choose_side_ports``, under the lock Ray writes it with), then become the real
     HAProxy with the same arguments. Exit status 2
     with one line on stderr when the config cannot be kept on loopback or no real binary is
@@ -727,7 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 placement = Path(config + PLACEMENT_MAP_SUFFIX)
                 if not placement.exists():  # HAProxy refuses a config whose map file is missing
                     placement.write_text("")
-                rewritten = choose_side_ports(rewrite_config(text, str(placement)), Path(config + PORTS_SUFFIX),
+                rewritten = choose_side_ports(rewrite_config(text, str(placement), cluster_id(os.environ)),
+                                              Path(config + PORTS_SUFFIX),
                                               "-sf" in args)
                 path.write_text(rewritten)
             except (OSError, ValueError) as e:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import unquote
@@ -26,6 +28,7 @@ from . import __version__
 from .admission import Admission
 from .client import ModelClient
 from .control import Desired, Follower
+from .haproxy import CLUSTER_HEADER, cluster_id
 from .observe.metrics import node_directory, node_families, render as render_metrics
 from .observe.options import start as start_metrics
 from .observe.router import RouterObserver, add_phases, observe_infer
@@ -37,7 +40,8 @@ from .protocol.errors import detached, error_status, retry_after_headers
 from .protocol.shared_memory import SharedMemory
 from .protocol.triton import model_configuration, platform_of
 from .protocol.v2 import InferRequest, model_metadata, parse_json
-from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, ModelNotFound, ModelNotReady,
+from .runtime.contract.errors import (InferenceTimeout, InvalidInput, MethodNotAllowed, MisdirectedRequest,
+                                      ModelNotFound, ModelNotReady,
                                       PayloadTooLarge, RequestTimeout, ServingError, unknown_model, unloaded_model)
 from .runtime.contract.repository import ModelEntry, ModelRepository
 from .states import LOADED, ModelStates, Status
@@ -88,6 +92,35 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None, lo
                     headers={**retry_after_headers(exc), **(headers or {})})
 
 
+class ClusterGuard:
+    """ASGI middleware: a request that HAProxy stamped with another Ray cluster's id
+    (``haproxy.CLUSTER_HEADER``; ``deployments/haproxy.py``, ``mark_cluster``) is answered 421
+    (``MisdirectedRequest``) and not run: it came from another server's HAProxy on this host
+    through a port this replica holds now. A request without the header (Serve's Python proxy
+    mode, a handle, a test calling the app) and every request where ``cluster`` is None (this
+    process's cluster unknown) pass."""
+
+    def __init__(self, app: Callable, cluster: str | None) -> None:
+        self.app = app
+        self.cluster = cluster
+        self._header = CLUSTER_HEADER.lower().encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.cluster is not None:
+            sent = next((value.decode("latin-1") for name, value in scope.get("headers", ()) if name == self._header), None)
+            if sent is not None and sent != self.cluster:
+                logging.getLogger("ray.serve").warning(
+                    "421: a request for %s from the HAProxy of Ray cluster '%s' reached this replica of '%s'",
+                    scope.get("path", "?"), sent, self.cluster)
+                error = MisdirectedRequest(
+                    f"this replica belongs to another Ray cluster ('{self.cluster}', not '{sent}', whose HAProxy "
+                    "sent the request): it reached it through a stale or shared port (another server runs on "
+                    "this host); the request was not run: send it again")
+                await error_response(error, log=False)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass(frozen=True)
 class RouterOptions:
     """The router's options (their defaults live in ``deployments.app.AppArgs``).
@@ -121,15 +154,19 @@ class V2Routes:
     constructor awaits it, ``Follower.first_sync``, so only where the control replica was out of reach).
     ``shared_memory``: this process's ``SharedMemory`` (``deployments.regions``), through which
     the infer requests it decodes read and write tensors in shared memory (None: refused).
+    ``cluster``: this process's Ray cluster (``haproxy.cluster_id``): a request HAProxy stamped
+    with another's is answered 421 (``ClusterGuard``, which ``build_app`` puts before every route).
     """
 
     admission: Admission | None = None
     follower: Follower | None = None
     shared_memory: SharedMemory | None = None
+    cluster: str | None = None
 
     def __init__(self, repo: ModelRepository, client: ModelClient, options: RouterOptions,
                  observer: RouterObserver | None = None, initial: Desired | None = None) -> None:
         self.repo = repo
+        self.cluster = cluster_id(os.environ)
         self.observer = observer
         self.client = client
         self.max_body_bytes = options.max_body_bytes
@@ -169,7 +206,7 @@ class V2Routes:
 
     def build_app(self) -> Starlette:
         app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed},
-                        middleware=[Middleware(CompressionMiddleware)])
+                        middleware=[Middleware(ClusterGuard, cluster=self.cluster), Middleware(CompressionMiddleware)])
         app.router.redirect_slashes = False  # a trailing slash is an unknown route (404), not a redirect
         return app
 

@@ -152,6 +152,28 @@ def test_haproxys_own_answer_for_a_replica_that_died_sends_the_call_through_the_
     assert (response.status_code, called, usable, sent) == (200, ["/v2/models/simple/infer"], True, 1)
 
 
+def test_another_clusters_replica_refusing_the_call_sends_it_through_the_router():
+    """HAProxy sent the forwarded body to a replica of another server on this host, which
+    answered 421 without running it (``routes.ClusterGuard``): the router's handles, which reach
+    only this cluster's replicas, run it; the ingress stays usable."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"error": "this replica belongs to another Ray cluster"}, status=421)
+
+    async def main() -> tuple[Response, list[str], bool]:
+        runner, url, _ = await ingress(answer)
+        routes = Routes()
+        forward = IngressForward(url, 30.0)
+        try:
+            response = await InferenceService(routes, forward).infer(message())
+            return response, routes.called, forward.usable()
+        finally:
+            await forward.close()
+            await runner.cleanup()
+
+    response, called, usable = asyncio.run(main())
+    assert (response.status_code, called, usable) == (200, ["/v2/models/simple/infer"], True)
+
+
 def test_an_ingress_that_cannot_be_reached_leaves_the_calls_to_the_router_for_a_while():
     async def main() -> tuple[list[str], bool, float, float]:
         routes = Routes()

@@ -1020,3 +1020,81 @@ def test_the_placement_rules_go_into_the_hashed_pool_backend_only(tmp_path):
         "pool-a } { srv_is_up(http-models.pool/pool-a) }" in pool
     assert haproxy.publish_placement(str(tmp_path / "p.map"), None, {"m": "a"}) == "no HAProxy admin socket"
     assert (tmp_path / "p.map").read_text() == "m a\n"
+
+
+@contextlib.contextmanager
+def _process_with_args(*args: str) -> Iterator[int]:
+    """A process whose command line ends in ``args`` (as a raylet's names its session); its pid."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *args])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_the_cluster_id_is_the_session_name_on_the_command_line_of_the_nodes_raylet():
+    with _process_with_args("--node-ip-address=127.0.0.1", "--session-name=session_2026_a_1", "--gcs-address=x") as pid:
+        assert haproxy.cluster_id({"RAY_RAYLET_PID": str(pid)}) == "session_2026_a_1"
+    with _process_with_args("--node-ip-address=127.0.0.1") as pid:
+        assert haproxy.cluster_id({"RAY_RAYLET_PID": str(pid)}) is None
+    assert haproxy.cluster_id({}) is None  # not a Ray worker (a test, a driver): nothing to check
+
+
+def test_each_http_frontend_names_its_cluster_on_every_request_and_haproxy_accepts_it(tmp_path):
+    """The rewrite sets ``X-Trt-Serve-Cluster`` in Ray's HTTP frontend (not Prometheus'), once,
+    and HAProxy accepts the config; without a cluster id nothing is set."""
+    rays = _ray_haproxy_config(tmp_path, "127.0.0.1", {"models": "/"}).read_text()
+    config = haproxy.rewrite_config(rays, cluster="session_a")
+    assert haproxy.rewrite_config(config, cluster="session_a") == config
+    front = config.split("frontend http_frontend\n")[1].split("\nbackend ")[0]
+    assert front.count(f"http-request set-header {haproxy.CLUSTER_HEADER} session_a") == 1
+    assert haproxy.CLUSTER_HEADER not in config.split("frontend prometheus\n")[1].split("frontend http_frontend")[0]
+    assert haproxy.CLUSTER_HEADER not in haproxy.rewrite_config(rays)
+    path = tmp_path / "rewritten.cfg"
+    path.write_text(config)
+    done = subprocess.run([_real_haproxy(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with pytest.raises(ValueError, match="cluster id"):
+        haproxy.mark_cluster(rays, "a b")
+
+
+_HEADER_ECHO = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args): pass
+    def do_GET(self):
+        body = json.dumps(self.headers.get_all("X-Trt-Serve-Cluster") or []).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def test_the_wrapper_stamps_its_clusters_id_and_a_clients_own_header_does_not_reach_the_replica(tmp_path):
+    """As Ray runs it (``RAY_RAYLET_PID`` in its environment), the wrapper's HAProxy sends each
+    request to the replica with exactly one ``X-Trt-Serve-Cluster``: its raylet's session name,
+    whatever the client sent in that header."""
+    front, stats, prometheus, replica = (_free_port() for _ in range(4))
+    path = _ray_haproxy_config(tmp_path, "127.0.0.1", {"models": "/"})
+    path.write_text(path.read_text().replace("127.0.0.1:8000", f"127.0.0.1:{front}")
+                    .replace("*:8404", f"*:{stats}").replace(":9101", f":{prometheus}")
+                    .replace("127.0.0.1:9 ", f"127.0.0.1:{replica} "))
+    echo = subprocess.Popen([sys.executable, "-c", _HEADER_ECHO, str(replica)])
+    with _process_with_args("--session-name=session_ours") as raylet:
+        env = dict(os.environ, RAY_RAYLET_PID=str(raylet), **{haproxy.REAL_BINARY_ENV: _real_haproxy()})
+        server = subprocess.Popen([str(WRAPPER), "-db", "-f", str(path)], env=env)
+        try:
+            _until(lambda: (_get(front, "/x") or (0,))[0] == 200)
+            conn = http.client.HTTPConnection(haproxy.LOOPBACK, front, timeout=5)
+            conn.request("GET", "/x", headers={"X-Trt-Serve-Cluster": "session_theirs"})
+            response = conn.getresponse()
+            assert (response.status, json.loads(response.read())) == (200, ["session_ours"])
+            assert json.loads(_get(front, "/x")[1]) == ["session_ours"]
+        finally:
+            for process in (server, echo):
+                process.kill()
+                process.wait()

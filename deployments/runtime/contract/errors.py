@@ -103,6 +103,11 @@ class Overloaded(ServingError):
         return (type(self), (self.message, self.retry_after_s))
 
 
+class MisdirectedRequest(ServingError):
+    """The request reached a replica of another server (another Ray cluster on the same host,
+    through a port that cluster's replica holds now): it was not run here (HTTP 421)."""
+
+
 class InferenceTimeout(ServingError):
     """No execution context or answer within the deadline (HTTP 504)."""
 
