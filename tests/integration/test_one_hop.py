@@ -244,8 +244,11 @@ def test_a_pool_replica_killed_under_load_answers_every_request_and_the_pool_hea
             t.join(150)
     assert not any(t.is_alive() for t in threads)
     for sent, done, status, kind, retry_after, text in seen:
-        if status is None and sent <= killed_at and done >= killing:
-            continue  # in flight at the kill: no answer, or one cut short (docstring)
+        # in flight at the kill: no answer, or one cut short (docstring); ``killed_at`` is when a
+        # poll of /proc saw the process gone, and HAProxy sees its sockets close a moment apart
+        # from that: a request sent within 0.1 s after it can still have reached the replica
+        if status is None and sent <= killed_at + 0.1 and done >= killing:
+            continue
         assert status is not None, (round(sent - killed_at, 2), text)  # not in flight: a full answer
         if status == 200:
             outputs = {o["name"]: o["data"] for o in json.loads(text)["outputs"]}
