@@ -630,7 +630,7 @@ def placement_map(servers: Mapping[str, Sequence[str]]) -> dict[str, str]:
     return out
 
 
-def _admin(socket_path: str, command: str, timeout_s: float = 2.0) -> str:
+def admin_command(socket_path: str, command: str, timeout_s: float = 2.0) -> str:
     """One command on HAProxy's admin socket (one connection, non-interactive); its answer."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(timeout_s)
@@ -657,15 +657,15 @@ def publish_placement(map_path: str, socket_path: str | None, entries: Mapping[s
     if not socket_path:
         return "no HAProxy admin socket"
     try:
-        prepared = _admin(socket_path, f"prepare map {map_path}\n")
+        prepared = admin_command(socket_path, f"prepare map {map_path}\n")
         version = re.search(r"New version created: (\d+)", prepared)
         if version is None:
             return f"prepare map: {prepared.strip()}"
         if text:
-            added = _admin(socket_path, f"add map @{version[1]} {map_path} <<\n{text}\n").strip()
+            added = admin_command(socket_path, f"add map @{version[1]} {map_path} <<\n{text}\n").strip()
             if added:
                 return f"add map: {added}"
-        committed = _admin(socket_path, f"commit map @{version[1]} {map_path}\n").strip()
+        committed = admin_command(socket_path, f"commit map @{version[1]} {map_path}\n").strip()
         return f"commit map: {committed}" if committed else None
     except OSError as e:
         return f"{socket_path}: {e}"

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -34,6 +33,7 @@ import yaml
 
 from bench.autoscale import start_runner
 from bench.replicas import gone_at, interrupt_group, replica_pids
+from deployments.haproxy import admin_command
 
 from .conftest import REPOSITORY, _free_port, runner_config
 
@@ -142,12 +142,7 @@ def infer_grpc(address: str, model: str, seed: int) -> tuple[int | None, str | n
 
 
 def _admin(socket_path: str, command: str) -> str:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(socket_path)
-        s.sendall(command.encode() + b"\n")
-        s.shutdown(socket.SHUT_WR)
-        return b"".join(iter(lambda: s.recv(65536), b"")).decode()
+    return admin_command(socket_path, command + "\n", timeout_s=5)
 
 
 def _backend(model: str) -> str:

@@ -7,7 +7,6 @@ a port B's replica took between Ray's choice and A's bind leaves it): A's client
 from __future__ import annotations
 
 import re
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import yaml
 
 from bench.autoscale import start_runner
 from bench.replicas import interrupt_group, session_processes
+from deployments.haproxy import admin_command
 
 from .conftest import REPOSITORY, runner_config
 
@@ -74,13 +74,7 @@ def _servers(config: str, backend: str) -> dict[str, tuple[str, int]]:
 
 
 def _admin(config: str, command: str) -> str:
-    path = re.search(r"stats socket (\S+)", config)[1]
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(path)
-        s.sendall(command.encode() + b"\n")
-        s.shutdown(socket.SHUT_WR)
-        return b"".join(iter(lambda: s.recv(65536), b"")).decode()
+    return admin_command(re.search(r"stats socket (\S+)", config)[1], command + "\n", timeout_s=5)
 
 
 def _logits(source: str) -> np.ndarray:
