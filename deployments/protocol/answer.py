@@ -116,6 +116,9 @@ async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], tim
 def late(bound: asyncio.Timeout) -> bool:
     """Whether an answer came past ``bound`` without the bound firing: a call that never yielded
     to the event loop (a model run in the loop's thread, ``ModelHost.runs_inline``) is as late as
-    one answered from a worker thread after its deadline, and answers 504 alike."""
+    one answered from a worker thread after its deadline, and answers 504 alike. The clock is
+    read now: uvloop's ``loop.time()`` (Serve's replicas run on uvloop) is the time its current
+    iteration began, which a run that never yielded does not move; both loops count
+    ``CLOCK_MONOTONIC``, as ``time.monotonic()``."""
     when = bound.when()
-    return when is not None and asyncio.get_running_loop().time() >= when
+    return when is not None and max(asyncio.get_running_loop().time(), time.monotonic()) >= when

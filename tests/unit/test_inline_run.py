@@ -26,18 +26,21 @@ BODY = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "da
                    {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": X1.ravel().tolist()}]}
 
 
-@pytest.fixture
-def replica(prepared_engines):
+@pytest.fixture(params=[False, True], ids=["asyncio", "uvloop"])
+def replica(prepared_engines, request):
     """Triton's ``simple`` (OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1, ONNX Runtime CPU) in a
     dedicated replica without Ray, metrics off, and whether each run found an event loop running in
-    its thread (True: it ran inline)."""
+    its thread (True: it ran inline); served on asyncio's loop and on uvloop's (Serve's replicas
+    run on uvloop, whose clock stands still during a run that never yields)."""
     replica = Deployment.__new__(Deployment)
     asyncio.run(Deployment.__init__(replica, str(prepared_engines), "simple", "onnxruntime",
                                     RouterOptions(max_body_bytes=1 << 20, request_timeout_s=60.0),
                                     {"enabled": False}))
     on_loop: list[bool] = []
     replica.host.run = recording(replica.host.run, on_loop)
-    yield TestClient(replica.__serve_build_asgi_app__(), raise_server_exceptions=False), replica, on_loop
+    client = TestClient(replica.__serve_build_asgi_app__(), raise_server_exceptions=False,
+                        backend_options={"use_uvloop": request.param})
+    yield client, replica, on_loop
     replica.host.unload()
 
 
