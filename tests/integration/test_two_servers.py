@@ -97,7 +97,7 @@ def test_a_request_haproxy_sends_to_another_servers_replica_is_refused_421_never
             [(b_host, b_port)] = _servers(b_config, BACKEND).values()
             for name in _servers(a_config, BACKEND):  # A's HAProxy now lists B's replica port for cnn
                 changed = _admin(a_config, f"set server {BACKEND}/{name} addr {b_host} port {b_port}")
-                assert f"to '{b_port}'" in changed, changed
+                assert f"to '{b_port}'" in changed or "no need to change the port" in changed, changed
             r = requests.post(f"{a_url}/v2/models/cnn/infer", json=BODY, timeout=60)
             if r.status_code == 200:  # a reload put A's own replica back: A's model, never B's
                 np.testing.assert_allclose(r.json()["outputs"][0]["data"], _logits("tiny_cnn").ravel(),
