@@ -33,7 +33,7 @@ from .observe.metrics import node_directory, node_families, render as render_met
 from .observe.options import start as start_metrics
 from .observe.router import RouterObserver, add_phases, observe_infer
 from .observe.statistics import statistics
-from .protocol.answer import answer, late, request_bound, timeout_error
+from .protocol.answer import answer, answered_within, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
 from .protocol.compression import CompressionMiddleware, decompress
 from .protocol.errors import detached, error_status, retry_after_headers
@@ -491,13 +491,9 @@ class V2Routes:
                 replicas while the request waited).
         """
         timeout_s, asked = request_bound(timeout_s, self.request_timeout_s)
-        try:
-            async with asyncio.timeout(timeout_s + grace_s) as bound:  # in this task: no task per request
-                result = await call
-            if not late(bound):
-                return result
-        except TimeoutError:
-            pass
+        answered, result = await answered_within(call, timeout_s + grace_s)
+        if answered:
+            return result
         if not self.states.is_ready(name):  # it lost its replicas while the request waited
             self._require_ready(self.repo.get(name))
         raise timeout_error(name, timeout_s, asked) from None

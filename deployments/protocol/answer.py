@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from .binary import decode_body, encode_response
 from .parameters import apply_classification
 from .shared_memory import SharedMemory
 from .v2 import InferRequest
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,14 +105,24 @@ async def within_timeout(model: str, call: Awaitable[dict[str, np.ndarray]], tim
         InferenceTimeout: the bound passed (the message names which).
     """
     timeout_s, asked = request_bound(timeout_s, default_s)
+    answered, result = await answered_within(call, timeout_s)
+    if answered:
+        return result
+    raise timeout_error(model, timeout_s, asked)
+
+
+async def answered_within(call: Awaitable[T], seconds: float) -> tuple[bool, T | None]:
+    """``(True, call's result)`` where ``call`` answered within ``seconds``, ``(False, None)``
+    where it did not: the bound fired, or the answer came past it without the bound firing
+    (``late``). Bounded in this task: no task per call, as ``wait_for``'s."""
     try:
-        async with asyncio.timeout(timeout_s) as bound:  # in this task: no task per request, as wait_for's
+        async with asyncio.timeout(seconds) as bound:
             result = await call
         if not late(bound):
-            return result
+            return True, result
     except TimeoutError:
         pass
-    raise timeout_error(model, timeout_s, asked) from None
+    return False, None
 
 
 def late(bound: asyncio.Timeout) -> bool:
