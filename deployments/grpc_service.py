@@ -230,7 +230,6 @@ class IngressForward:
 
     def __init__(self, base_url: str, request_timeout_s: float) -> None:
         address = urlsplit(base_url)
-        self.base_url = base_url.rstrip("/")
         self.host, self.port = address.hostname or "127.0.0.1", address.port or 80
         self.request_timeout_s = request_timeout_s
         self._host_header = address.netloc

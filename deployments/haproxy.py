@@ -686,6 +686,7 @@ def publish_placement(map_path: str, socket_path: str | None, entries: Mapping[s
 CLUSTER_HEADER = "X-Trt-Serve-Cluster"
 CLUSTER_MARKER = "# trt-serve: each request names this server's Ray cluster (deployments/haproxy.py)"
 _SESSION_NAME = "--session-name="
+_CLUSTER_ID = re.compile(r"[\w.-]+")  # what a cluster id may hold: it is written into the config as it is
 
 
 def cluster_id(environ: Mapping[str, str]) -> str | None:
@@ -701,7 +702,7 @@ def cluster_id(environ: Mapping[str, str]) -> str | None:
     except OSError:
         return None
     names = [arg[len(_SESSION_NAME):] for arg in args if arg.startswith(_SESSION_NAME)]
-    return names[0] if names and re.fullmatch(r"[\w.-]+", names[0]) else None
+    return names[0] if names and _CLUSTER_ID.fullmatch(names[0]) else None
 
 
 def mark_cluster(config: str, cluster: str) -> str:
@@ -710,7 +711,7 @@ def mark_cluster(config: str, cluster: str) -> str:
     a client sent). Idempotent (a marker comment)."""
     if CLUSTER_MARKER in config:
         return config
-    if not re.fullmatch(r"[\w.-]+", cluster):
+    if not _CLUSTER_ID.fullmatch(cluster):
         raise ValueError(f"cluster id {cluster!r}: letters, digits, '_', '.' and '-' only")
     out = []
     for line in config.splitlines(keepends=True):
