@@ -149,6 +149,13 @@ class LoadFault(ServingError):
     is in the server log."""
 
 
+def refused_by_the_model(error: BaseException) -> bool:
+    """Whether a run of the server's own making (a config's warm-up, a warming or measuring run
+    on zeros) failed because the model refused its input (``InvalidInput``, an
+    ``InferenceError``), not because the engine or device is unusable (``EngineFault``)."""
+    return isinstance(error, (InferenceError, InvalidInput)) and not isinstance(error, EngineFault)
+
+
 def unknown_model(name: str, detail: str, version: str | None = None) -> ModelNotFound:
     """``ModelNotFound`` worded as Triton words it, our detail after it:
     ``Request for unknown model: 'name' [version V ]is not found; <detail>``.

@@ -44,7 +44,7 @@ from ..backends.select import requested_backend, resolve_backend
 from ..contract.files import write_atomic
 from ..contract.config import ModelConfig
 from ..contract.datatypes import zeros
-from ..contract.errors import EngineFault, InferenceError, InvalidInput, ServingError
+from ..contract.errors import InferenceError, InvalidInput, ServingError, refused_by_the_model
 from ..contract.repository import ModelEntry
 from ..contract.shapes import batch_of, max_profile_shapes
 from .host import ModelHost
@@ -198,7 +198,7 @@ def load_and_measure(host: ModelHost, measure_elements: int | None = MEASURE_INP
             try:
                 context_bytes = measure_context_bytes(host, measure_elements)
             except (InferenceError, InvalidInput) as e:
-                if isinstance(e, EngineFault):  # the engine or device is unusable: no load can serve
+                if not refused_by_the_model(e):  # the engine or device is unusable: no load can serve
                     raise
                 _measuring_failed(host, e)
             else:

@@ -15,7 +15,8 @@ from ..backends.base import GPU_BACKENDS, Engine, ExecutionContext, Footprint
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
 from ..contract.device import device_io, device_targets, refuse_device_io, takes_device_io
-from ..contract.errors import ConfigError, EngineFault, InferenceError, InferenceTimeout, InvalidInput, ModelNotReady
+from ..contract.errors import (ConfigError, InferenceError, InferenceTimeout, InvalidInput, ModelNotReady,
+                               refused_by_the_model)
 from ..contract.graph_checks import GraphChecks
 from ..contract.repository import ModelEntry
 from ..contract.reshape import Reshape, engine_config
@@ -132,7 +133,7 @@ class ModelHost:
                         for context in contexts:
                             context.infer(request)
                 except (InvalidInput, InferenceError) as e:  # no client sent it: the config's warmup is at fault
-                    if isinstance(e, EngineFault):
+                    if not refused_by_the_model(e):
                         raise
                     raise ConfigError(f"{self.entry.path / 'config.yaml'}: warmup: a warm-up run the model's config "
                                       f"asks for failed: {e.message}; change or remove its warmup section") from e
@@ -332,7 +333,7 @@ class ModelHost:
                     try:
                         context.infer(feed)
                     except (InferenceError, InvalidInput) as e:
-                        if isinstance(e, EngineFault):
+                        if not refused_by_the_model(e):
                             raise
                         # The model refused the server's own zeros (an integer Div by zero, a
                         # Reshape this size does not divide): no request asked for this run.
