@@ -91,10 +91,14 @@ def test_a_request_haproxy_sends_to_another_servers_replica_is_refused_421_never
             r = requests.post(f"{url}/v2/models/cnn/infer", json=BODY, timeout=60)
             assert r.status_code == 200, r.text
             np.testing.assert_allclose(r.json()["outputs"][0]["data"], _logits(source).ravel(), rtol=1e-4, atol=1e-5)
+        deadline = time.monotonic() + 60  # B's replica, as B's HAProxy lists it (none while Ray renders it anew)
+        while len(b_servers := _servers(_haproxy_config(b[0]), BACKEND)) != 1:
+            assert time.monotonic() < deadline, f"B's HAProxy lists {b_servers} for cnn"
+            time.sleep(0.5)
+        [(b_host, b_port)] = b_servers.values()
         refused = 0
         for _ in range(10):  # Ray may render and reload A's HAProxy meanwhile: point it at B again
-            a_config, b_config = _haproxy_config(a[0]), _haproxy_config(b[0])
-            [(b_host, b_port)] = _servers(b_config, BACKEND).values()
+            a_config = _haproxy_config(a[0])
             for name in _servers(a_config, BACKEND):  # A's HAProxy now lists B's replica port for cnn
                 changed = _admin(a_config, f"set server {BACKEND}/{name} addr {b_host} port {b_port}")
                 assert f"to '{b_port}'" in changed or "no need to change the port" in changed, changed
