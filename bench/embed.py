@@ -8,9 +8,15 @@ request carries one text, as a query path does; each client cycles through the m
 one in 16 per client equal to the in-process reference (``reference``: ``tokenizers`` + ONNX
 Runtime on the CPU + mean pooling + L2, apart from the server's code) within ``--atol``.
 
-Variants (``VARIANTS``), each a fresh cluster serving ``embed`` and its encoder:
-  unbatched           the encoder without dynamic batching or buckets: each request its own
-                      call, at its own sequence length (on a GPU, one new shape per length)
+Variants (``VARIANTS``: the encoder's config, and ``PIPELINE_VARIANTS``: the pipeline's
+parameters), each a fresh cluster serving ``embed`` and its encoder:
+  unbatched           no batching anywhere: the pipeline sends each text in its own encoder call
+                      (``batch_size`` 1, no bound on calls in flight but the replica's), the
+                      encoder without dynamic batching: each text at its own sequence length (on
+                      a GPU, one new shape per length)
+  joined              the encoder without dynamic batching, the pipeline as shipped: its replica
+                      joins the texts that wait while ``replica_calls_in_flight`` calls run into
+                      one call padded to its longest (``pipelines.JoinedCalls``)
   bucketed            as shipped: dynamic batching with sequence buckets [16, 32, 64, 128, 256]
                       (``dynamic_batching.sequence_buckets``): calls padded to a bucket, joined
                       while the execution contexts are busy
@@ -23,12 +29,13 @@ does with no server around it.
 
 Reported per variant and client count: texts/s, p50, p99, errors, and from the encoder
 replica's batch counters the padding waste (padded sequence positions over all positions the
-encoder ran) and the rows per encoder call, and from ``/proc`` the CPU milliseconds per text of
+encoder ran), from the encoder's statistics (rows over executions) the texts per encoder call,
+and from ``/proc`` the CPU milliseconds per text of
 the pipeline's replicas and of the encoder's (``bench.replicas.CpuSampler``, over the measured
 window: every thread of those processes).
 
     python -m bench.embed [--clients 1,16,64,256] [--duration-s 10] [--gpu-fraction 0.25]
-        [--variants unbatched,bucketed] [--out bench/results/embed.json]
+        [--variants unbatched,joined,bucketed] [--out bench/results/embed.json]
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import platform
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
@@ -56,12 +64,18 @@ ENCODER = "all-MiniLM-L6-v2"
 PIPELINE = "embed"
 MAX_SEQ_LENGTH = 256
 BUCKETS = [16, 32, 64, 128, 256]
+STATS_LAG_S = 2.0  # the statistics lag the requests by the metrics' report interval
+MAX_ONGOING = 512  # each replica's max_ongoing_requests here
 VARIANTS: dict[str, dict[str, Any]] = {
     "unbatched": {"dynamic_batching": {"enabled": False}},
+    "joined": {"dynamic_batching": {"enabled": False}},
     "bucketed": {"dynamic_batching": {"max_queue_delay_ms": 2, "sequence_buckets": BUCKETS}},
     "bucketed_padded": {"dynamic_batching": {"max_queue_delay_ms": 2, "sequence_buckets": BUCKETS,
                                              "preferred_batch_size": [8, 32]}},
     "batched_unbucketed": {"dynamic_batching": {"max_queue_delay_ms": 2, "sequence_buckets": []}},
+}
+PIPELINE_VARIANTS: dict[str, dict[str, Any]] = {
+    "unbatched": {"batch_size": 1, "replica_calls_in_flight": MAX_ONGOING},
 }
 
 
@@ -130,18 +144,34 @@ def workload(base_url: str, texts: Sequence[str], references: np.ndarray, atol: 
                     {"Content-Type": "application/json"}, expected, tuple(rest))
 
 
-def prepare(dest: Path, variant: str, gpu_fraction: float, replicas: int, pipeline_replicas: int = 1) -> Path:
-    """A repository at ``dest``: the embed pipeline and its encoder, configured as ``variant``."""
+def prepare(dest: Path, variant: str, gpu_fraction: float, replicas: int, pipeline_replicas: int = 1,
+            calls_in_flight: int | None = None) -> Path:
+    """A repository at ``dest``: the embed pipeline and its encoder, configured as ``variant``
+    (``calls_in_flight``: the pipeline's ``replica_calls_in_flight`` where the variant joins
+    calls; None: as shipped)."""
     encoder = yaml.safe_load((ROOT / "engines" / ENCODER / "config.yaml").read_text())
     encoder.update(VARIANTS[variant])
     encoder["deployment"] = {"mode": "dedicated", "num_replicas": replicas, "num_cpus": 0.1,
-                             "max_ongoing_requests": 512, **({"num_gpus": gpu_fraction} if gpu_fraction else {})}
+                             "max_ongoing_requests": MAX_ONGOING,
+                             **({"num_gpus": gpu_fraction} if gpu_fraction else {})}
     pipeline = yaml.safe_load((ROOT / "engines" / PIPELINE / "config.yaml").read_text())
+    parameters = pipeline.setdefault("parameters", {})
+    if calls_in_flight is not None:
+        parameters["replica_calls_in_flight"] = calls_in_flight
+    parameters.update(PIPELINE_VARIANTS.get(variant, {}))
     pipeline["deployment"] = {"mode": "dedicated", "num_replicas": pipeline_replicas, "num_cpus": 0.1,
-                              "max_ongoing_requests": 512}
+                              "max_ongoing_requests": MAX_ONGOING}
     _write_model(dest, ROOT / "engines", ENCODER, ENCODER, encoder)
     _write_model(dest, ROOT / "engines", PIPELINE, PIPELINE, pipeline)
     return dest
+
+
+def encoder_counts(base_url: str) -> tuple[int, int]:
+    """The encoder's (rows, executions) so far, from the statistics extension: rows over
+    executions is the texts per encoder call, whether or not the encoder batches."""
+    with urllib.request.urlopen(f"{base_url}/v2/models/{ENCODER}/stats", timeout=30) as r:
+        stats = json.load(r)["model_stats"]
+    return sum(s["inference_count"] for s in stats), sum(s["execution_count"] for s in stats)
 
 
 def padding_waste(stats: dict[str, Any]) -> float | None:
@@ -173,7 +203,7 @@ def in_process(reference: Reference, texts: Sequence[str], batch: int, duration_
 def main(argv: Sequence[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", default="1,16,64,256")
-    p.add_argument("--variants", default="unbatched,bucketed")
+    p.add_argument("--variants", default="unbatched,joined,bucketed")
     p.add_argument("--duration-s", type=float, default=10.0)
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--in-process", default="1,32", help="texts per in-process call, one row each ('': none)")
@@ -181,6 +211,8 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--gpu-fraction", type=float, default=0.0, help="the encoder's num_gpus (0: CPU)")
     p.add_argument("--replicas", type=int, default=1, help="replicas of the encoder")
     p.add_argument("--pipeline-replicas", type=int, default=1, help="replicas of the embed pipeline")
+    p.add_argument("--calls-in-flight", type=int, default=None,
+                   help="the pipeline's replica_calls_in_flight where the variant joins calls (default: as shipped)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--processes", type=int, default=1, help="client processes")
     p.add_argument("--atol", type=float, default=None, help="answer tolerance (default 1e-4 CPU, 2e-3 GPU)")
@@ -200,17 +232,19 @@ def main(argv: Sequence[str]) -> None:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for variant in a.variants.split(","):
         repo = prepare(Path(tempfile.mkdtemp(prefix=f"embed-{variant}-")), variant, a.gpu_fraction, a.replicas,
-                       a.pipeline_replicas)
+                       a.pipeline_replicas, a.calls_in_flight)
         with Server("ray", repo, "fast", replicas=1, backend=a.backend) as server:
             w = workload(server.url, texts, references, atol)
             pids = {role: replica_pids(server.process.pid, "models", deployment_name(model, role == "pipeline"))
                     for role, model in (("pipeline", PIPELINE), ("encoder", ENCODER))}
             for c in clients:
-                before = server.batch_stats(ENCODER)
+                before, counts_before = server.batch_stats(ENCODER), encoder_counts(server.url)
                 samplers = {role: CpuSampler(p) for role, p in pids.items()}
                 with samplers["pipeline"], samplers["encoder"]:
                     (r,) = run([(w, c)], a.duration_s, a.warmup_s, a.processes)
                 after = server.batch_stats(ENCODER)
+                time.sleep(STATS_LAG_S)
+                rows_run, calls = (b - a for a, b in zip(counts_before, encoder_counts(server.url)))
                 cpu = {f"{role}_cpu_ms_per_text": round(s.window(a.duration_s)[1] * 1e3 / r.qps, 3) if r.qps else None
                        for role, s in samplers.items()}
                 delta = {k: after[k] - before.get(k, 0) for k in ("padded_positions", "positions", "rows", "batches")
@@ -219,7 +253,7 @@ def main(argv: Sequence[str]) -> None:
                              "p99_ms": r.p99_ms, "errors": r.errors, "error_statuses": r.error_statuses,
                              "error_examples": r.error_examples,
                              "padding_waste": padding_waste(delta),
-                             "rows_per_call": round(delta["rows"] / delta["batches"], 2) if delta.get("batches") else None,
+                             "rows_per_call": round(rows_run / calls, 2) if calls > 0 else None,
                              **cpu})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     meta = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "args": vars(a)}

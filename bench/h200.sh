@@ -40,7 +40,7 @@ case "$1" in
   ray) mkdir -p /tmp/py && xz -dc "$D/site.tar.xz" | tar xf - -C /tmp/py && python3 -c 'import ray; print(ray.__version__)' ;;
   tests) export TRITON_CLIENT_EXAMPLES=$PWD/.device/examples/src/python/examples; cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
   embed) cd /tmp/w && python3 -m bench.embed --clients 1,16,64,256 --gpu-fraction 0.25 \
-      --variants ${VARIANTS:-unbatched,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 ${EMBED_ARGS:-} \
+      --variants ${VARIANTS:-unbatched,joined,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 ${EMBED_ARGS:-} \
       --out "$OUT/embed.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
   frontdoors) cd /tmp/w && python3 -m bench.frontdoors --gpu-fraction ${GPU_FRACTION:-0.04} --replicas ${REPLICAS:-1,8} \
       --clients ${CLIENTS:-1,16,64,256} --variants ${VARIANTS:-unbatched,padded,echo} --protocols ${PROTOCOLS:-http,grpc,shm} \
