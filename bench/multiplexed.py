@@ -11,7 +11,8 @@ at route prefix ``/``:
   ``/metrics`` (the loads the pool replicas counted, as ``bench.placement.cache_counters`` reads
   them);
 * ``pool`` (``--replicas``): its ``@serve.multiplexed(max_num_models_per_replica=K)`` loader
-  opens ``<repository>/<m>/1/model.onnx`` in an ONNX Runtime CPU session; the request is
+  opens ``<repository>/<m>/1/model.onnx`` in an ONNX Runtime session (CPU, or CUDA with
+  ``--gpu-fraction``: then each replica holds that fraction of a GPU, as the pool's do); the request is
   decoded and answered with the project's codec (``deployments.protocol.binary``), so the
   answers are checked as the other policies' are. Serve evicts the least recently used model
   past K (by count: the bytes are only counted here, from the footprints ``bench.placement``
@@ -55,7 +56,8 @@ def prometheus_text(replicas: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(repository: str, replicas: int, max_models: int, footprints: dict[str, int], budget_bytes: int) -> Any:
+def build(repository: str, replicas: int, max_models: int, footprints: dict[str, int], budget_bytes: int,
+          gpu_fraction: float = 0.0) -> Any:
     """The application (module docstring)."""
     import ray
     from ray import serve
@@ -87,7 +89,10 @@ def build(repository: str, replicas: int, max_models: int, footprints: dict[str,
             if gone is not None:
                 gone(self.name)
 
-    @serve.deployment(name="pool", num_replicas=replicas, ray_actor_options={"num_cpus": 0})
+    providers = ["CUDAExecutionProvider"] if gpu_fraction else ["CPUExecutionProvider"]
+
+    @serve.deployment(name="pool", num_replicas=replicas,
+                      ray_actor_options={"num_cpus": 0, **({"num_gpus": gpu_fraction} if gpu_fraction else {})})
     class Pool:
         def __init__(self) -> None:
             self.replica = serve.get_replica_context().replica_id.unique_id
@@ -109,7 +114,7 @@ def build(repository: str, replicas: int, max_models: int, footprints: dict[str,
             import onnxruntime as ort
 
             path = os.path.join(repository, name, "1", "model.onnx")
-            session = await asyncio.to_thread(ort.InferenceSession, path, providers=["CPUExecutionProvider"])
+            session = await asyncio.to_thread(ort.InferenceSession, path, providers=providers)
             self.state["reloads" if name in self.seen else "loads"] += 1
             self.seen.add(name)
             self.resident.add(name)
@@ -158,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-models", type=int, required=True)
     parser.add_argument("--budget-bytes", type=int, required=True)
     parser.add_argument("--footprints", required=True, help="JSON: model -> bytes")
+    parser.add_argument("--gpu-fraction", type=float, default=0.0, help="each pool replica's num_gpus (0: CPU)")
     a = parser.parse_args(argv)
     from deployments import loopback
 
@@ -167,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": a.port})
-    serve.run(build(a.repository, a.replicas, a.max_models, json.loads(a.footprints), a.budget_bytes),
+    serve.run(build(a.repository, a.replicas, a.max_models, json.loads(a.footprints), a.budget_bytes,
+                    a.gpu_fraction),
               name=APP, route_prefix="/")
     print(f"serving on 127.0.0.1:{a.port}", flush=True)
     stop = threading.Event()

@@ -59,7 +59,7 @@ so their footprints measured while a neighbour loads count its bytes too).
 ``--policies`` also takes ``multiplexed``: issue 31's anchor, Ray Serve's plain
 ``@serve.multiplexed`` routing with a count cap of ``--budget-fraction`` of the models (10 of
 30: a third, as the byte budget holds) on as many replicas, reached through an ingress
-deployment's handle (a router hop), loading the same model files in ONNX Runtime CPU sessions
+deployment's handle (a router hop), loading the same model files in ONNX Runtime sessions (CUDA on the GPU with ``--gpu-fraction``)
 (``bench.multiplexed``); its cold loads are the loads its loader counted, and its over-budget
 figure the most bytes (by the measured footprints) the count cap let a replica hold past the
 byte budget.
@@ -382,7 +382,7 @@ def write_config(tmp: Path, repository: Path, policy: str, replicas: int, budget
 # --- the server and what it reports ------------------------------------------------------------
 
 def start_multiplexed(repository: Path, port: int, replicas: int, max_models: int, footprints: dict[str, int],
-                      budget_bytes: int, log: Path, **env: str) -> subprocess.Popen:
+                      budget_bytes: int, log: Path, gpu_fraction: float = 0.0, **env: str) -> subprocess.Popen:
     """The anchor (``bench.multiplexed``: Serve's ``@serve.multiplexed`` with a count cap of
     ``max_models``, behind an ingress deployment) in a session of its own, with ``make
     serve``'s environment and ``env`` over it, as ``bench.autoscale.start_runner`` starts a server."""
@@ -394,7 +394,8 @@ def start_multiplexed(repository: Path, port: int, replicas: int, max_models: in
     with log.open("w") as out:
         return subprocess.Popen([sys.executable, "-m", "bench.multiplexed", "--repository", str(repository),
                                  "--port", str(port), "--replicas", str(replicas), "--max-models", str(max_models),
-                                 "--budget-bytes", str(budget_bytes), "--footprints", json.dumps(footprints)],
+                                 "--budget-bytes", str(budget_bytes), "--footprints", json.dumps(footprints),
+                                 "--gpu-fraction", str(gpu_fraction)],
                                 cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -635,7 +636,7 @@ class Bench:
         started = time.monotonic()
         if policy == "multiplexed":
             proc = start_multiplexed(self.repository, port, a.replicas, self.max_models, self.footprints,
-                                     self.budget_bytes, log, **haproxy)
+                                     self.budget_bytes, log, a.gpu_fraction, **haproxy)
         else:
             config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
                                   port, metrics_port, a.gpu_fraction, a.serve_backend)
@@ -789,8 +790,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = int(a.budget_fraction * sum(footprints.values()))
         print(f"{a.models} models, {sum(footprints.values()) / 2**20:.0f} MiB together ({backend}); budget per "
               f"replica {budget / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-        if a.gpu_fraction and "multiplexed" in a.policies.split(","):
-            print("multiplexed: the anchor loads ONNX Runtime CPU sessions, not on the GPU", file=sys.stderr, flush=True)
         bench = Bench(a, repository, footprints, budget, scratch, backend)
         rows: list[dict[str, Any]] = []
         policies = a.policies.split(",")
