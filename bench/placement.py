@@ -59,8 +59,8 @@ so their footprints measured while a neighbour loads count its bytes too).
 ``--policies`` also takes ``multiplexed``: issue 31's anchor, Ray Serve's plain
 ``@serve.multiplexed`` routing with a count cap of ``--budget-fraction`` of the models (10 of
 30: a third, as the byte budget holds) on as many replicas, reached through an ingress
-deployment's handle (a router hop), loading the same model files in ONNX Runtime sessions (CUDA on the GPU with ``--gpu-fraction``)
-(``bench.multiplexed``); its cold loads are the loads its loader counted, and its over-budget
+deployment's handle (a router hop), loading the same model files in ONNX Runtime sessions
+(CUDA with ``--gpu-fraction``; ``bench.multiplexed``); its cold loads are the loads its loader counted, and its over-budget
 figure the most bytes (by the measured footprints) the count cap let a replica hold past the
 byte budget.
 
