@@ -1,10 +1,13 @@
 """Where the registered shared-memory regions live: Ray's GCS key-value store, one key per region.
 
 Register and unregister reach every replica of the cluster this way, the router, dedicated model
-and pool replicas alike, one started later included: a replica reads a region's key when a
-request names it (``GcsRegionStore.get``, one GCS read per region a request names), so a region
-registered a moment ago through any router is usable at once, and one unregistered is refused
-at once. Model control's desired state (``deployments.control``) is followed by polling instead,
+and pool replicas alike, one started later included: a request that names a region reads the
+store's ``generation`` key once (one GCS read a request, however many tensors it names), which
+every register and unregister writes anew before it answers, and a replica reads a region's own
+key only when the generation changed since it last read it (``protocol.shared_memory.RegionCache``),
+so a region registered a moment ago through any router is usable at once, and one unregistered,
+or registered again over another key, offset or size, is refused or used anew at once. Model
+control's desired state (``deployments.control``) is followed by polling instead,
 because a load must wait for every replica to apply it; a region needs no work from a replica
 before its first use (it is mapped then), so reading it on use makes register and unregister
 take effect everywhere when they answer, as Triton's do, with no replica to wait for.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 from .protocol.shared_memory import Region, SharedMemory
 
@@ -27,17 +31,25 @@ logger = logging.getLogger("ray.serve")
 
 KV_NAMESPACE = "trt_serve_shared_memory"
 _PREFIX = b"region/"
+_GENERATION = b"generation"  # changed by every add and remove (``RegionStore.generation``)
 SWEEP_S = 2.0  # how often a process with regions mapped unmaps those unregistered elsewhere
 
 
 class GcsRegionStore:
     """The regions in Ray's GCS key-value store (``ray.experimental.internal_kv``), key
-    ``region/<name>``, value the region as JSON (``Region.to_json``)."""
+    ``region/<name>``, value the region as JSON (``Region.to_json``); key ``generation``, a
+    random 16 bytes written anew after each add and remove."""
 
     def __init__(self) -> None:
         from ray.experimental import internal_kv
 
         self._kv = internal_kv
+
+    def generation(self) -> bytes | None:
+        return self._kv._internal_kv_get(_GENERATION, namespace=KV_NAMESPACE)
+
+    def _next_generation(self) -> None:
+        self._kv._internal_kv_put(_GENERATION, uuid.uuid4().bytes, overwrite=True, namespace=KV_NAMESPACE)
 
     def get(self, name: str) -> Region | None:
         raw = self._kv._internal_kv_get(_PREFIX + name.encode(), namespace=KV_NAMESPACE)
@@ -46,10 +58,13 @@ class GcsRegionStore:
     def add(self, region: Region) -> bool:
         exists = self._kv._internal_kv_put(_PREFIX + region.name.encode(), region.to_json(), overwrite=False,
                                            namespace=KV_NAMESPACE)
+        if not exists:
+            self._next_generation()
         return not exists
 
     def remove(self, name: str) -> None:
         self._kv._internal_kv_del(_PREFIX + name.encode(), namespace=KV_NAMESPACE)
+        self._next_generation()
 
     def regions(self) -> list[Region]:
         keys = self._kv._internal_kv_list(_PREFIX, namespace=KV_NAMESPACE)

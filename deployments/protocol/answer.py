@@ -43,7 +43,8 @@ async def answer(model: str, version: str, batched: bool, chunks: list[bytes], h
     ``run`` the decoded request (its outputs by name), and encode the answer for model
     ``model`` at ``version``; ``batched``: the model's first dimension is the batch
     (``max_batch_size > 0``), for ``classification``. Inputs and outputs in shared memory are
-    read and written through ``shm`` (this process's; None: refused); those in CUDA shared
+    read and written through ``shm`` (this process's; None: refused), every region named by the
+    registrations as of the first (``SharedMemory.for_request``); those in CUDA shared
     memory reach ``run`` as ``DeviceTensor`` inputs and ``DeviceOutput`` names
     (``runtime.contract.device``), which only a backend on the GPU takes.
 
@@ -53,15 +54,16 @@ async def answer(model: str, version: str, batched: bool, chunks: list[bytes], h
         Exception: what ``run`` raises.
     """
     start = time.perf_counter()
-    request = decode_body(chunks, header_length, shm)
-    if shm is not None:
-        request = shm.device_outputs(request)
+    memory = None if shm is None else shm.for_request()
+    request = decode_body(chunks, header_length, memory)
+    if memory is not None:
+        request = memory.device_outputs(request)
     decoded = time.perf_counter()
     outputs = await run(request)
     ran = time.perf_counter()
     parameters = parameters_of(outputs)  # the answer's own response parameters, if any
     outputs = apply_classification(model, batched, request.output_parameters, outputs)
-    content, headers = encode_response(model, version, request, outputs, parameters, shm)
+    content, headers = encode_response(model, version, request, outputs, parameters, memory)
     return Answer(content, headers, decoded - start, time.perf_counter() - ran)
 
 

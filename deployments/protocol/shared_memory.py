@@ -15,7 +15,8 @@ parameters carry them is written into the region and answered without data, thos
 echoed.
 
 Where registrations live is the ``RegionStore``'s business (``deployments.regions``: Ray's GCS
-key-value store, read by every replica of the cluster when a request names a region); each process
+key-value store, read by every replica of the cluster when a request names a region: its
+generation once a request, a region's record once a generation, ``RegionCache``); each process
 maps a region's bytes once, on first use, and unmaps them once the region is unregistered
 (``SharedMemory.sweep``). A mapping is kept by the object's identity (device and inode, recorded
 at register), offset and size, never by name or key alone: a client that unregisters, removes its
@@ -107,12 +108,60 @@ class RegionStore(Protocol):
     def get(self, name: str) -> Region | None: ...
 
     def add(self, region: Region) -> bool:
-        """Store ``region`` unless its name is taken; returns whether it was stored."""
+        """Store ``region`` unless its name is taken; returns whether it was stored (and then,
+        after storing it, changes the ``generation``)."""
         ...
 
-    def remove(self, name: str) -> None: ...
+    def remove(self, name: str) -> None:
+        """Remove region ``name``, then change the ``generation``."""
+        ...
 
     def regions(self) -> list[Region]: ...
+
+    def generation(self) -> bytes | None:
+        """A token that every ``add`` and ``remove`` changes once it has changed the regions (a
+        new random one each time, never a value seen before; None: none written yet)."""
+        ...
+
+
+Lookup = Callable[[str], "Region | None"]  # the registered regions by name (``RegionCache.lookup``)
+
+
+class RegionCache:
+    """A process's copy of the region records of ``store`` (only those its requests named), good
+    for one store ``generation``: a request reads the generation once (``lookup``), then each
+    region it names from the copy, from the store only on the first use of a region since
+    the generation changed. A register or unregister through any process changes the
+    generation before it answers, so the next request everywhere reads the store again; a
+    region not registered is not kept (it is read again each time it is named)."""
+
+    def __init__(self, store: RegionStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._generation: bytes | None | object = _UNREAD
+        self._regions: dict[str, Region] = {}
+
+    def lookup(self) -> Callable[[str], Region | None]:
+        """The regions as of now, by name (one read of the store's generation here; a region's
+        record read from the store at most once per generation)."""
+        generation = self.store.generation()
+        with self._lock:
+            if generation != self._generation:
+                self._generation, self._regions = generation, {}
+        return functools.partial(self._get, generation)
+
+    def _get(self, generation: bytes | None, name: str) -> Region | None:
+        with self._lock:
+            if generation == self._generation and name in self._regions:
+                return self._regions[name]
+        region = self.store.get(name)  # read after the generation: as new as it, or newer
+        with self._lock:
+            if region is not None and generation == self._generation:
+                self._regions[name] = region
+        return region
+
+
+_UNREAD = object()  # RegionCache's generation before the store's is read
 
 
 def check_region_name(name: str) -> str:
@@ -399,29 +448,41 @@ class SharedMemory:
     (``forget``, ``sweep``).
 
     Args:
-        store: the registered regions (read when a request names one: a region registered or
-            unregistered a moment ago, by any router, is seen at once).
+        store: the registered regions (a request reads their generation when it names one, and
+            a region's record only when the generation changed since this process last read
+            it, ``RegionCache``: a region registered or unregistered a moment ago, by any router,
+            is seen at once).
     """
 
     def __init__(self, store: RegionStore, cuda: IpcOpenings | None = None) -> None:
         self.store = store
+        self.regions = RegionCache(store)
         self._lock = threading.Lock()
         self._maps: dict[tuple[int, int, str, int, int], _Mapping] = {}
         self.cuda = cuda or IpcOpenings()
         self.registry = Registry(store, self.forget)
+        # the last sweep that listed the store: the generation it read, what stayed mapped and opened
+        self._swept: tuple[Any, set[tuple[int, int, str, int, int]], set[tuple[bytes, int]]] = (_UNREAD, set(), set())
 
     @property
     def mapped(self) -> int:
         """How many regions this process has mapped (and uses for new requests)."""
         return len(self._maps)
 
-    def _region(self, where: str, ref: TensorRef) -> Region:
-        """The region ``ref`` names, with ``ref`` inside it (Triton's ``GetMemoryInfo`` checks).
+    def for_request(self) -> "RequestMemory":
+        """This process's shared memory for one infer request: the registrations as of its first
+        tensor in shared memory (one read of the store's generation then, none for a request
+        without such a tensor; ``RegionCache``)."""
+        return RequestMemory(self)
+
+    def _region(self, where: str, ref: TensorRef, regions: Lookup | None) -> Region:
+        """The region ``ref`` names (from ``regions``; None: the registrations as of now), with
+        ``ref`` inside it (Triton's ``GetMemoryInfo`` checks).
 
         Raises:
             SharedMemoryError: not registered, or an offset and size outside it (Triton's words).
         """
-        region = self.store.get(ref.region)
+        region = (regions or self.regions.lookup())(ref.region)
         if region is None:
             raise SharedMemoryError(f"Unable to find shared memory region: '{ref.region}'; {where} names it, and it "
                                     "is not registered (POST /v2/systemsharedmemory/region/{name}/register)")
@@ -460,11 +521,12 @@ class SharedMemory:
         return self.cuda.lease(base64.b64decode(region.raw_handle), device_id, region.name)
 
     def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
-                   params: Mapping[str, Any]) -> np.ndarray | DeviceTensor:
+                   params: Mapping[str, Any], regions: Lookup | None = None) -> np.ndarray | DeviceTensor:
         """Input ``where`` (``datatype``, ``shape``) from the region its ``params`` name: a view of
         the region's bytes for a numeric datatype (no copy), decoded for BYTES (4-byte length
         then bytes, per element); from a CUDA region, a ``DeviceTensor`` (the model's backend
         opens it and binds it where it runs on the GPU; anywhere else it is refused, 400).
+        ``regions``: the registrations the request uses (``for_request``; None: as of now).
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``; the object is gone from this
@@ -478,7 +540,7 @@ class SharedMemory:
 
         ref = tensor_ref(where, params)
         assert ref is not None  # the caller dispatched on shared_memory_region
-        region = self._region(where, ref)
+        region = self._region(where, ref, regions)
         if region.kind == CUDA:
             if datatype == "BYTES":
                 raise SharedMemoryError(f"{where}: BYTES tensors cannot be read from CUDA shared memory region "
@@ -490,9 +552,10 @@ class SharedMemory:
         raw = self._bytes(region, ref)
         return tensor_from_bytes(where, raw, datatype, shape, "shared_memory_byte_size")
 
-    def device_outputs(self, request: InferRequest) -> InferRequest:
+    def device_outputs(self, request: InferRequest, regions: Lookup | None = None) -> InferRequest:
         """``request`` with each requested output whose parameters name a CUDA region as a
-        ``DeviceOutput`` (the backend that runs the model on the GPU writes it there).
+        ``DeviceOutput`` (the backend that runs the model on the GPU writes it there);
+        ``regions`` as ``read_input``'s.
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``.
@@ -502,7 +565,7 @@ class SharedMemory:
         names: list[str] = []
         for name in request.outputs:
             ref = tensor_ref(f"output '{name}'", request.output_parameters.get(name) or {})
-            region = None if ref is None else self._region(f"output '{name}'", ref)
+            region = None if ref is None else self._region(f"output '{name}'", ref, regions)
             if ref is None or region is None or region.kind != CUDA:
                 names.append(name)
                 continue
@@ -510,11 +573,12 @@ class SharedMemory:
                                       functools.partial(self._lease, region)))
         return dataclasses.replace(request, outputs=names)
 
-    def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]],
-                      outputs: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]], outputs: Mapping[str, np.ndarray],
+                      regions: Lookup | None = None) -> dict[str, dict[str, Any]]:
         """Write each output whose parameters (``request_params``: output name -> its request
         parameters) name a region into it (row-major, little-endian; BYTES as 4-byte length then
-        bytes per element). Returns, per output written, the parameters its answer echoes.
+        bytes per element); ``regions`` as ``read_input``'s. Returns, per output written, the
+        parameters its answer echoes.
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``; the output is larger than
@@ -529,7 +593,7 @@ class SharedMemory:
             ref = tensor_ref(where, params)
             if ref is None:
                 continue
-            region = self._region(where, ref)
+            region = self._region(where, ref, regions)
             if region.kind == CUDA or isinstance(array, DeviceTensor):
                 if not isinstance(array, DeviceTensor) or array.region != region.name:  # not written on the GPU
                     raise not_on_gpu(where, ref.region, "this output was computed on the host")
@@ -556,18 +620,25 @@ class SharedMemory:
     def sweep(self) -> int:
         """Unmap every mapping that no registered region names any more (unregistered through
         another router), as ``forget``; returns how many stay mapped or opened. Reads the store
-        only when something is mapped. Only what was mapped before the store was read is
-        unmapped: a region registered and first used while it is read is not in what it read,
-        and stays."""
+        only when something is mapped, and lists its regions only when the store's generation
+        changed since the last sweep, or something was mapped or opened that it did not see (all
+        it saw were registered as of that generation, and nothing was removed since). Only what
+        was mapped before the store was read is unmapped: a region registered and first used
+        while it is read is not in what it read, and stays."""
         if not self._maps and not self.cuda.opened:
             return 0
         with self._lock:
             before = set(self._maps)
         opened_before = self.cuda.keys()
+        generation = self.store.generation()
+        swept_generation, swept_maps, swept_opened = self._swept
+        if generation == swept_generation and before <= swept_maps and opened_before <= swept_opened:
+            return len(before) + len(opened_before)
         regions = self.store.regions()
         live = {_mapping_key(r) for r in regions if r.kind == SYSTEM}
-        opened = self.cuda.keep_only((base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA),
-                                     among=opened_before)
+        handles = {base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA}
+        opened = self.cuda.keep_only(handles, among=opened_before)
+        self._swept = (generation, before & live, {k for k in opened_before if k[0] in handles})
         with self._lock:
             for key in before - live:
                 mapping = self._maps.pop(key, None)
@@ -582,3 +653,30 @@ class SharedMemory:
             for mapping in self._maps.values():
                 mapping.close()
             self._maps.clear()
+
+
+
+class RequestMemory:
+    """One infer request's use of ``shm`` (``SharedMemory.for_request``): ``read_input``,
+    ``device_outputs`` and ``write_outputs`` as ``SharedMemory``'s, every region the request
+    names read from the registrations as of the first one it names (``RegionCache.lookup``)."""
+
+    def __init__(self, shm: SharedMemory) -> None:
+        self.shm = shm
+        self._regions: Lookup | None = None
+
+    def _named(self, name: str) -> Region | None:
+        if self._regions is None:
+            self._regions = self.shm.regions.lookup()
+        return self._regions(name)
+
+    def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
+                   params: Mapping[str, Any]) -> np.ndarray | DeviceTensor:
+        return self.shm.read_input(where, datatype, shape, params, self._named)
+
+    def device_outputs(self, request: InferRequest) -> InferRequest:
+        return self.shm.device_outputs(request, self._named)
+
+    def write_outputs(self, request_params: Mapping[str, Mapping[str, Any]],
+                      outputs: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        return self.shm.write_outputs(request_params, outputs, self._named)

@@ -144,6 +144,72 @@ def test_a_process_started_after_the_registration_uses_the_region(client, region
     assert ray.get(decode_in_a_new_process.options(runtime_env={"working_dir": None}).remote()) == list(range(16))
 
 
+@pytest.mark.parametrize("model, input_name, output_name, shape, classes", [
+    ("tiny_cnn", "input", "logits", (1, 3, 224, 224), 1000),  # a pool replica
+    ("ocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 2),  # a dedicated model's replica
+])
+def test_a_region_registered_again_differently_or_unregistered_is_seen_by_the_next_request(
+        server, grpc_url, client, regions, model, input_name, output_name, shape, classes):
+    """Each replica keeps the registrations its requests read until a register or unregister
+    changes the store's generation: the same name registered again over the same object at
+    another offset, through HTTP or gRPC, is read there by the next requests (over either),
+    never at the offset kept; every region unregistered (HTTP or gRPC, all at once) is 400 in
+    Triton's words for the next requests."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException
+
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(shape, dtype=np.float32) for _ in range(2)]
+    size, out_bytes = xs[0].nbytes, shape[0] * classes * 4
+    handle, key = regions("again", 2 * size + out_bytes)  # [x0][x1][output]
+    shm.set_shared_memory_region(handle, xs)
+    body = {"inputs": [{"name": input_name, "datatype": "FP32", "shape": list(shape), "parameters": {
+                "shared_memory_region": "in", "shared_memory_byte_size": size}}],
+            "outputs": [{"name": output_name, "parameters": {
+                "shared_memory_region": "out", "shared_memory_byte_size": out_bytes}}]}
+
+    def output() -> np.ndarray:
+        return shm.get_contents_as_numpy(handle, np.float32, [shape[0], classes], offset=2 * size)
+
+    def over_grpc(triton) -> None:
+        tensor = grpcclient.InferInput(input_name, list(shape), "FP32").set_shared_memory("in", size)
+        wanted = grpcclient.InferRequestedOutput(output_name)
+        wanted.set_shared_memory("out", out_bytes)
+        triton.infer(model, [tensor], outputs=[wanted])
+
+    def register(triton, offset: int) -> None:
+        triton.register_system_shared_memory("in", key, size, offset=offset)
+        triton.register_system_shared_memory("out", key, out_bytes, offset=2 * size)
+
+    expected = [reference(model, x) for x in xs]
+    with grpcclient.InferenceServerClient(grpc_url) as over:
+        for registrar, offset in ((client, 0), (over, size), (client, 0)):
+            client.unregister_system_shared_memory("in")
+            client.unregister_system_shared_memory("out")
+            register(registrar, offset)
+            for _ in range(4):  # requests through several replicas where there are several
+                shm.set_shared_memory_region(handle, [np.full((shape[0], classes), np.nan, np.float32)],
+                                             offset=2 * size)
+                assert post(server, f"/v2/models/{model}/infer", body).status_code == 200
+                np.testing.assert_allclose(output(), expected[offset // size], rtol=1e-5, atol=1e-5)
+                over_grpc(over)
+                np.testing.assert_allclose(output(), expected[offset // size], rtol=1e-5, atol=1e-5)
+        client.unregister_system_shared_memory()
+        for unregister in (over.unregister_system_shared_memory, client.unregister_system_shared_memory):
+            register(client, 0)
+            post(server, f"/v2/models/{model}/infer", body).raise_for_status()
+            unregister()  # every region, by the other protocol in turn
+            for _ in range(4):
+                r = post(server, f"/v2/models/{model}/infer", body)
+                assert (r.status_code, r.json()["error"].startswith(
+                    f"Unable to find shared memory region: 'in'; input '{input_name}' names it")) == (400, True)
+                with pytest.raises(InferenceServerException) as refused:
+                    over_grpc(over)
+                assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+                assert "Unable to find shared memory region: 'in'" in refused.value.message()
+
+
 def post(server: str, path: str, body=None) -> requests.Response:
     return requests.post(f"{server}{path}", json=body, timeout=60)
 

@@ -8,35 +8,50 @@ import base64
 import contextlib
 import json
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.utils.shared_memory as shm_client
 
+from deployments.protocol.answer import answer
 from deployments.protocol.binary import decode_request, encode_response
 from deployments.protocol.errors import error_status
-from deployments.protocol.shared_memory import CUDA, SYSTEM, Region, SharedMemory, key_path
+from deployments.protocol.shared_memory import CUDA, SYSTEM, Region, RegionCache, SharedMemory, key_path
 from deployments.runtime.contract.errors import InvalidInput, RegionNotFound, SharedMemoryError
 
 
 class DictStore:
-    """A ``RegionStore`` in a dict (the server's is Ray's GCS: ``deployments.regions``)."""
+    """A ``RegionStore`` in a dict (the server's is Ray's GCS: ``deployments.regions``); ``reads``
+    counts its reads by method."""
 
     def __init__(self) -> None:
         self.items: dict[str, Region] = {}
+        self.token: bytes | None = None
+        self.reads: Counter[str] = Counter()
 
     def get(self, name):
+        self.reads["get"] += 1
         return self.items.get(name)
 
     def add(self, region):
-        return self.items.setdefault(region.name, region) is region
+        stored = self.items.setdefault(region.name, region) is region
+        if stored:
+            self.token = uuid.uuid4().bytes
+        return stored
 
     def remove(self, name):
         self.items.pop(name, None)
+        self.token = uuid.uuid4().bytes
 
     def regions(self):
+        self.reads["regions"] += 1
         return list(self.items.values())
+
+    def generation(self):
+        self.reads["generation"] += 1
+        return self.token
 
 
 @pytest.fixture
@@ -398,3 +413,151 @@ def test_a_registration_of_another_server_version_reads_with_defaults_and_withou
     assert Region.from_json(older) == Region("r", SYSTEM, 8, key="/k")  # no object identity: taken as it is
     newer = json.dumps({**json.loads(older), "dev": 5, "ino": 7, "added_later": 1}).encode()
     assert Region.from_json(newer) == Region("r", SYSTEM, 8, key="/k", dev=5, ino=7)
+
+
+def infer_through(replica: SharedMemory, body: bytes) -> dict:
+    """One infer request as a replica answers it (``protocol.answer.answer``), of a model whose
+    output ``Y`` is its input ``A`` + 1; returns the answer's JSON."""
+    import asyncio
+
+    async def run(decoded):
+        return {"Y": decoded.inputs["A"] + 1}
+
+    done = asyncio.run(answer("m", "1", False, [body], None, run, replica))
+    return json.loads(done.content)
+
+
+def test_a_request_reads_the_generation_once_and_a_region_once_a_generation(key):
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+    router.registry.register(SYSTEM, "out", {"key": key, "offset": 128, "byte_size": 64})
+    body = request([shm_input("A", "in", 64)], [
+        {"name": "Y", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 64}}])
+    try:
+        store.reads.clear()
+        infer_through(replica, body)
+        assert store.reads == {"generation": 1, "get": 2}  # the input's region, the output's
+        store.reads.clear()
+        infer_through(replica, body)
+        assert store.reads == {"generation": 1}
+        store.reads.clear()
+        infer_through(replica, request([{"name": "A", "datatype": "INT32", "shape": [1, 16], "data": [0] * 16}]))
+        assert store.reads == {}  # no region named: the store is not read
+    finally:
+        replica.close()
+
+
+@pytest.mark.parametrize("again", [{"offset": 64}, {"byte_size": 32}, {"key": "other"}])
+def test_a_region_registered_again_differently_is_used_by_the_next_request_of_every_process(key, again):
+    """The replica has read region "in" (its record kept); the client unregisters it and registers
+    the same name over another offset, size or key, through the router: the replica's next
+    request uses the new registration, never the record it kept."""
+    other = f"{key}_other"
+    shm_client.create_shared_memory_region("o", other, 256)
+    write(key, np.arange(64, dtype=np.int32))
+    write(other, np.arange(1000, 1064, dtype=np.int32))
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    try:
+        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 128})
+        one = request([shm_input("A", "in", 32, shape=(1, 8))])
+        assert infer_through(replica, one)["outputs"][0]["data"] == list(range(1, 9))
+        router.registry.unregister(SYSTEM, "in")
+        new = {"key": key, "byte_size": 128, **again}
+        router.registry.register(SYSTEM, "in", {**new, "key": other if new["key"] == "other" else key})
+        expected = {"offset": list(range(17, 25)), "byte_size": list(range(1, 9)), "key": list(range(1001, 1009))}
+        assert infer_through(replica, one)["outputs"][0]["data"] == expected[next(iter(again))]
+        if "byte_size" in again:  # the new, smaller size bounds the next request
+            with pytest.raises(SharedMemoryError, match="^Invalid offset for shared memory region: 'in'; input 'A': "
+                                                        "offset 32, the region holds 32 bytes"):
+                infer_through(replica, request([shm_input("A", "in", 32, offset=32, shape=(1, 8))]))
+    finally:
+        key_path("o", other).unlink()
+        replica.close()
+
+
+@pytest.mark.parametrize("name", ["in", None])
+def test_an_unregistered_region_is_400_for_the_next_request_of_every_process(key, name):
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    try:
+        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+        one = request([shm_input("A", "in", 64)])
+        assert infer_through(replica, one)["outputs"][0]["data"] == [1] * 16
+        router.registry.unregister(SYSTEM, name)  # by name, or every system region
+        with pytest.raises(SharedMemoryError) as raised:
+            infer_through(replica, one)
+        assert raised.value.message.startswith("Unable to find shared memory region: 'in'; input 'A' names it, and "
+                                               "it is not registered")
+        assert error_status(raised.value)[0] == 400
+    finally:
+        replica.close()
+
+
+class ChangedWhileRead(DictStore):
+    """A store whose read of a region is overtaken: ``meanwhile`` runs after the record was read
+    and before it is returned (a client registers the name again, a newer request starts)."""
+
+    meanwhile = None
+
+    def get(self, name):
+        region = super().get(name)
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        return region
+
+
+def test_a_record_read_under_an_older_generation_is_not_kept_for_newer_requests():
+    store = ChangedWhileRead()
+    store.add(Region("r", SYSTEM, 64, key="/k"))
+    cache = RegionCache(store)
+    older = cache.lookup()
+    newer = []
+
+    def register_again_and_start_a_request():
+        store.remove("r")
+        store.add(Region("r", SYSTEM, 32, key="/k", offset=32))
+        newer.append(cache.lookup())
+
+    store.meanwhile = register_again_and_start_a_request
+    assert older("r").offset == 0  # the request that started first reads what was registered then
+    assert newer[0]("r").offset == 32 and cache.lookup()("r").offset == 32
+
+
+def test_the_sweep_lists_the_store_only_when_its_generation_changed_or_something_new_is_mapped(key):
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    try:
+        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+        router.registry.register(SYSTEM, "other", {"key": key, "offset": 64, "byte_size": 64})
+        infer_through(replica, request([shm_input("A", "in", 64)]))
+        assert replica.sweep() == 1
+        store.reads.clear()
+        assert replica.sweep() == 1 and store.reads == {"generation": 1}  # nothing registered or removed since
+        infer_through(replica, request([shm_input("A", "other", 64)]))  # a mapping the last listing did not see
+        store.reads.clear()
+        assert replica.sweep() == 2 and store.reads["regions"] == 1
+        router.store.remove("in")  # unregistered through another router: the next sweep lists and unmaps
+        store.reads.clear()
+        assert replica.sweep() == 1 and store.reads["regions"] == 1 and replica.mapped == 1
+    finally:
+        replica.close()
+
+
+def test_a_region_mapped_by_an_older_request_after_the_sweep_unmapped_it_is_unmapped_by_the_next(key):
+    store = DictStore()
+    router, replica = SharedMemory(store), SharedMemory(store)
+    params = shm_input("A", "in", 64)["parameters"]
+    try:
+        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+        replica.read_input("input 'A'", "INT32", (1, 16), params)
+        older = replica.regions.lookup()  # a request that started before the unregister
+        router.registry.unregister(SYSTEM, "in")
+        assert replica.sweep() == 0
+        replica.read_input("input 'A'", "INT32", (1, 16), params, older)  # it maps the region again
+        assert replica.mapped == 1
+        assert replica.sweep() == 0 and replica.mapped == 0
+    finally:
+        replica.close()
