@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bench.placement as placement
-from bench.placement import (Answer, GpuWatch, Sampler, cache_counters, cold_loads, compute_apps,
+from bench.placement import (Answer, GpuWatch, Sampler, Watch, cache_counters, cold_loads, compute_apps,
                              gpu_over_budget_bytes, nvml_summary, over_budget_bytes, parse_compute_apps, popularity,
                              row, verdict, window_stats, zipf_weights)
 
@@ -213,3 +213,20 @@ def test_the_config_gives_each_pool_replica_its_gpu_share_and_every_model_the_ba
     cpu = yaml.safe_load(placement.write_config(tmp_path, tmp_path / "engines", "hash", 4, 2**20, 30, 1, 2)
                          .read_text())["applications"][0]["args"]
     assert cpu["pool"]["num_gpus"] == 0 and cpu["backend"] == "auto"  # the file's own
+
+
+def test_the_loads_after_a_shift_are_sorted_by_whether_a_revision_placed_them_there():
+    watch = Watch("http://unused")
+    watch.revisions = [
+        {"unix_time": 100.0, "revision": 7, "replicas": ["r0", "r1"], "target": {"a": ["r0"], "b": ["r1"]},
+         "reasons": {"a": "kept", "b": "kept"}},
+        {"unix_time": 104.0, "revision": 8, "replicas": ["r0", "r1"], "target": {"a": ["r1"], "b": ["r1"]},
+         "reasons": {"a": "moved from r0 to r1: balance", "b": "kept"}}]
+    watch.events = {("r1", 1): {"unix_time": 103.5, "event": "load", "model": "a", "detail": ""},  # seen late
+                    ("r0", 2): {"unix_time": 105.0, "event": "evict", "model": "a", "detail": "released"},
+                    ("r0", 3): {"unix_time": 106.0, "event": "reload", "model": "b", "detail": ""},
+                    ("r0", 4): {"unix_time": 120.0, "event": "load", "model": "b", "detail": ""}}  # outside
+    got = watch.loads_between(100.0, 110.0)
+    assert (got["placed_here"], got["moved"], got["not_placed_here"], got["evictions"]) == (1, 1, 1, 1)
+    assert got["loads"] == ["a@r1: moved from r0 to r1: balance", "b@r0: not placed here"]
+    assert got["revisions"] == [(7, 2), (8, 2)] and got["moves"] == ["a: moved from r0 to r1: balance"]
