@@ -459,6 +459,7 @@ class Watch:
             return total
         if pool:
             self.memory[pool["replica"]] = {k: v for k, v in pool.items() if k != "events"}
+            self.memory[pool["replica"]]["seen_s"] = time.monotonic()
             if (pool.get("placement") or {}).get("revision") is not None:
                 self.placement = pool["placement"]
                 self._note_revision(pool["placement"])
@@ -499,7 +500,7 @@ class Watch:
                 out["evictions"] += 1
                 continue
             # a prefetch follows the revision that placed it, seen here up to a few samples later
-            near = [r for r in self.revisions if e["unix_time"] - 10 <= r["unix_time"] <= e["unix_time"] + 4 * SAMPLE_S]
+            near = [r for r in self.revisions if e["unix_time"] - 10 <= r["unix_time"] <= e["unix_time"] + 10 * SAMPLE_S]
             rev = next((r for r in reversed(near) if replica in r["target"].get(e["model"], ())), near[-1] if near else None)
             placed = rev is not None and replica in rev["target"].get(e["model"], ())
             reason = rev["reasons"].get(e["model"], "") if rev else ""
@@ -746,6 +747,8 @@ class Bench:
             stop_s = time.monotonic()
             watch.read()
             extra["load_average_1m"] = round(os.getloadavg()[0], 1)  # the machine is shared: its noise
+            extra["resident_bytes_by_replica"] = {  # the replicas seen in the window (not one killed before)
+                r: m.get("resident_bytes") for r, m in sorted(watch.memory.items()) if m["seen_s"] >= start}
             extra["replica_cpu_s"] = sorted((round(cpu_seconds(p) - t, 2) for p, t in cpu.items()), reverse=True)
             steady = window_stats(load.answers, start, stop_s)
             if watch.revisions:  # the steady window's loads, sorted as after the shift

@@ -230,3 +230,22 @@ def test_the_loads_after_a_shift_are_sorted_by_whether_a_revision_placed_them_th
     assert (got["placed_here"], got["moved"], got["not_placed_here"], got["evictions"]) == (1, 1, 1, 1)
     assert got["loads"] == ["a@r1: moved from r0 to r1: balance", "b@r0: not placed here"]
     assert got["revisions"] == [(7, 2), (8, 2)] and got["moves"] == ["a: moved from r0 to r1: balance"]
+
+
+def test_the_figure_reads_each_policys_resident_mib_budget_copies_and_cold_loads_over_the_shift(tmp_path):
+    from bench.placement_figure import main, series
+
+    mib = 2**20
+    rows = [{"placement": p, "clients": 16, "budget_bytes": 100 * mib, "cold_loads_per_1000": cold,
+             "resident_bytes_by_replica": {"a": 60 * mib, "b": 90 * mib}, "copies": {"m00": 2} if p == "bytes" else {},
+             "after_shift": [{"from_s": 0.0, "cold_loads_per_1000": 3.0}, {"from_s": 10.0, "cold_loads_per_1000": 0.5}]}
+            for p, cold in (("hash", 20.0), ("bytes", 0.0))]
+    got = series(rows + [{**rows[0], "clients": 64}], 16)
+    assert got["bytes"] == {"resident_mib": [90.0, 60.0], "budget_mib": 100.0, "copies": {"m00": 2},
+                            "times_s": [0.0, 10.0, 20.0], "cold_per_1000": [0.0, 3.0, 0.5]}
+    assert got["hash"]["cold_per_1000"][0] == 20.0
+    with pytest.raises(ValueError, match="hash at 16 clients has no after_shift"):
+        series([{**rows[0], "after_shift": []}], 16)
+    run = tmp_path / "run.json"
+    run.write_text(__import__("json").dumps({"rows": rows}))
+    assert main([str(run), str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
