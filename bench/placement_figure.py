@@ -24,8 +24,8 @@ COLORS = {"hash": "#c0504d", "bytes": "#1f77b4"}
 def series(rows: Sequence[dict[str, Any]], clients: int) -> dict[str, dict[str, Any]]:
     """Per policy (``hash``, ``bytes``: those present) at ``clients``: ``resident_mib`` (the
     replicas' resident MiB, largest first), ``budget_mib``, ``copies`` (hot model -> copies),
-    ``times_s`` and ``cold_per_1000``: the steady window at time 0 (plotted left of the shift),
-    then each bucket after the shift at its end. Raises ValueError naming what a row lacks."""
+    ``times_s`` and ``cold_per_1000``: the steady window at -10 s (left of the shift), then
+    each bucket after the shift at its middle. Raises ValueError naming what a row lacks."""
     out = {}
     for r in rows:
         if r["clients"] != clients or r["placement"] not in COLORS:
@@ -39,7 +39,7 @@ def series(rows: Sequence[dict[str, Any]], clients: int) -> dict[str, dict[str, 
             "resident_mib": sorted((b / MIB for b in r["resident_bytes_by_replica"].values() if b is not None),
                                    reverse=True),
             "budget_mib": r["budget_bytes"] / MIB, "copies": r.get("copies", {}),
-            "times_s": [0.0] + [b["from_s"] + 10.0 for b in buckets],
+            "times_s": [-10.0] + [b["from_s"] + 5.0 for b in buckets],
             "cold_per_1000": [r["cold_loads_per_1000"]] + [b["cold_loads_per_1000"] for b in buckets]}
     if not out:
         raise ValueError(f"no hash or bytes row at {clients} clients")
@@ -68,13 +68,16 @@ def draw(data: dict[str, dict[str, Any]], out: Path, clients: int) -> None:
         left.set_title("resident MiB per pool replica", fontsize=9)
     left.set_xticks(range(max(len(d["resident_mib"]) for d in data.values())))
     left.set_xticklabels([f"r{i}" for i in range(max(len(d["resident_mib"]) for d in data.values()))])
-    left.set_ylim(0, budget * 1.25)
-    left.legend(fontsize=8, loc="lower right")
+    left.set_ylim(0, budget * 1.35)
+    left.legend(fontsize=8, loc="upper right", ncol=2)
     for policy, d in sorted(data.items()):
         right.plot(d["times_s"], d["cold_per_1000"], marker="o", color=COLORS[policy], label=policy)
     right.axvline(0, color="gray", linewidth=1)
     right.text(0.5, right.get_ylim()[1] * 0.9, "popularity shift", fontsize=8, color="gray")
-    right.set_xlabel("s after the shift (0: the steady window before it)", fontsize=8)
+    right.set_xticks([-10] + [t for t in next(iter(data.values()))["times_s"][1:]])
+    right.set_xticklabels(["steady"] + [f"{t - 5:.0f}-{t + 5:.0f} s" for t in next(iter(data.values()))["times_s"][1:]],
+                          fontsize=7)
+    right.set_xlabel("10 s after the shift", fontsize=8)
     right.set_title(f"cold loads per 1,000 requests ({clients} clients)", fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()

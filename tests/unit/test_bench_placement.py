@@ -242,7 +242,7 @@ def test_the_figure_reads_each_policys_resident_mib_budget_copies_and_cold_loads
             for p, cold in (("hash", 20.0), ("bytes", 0.0))]
     got = series(rows + [{**rows[0], "clients": 64}], 16)
     assert got["bytes"] == {"resident_mib": [90.0, 60.0], "budget_mib": 100.0, "copies": {"m00": 2},
-                            "times_s": [0.0, 10.0, 20.0], "cold_per_1000": [0.0, 3.0, 0.5]}
+                            "times_s": [-10.0, 5.0, 15.0], "cold_per_1000": [0.0, 3.0, 0.5]}
     assert got["hash"]["cold_per_1000"][0] == 20.0
     with pytest.raises(ValueError, match="hash at 16 clients has no after_shift"):
         series([{**rows[0], "after_shift": []}], 16)
