@@ -27,7 +27,9 @@ busy time), errors by status, and the footprints the replicas measured.
 
 Without ``--quick``, after the steady window the popularity shifts (the ranking rotated by half:
 the hot set changes) and the cold-load rate is reported per ``BUCKET_S`` after it
-(``after_shift``), then one pool replica is killed (``bench.replicas.kill_replica``) under load
+(``after_shift``; under ``bytes`` each bucket's ``why``: its loads sorted into prefetches of
+copies a placement revision put there, moves among them, and loads no revision explains
+(``Watch.loads_between``); ``steady_loads`` the same for the steady window), then one pool replica is killed (``bench.replicas.kill_replica``) under load
 and the requests that were not answered 200 from the kill on are counted (``lost``, with their
 statuses).
 
@@ -437,6 +439,8 @@ class Watch:
         self.placement: dict[str, Any] = {}  # the last placement a replica showed (bytes only)
         self.gpu_over_bytes: int | None = None  # gpu_over_budget_bytes' most; None until one is seen
         self.gpu_sources: set[str] = set()  # the events' gpu_source: nvml-process, or device (other processes in it)
+        self.events: dict[tuple[str, int], dict[str, Any]] = {}  # (replica, seq) -> a load, reload or evict event
+        self.revisions: list[dict[str, Any]] = []  # each placement revision first seen: when, targets, reasons
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -455,14 +459,58 @@ class Watch:
             return total
         if pool:
             self.memory[pool["replica"]] = {k: v for k, v in pool.items() if k != "events"}
+            self.memory[pool["replica"]]["seen_s"] = time.monotonic()
             if (pool.get("placement") or {}).get("revision") is not None:
                 self.placement = pool["placement"]
+                self._note_revision(pool["placement"])
+            for e in pool.get("events", ()):
+                if e.get("event") in ("load", "reload", "evict"):
+                    self.events[(pool["replica"], e["seq"])] = {
+                        "unix_time": e["unix_time"], "event": e["event"], "model": e["model"], "detail": e.get("detail", "")}
             self.over_bytes = max(self.over_bytes, over_budget_bytes(pool))
             gpu_over = gpu_over_budget_bytes(pool)
             self.gpu_sources.update(e["gpu_source"] for e in pool.get("events", ()) if e.get("gpu_source"))
             if gpu_over is not None:
                 self.gpu_over_bytes = max(self.gpu_over_bytes or 0, gpu_over)
         return total
+
+    def _note_revision(self, placement: dict[str, Any]) -> None:
+        revision = placement["revision"]
+        if self.revisions and self.revisions[-1]["revision"] >= revision:
+            return
+        models = placement.get("models", {})
+        self.revisions.append({"unix_time": time.time(), "revision": revision, "replicas": placement.get("replicas", []),
+                               "target": {m: w["replicas"] for m, w in models.items()},
+                               "reasons": {m: w["reason"] for m, w in models.items()}})
+
+    def loads_between(self, t0: float, t1: float) -> dict[str, Any]:
+        """The loads (and reloads) of every replica whose events this watch saw with ``unix_time``
+        in ``[t0, t1)``, each sorted by the revisions seen from 10 s before it to a few samples
+        after (a prefetch follows the revision that placed it; this watch sees a revision up to
+        a few samples late): ``placed_here`` (one of them placed the model on that replica: a
+        new copy or a move, ``moved`` those whose reason was a move) or ``not_placed_here`` (a
+        request that reached a replica no such revision named); ``loads`` names each, with the
+        reason; ``evictions`` (releases included); ``revisions`` (revision, replicas reporting)
+        first seen in the window and the ``moves`` they made (``model: reason``)."""
+        out: dict[str, Any] = {"placed_here": 0, "moved": 0, "not_placed_here": 0, "evictions": 0, "loads": []}
+        for (replica, _), e in sorted(self.events.items(), key=lambda kv: kv[1]["unix_time"]):
+            if not t0 <= e["unix_time"] < t1:
+                continue
+            if e["event"] == "evict":
+                out["evictions"] += 1
+                continue
+            # a prefetch follows the revision that placed it, seen here up to a few samples later
+            near = [r for r in self.revisions if e["unix_time"] - 10 <= r["unix_time"] <= e["unix_time"] + 10 * SAMPLE_S]
+            rev = next((r for r in reversed(near) if replica in r["target"].get(e["model"], ())), near[-1] if near else None)
+            placed = rev is not None and replica in rev["target"].get(e["model"], ())
+            reason = rev["reasons"].get(e["model"], "") if rev else ""
+            out["placed_here" if placed else "not_placed_here"] += 1
+            out["moved"] += int(placed and "moved" in reason)
+            out["loads"].append(f"{e['model']}@{replica[:6]}: {reason if placed else 'not placed here'}")
+        revs = [r for r in self.revisions if t0 <= r["unix_time"] < t1]
+        out["revisions"] = [(r["revision"], len(r["replicas"])) for r in revs]
+        out["moves"] = sorted({f"{m}: {why}" for r in revs for m, why in r["reasons"].items() if "moved" in why})
+        return out
 
     def cold_at(self, t: float) -> float:
         """The cold loads of the last reading at or before ``t`` (the first one before any)."""
@@ -692,15 +740,19 @@ class Bench:
             pids = replica_pids(proc.pid, APP, "pool")
             cpu = {pid: cpu_seconds(pid) for pid in pids}
             watch.read()
-            start = time.monotonic()
+            start, start_unix = time.monotonic(), time.time()
             counters_before, revision_before = watch.counters, watch.placement.get("revision")
             over_before = watch.over_bytes  # the warm-up's own loads are not the steady state's
             await asyncio.sleep(a.duration_s)
             stop_s = time.monotonic()
             watch.read()
             extra["load_average_1m"] = round(os.getloadavg()[0], 1)  # the machine is shared: its noise
+            extra["resident_bytes_by_replica"] = {  # the replicas seen in the window (not one killed before)
+                r: m.get("resident_bytes") for r, m in sorted(watch.memory.items()) if m["seen_s"] >= start}
             extra["replica_cpu_s"] = sorted((round(cpu_seconds(p) - t, 2) for p, t in cpu.items()), reverse=True)
             steady = window_stats(load.answers, start, stop_s)
+            if watch.revisions:  # the steady window's loads, sorted as after the shift
+                extra["steady_loads"] = watch.loads_between(start_unix, time.time())
             extra["replica_cache_events"] = {  # loads + reloads (prefetches included), evictions (releases included)
                 r: {k: int(c[k] - counters_before.get(r, {}).get(k, 0)) for k in ("loads", "reloads", "evictions")}
                 for r, c in watch.counters.items()}
@@ -731,15 +783,19 @@ class Bench:
 
         a = self.args
         load.set_shares(popularity(self.names, a.zipf_s, shift=len(self.names) // 2))
-        shifted = time.monotonic()
+        shifted, shifted_unix = time.monotonic(), time.time()
         await asyncio.sleep(a.shift_s)
+        watch.read()
         buckets = []
         for k in range(int(a.shift_s // BUCKET_S)):
             t0, t1 = shifted + k * BUCKET_S, shifted + (k + 1) * BUCKET_S
             stats = window_stats(load.answers, t0, t1)
             cold = watch.cold_at(t1) - watch.cold_at(t0)
             buckets.append({"from_s": k * BUCKET_S, "cold_loads_per_1000": round(1000 * cold / stats["requests"], 2)
-                            if stats["requests"] else None, "qps": stats["qps"], "p99_ms": stats["p99_ms"]})
+                            if stats["requests"] else None, "cold_loads": int(cold), "requests": stats["requests"],
+                            "qps": stats["qps"], "p99_ms": stats["p99_ms"],
+                            **({"why": watch.loads_between(shifted_unix + k * BUCKET_S, shifted_unix + (k + 1) * BUCKET_S)}
+                               if watch.revisions else {})})
         killed = kill_replica(proc.pid, APP, "pool")
         at = time.monotonic()
         await asyncio.sleep(a.kill_s)

@@ -256,8 +256,10 @@ class PlacementDeployment:
 
 class PlacementFollower:
     """A pool replica's side: every ``SYNC_S`` report (``report()``: a ``PoolReport``), read
-    the decision, then in a worker thread release the models this replica lost (neither a
-    target nor routed here) and prefetch those it gained (a target here, not resident).
+    the decision, then in a worker thread prefetch the models it gained (a target here, not
+    resident) and release, to make room for them, the models it lost (neither a target nor
+    routed here): a model that moved off stays resident while the replica has room, so the
+    placement can move it back (``ReplicaView.resident``) without a load.
 
     Args:
         placement: handle of ``PlacementDeployment``.
@@ -273,6 +275,7 @@ class PlacementFollower:
         self.decision: dict[str, Any] | None = None
         self.mine: set[str] = set()  # models placed or routed here in the last decision applied
         self.placed: set[str] = set()  # models the last decision applied placed anywhere
+        self.left: set[str] = set()  # models that moved off and are still resident here
         self.task: asyncio.Task | None = None
         self._applying: asyncio.Future | None = None
 
@@ -283,22 +286,45 @@ class PlacementFollower:
         return target, routes
 
     def apply(self, decision: dict[str, Any]) -> None:
-        """Release what this replica lost, and what it holds of the models placed for the first
-        time elsewhere (a load through model control, or ``load_policy: eager``, loaded them on
-        every replica); then prefetch what it gained (blocking). A model loaded here later by a
-        request the hash sent (a server HAProxy counts down, another node's HAProxy) is left to
-        the cache: released, each such request would load it again."""
+        """Release what this replica holds of the models placed for the first time elsewhere (a
+        load through model control, or ``load_policy: eager``, loaded them on every replica);
+        keep what it lost (``left``); prefetch what it gained (blocking), each after releasing
+        as many of ``left`` as its room needs, coldest first (``_make_room``). A model loaded
+        here later by a request the hash sent (a server HAProxy counts down, another node's
+        HAProxy) is left to the cache: released, each such request would load it again."""
         target, routes = self.here(decision)
         report = self.report()
+        resident = set(report.resident)
         first_placed = set(decision["target"]) - self.placed
-        for model in sorted((self.mine | (first_placed & set(report.resident))) - target - routes):
+        for model in sorted((first_placed & resident) - target - routes - self.mine):
             self.release(model)
-        for model in sorted(target - set(report.resident)):
+        self.left = ((self.left | self.mine) & resident) - target - routes
+        for model in sorted(target - resident):
             try:
+                self._make_room(model, decision)
                 self.prefetch(model)
             except Exception as error:  # its request will say why; the others still load
                 logger.warning("placement: prefetch of %s failed: %s", model, error)
         self.mine, self.placed = target | routes, set(decision["target"])
+
+    def _make_room(self, model: str, decision: dict[str, Any]) -> None:
+        """Release models of ``left``, coldest first (by the decision's rates), until ``model``
+        fits beside the rest of what this replica holds (its budget and count cap; a model
+        never loaded here counts as the largest footprint known), or none is left."""
+        while True:
+            report = self.report()
+            resident = set(report.resident)
+            self.left &= resident
+            sizes = report.footprints
+            need = sizes.get(model, max(sizes.values(), default=0))
+            used = sum(sizes.get(m, 0) for m in resident)
+            fits = ((report.budget_bytes is None or used + need <= report.budget_bytes)
+                    and (report.max_models is None or len(resident) + 1 <= report.max_models))
+            if fits or not self.left:
+                return
+            coldest = min(self.left, key=lambda m: ((decision["why"].get(m) or {}).get("rate_per_s", 0.0), m))
+            self.left.discard(coldest)
+            self.release(coldest)
 
     async def sync(self) -> None:
         """Report and read; apply the decision in a thread unless the last one is still being
@@ -320,5 +346,5 @@ class PlacementFollower:
         return {"policy": "bytes", "replica": self.replica, "revision": self.decision["revision"],
                 "recomputes": self.decision.get("recomputes"),
                 "replicas": self.decision["replicas"],
-                "placed_here": sorted(target), "routed_here": sorted(routes),
+                "placed_here": sorted(target), "routed_here": sorted(routes), "left_here": sorted(self.left),
                 "models": {m: model_placement(self.decision, m) for m in self.decision["why"]}}

@@ -119,11 +119,14 @@ def answer(url: str, model: str) -> dict | None:
 
 
 def _settled(url: str) -> bool:
-    """Every model ready exactly on the replicas the decision routes it to (prefetched where
-    placed, released where not)."""
+    """Every model ready on the replicas the decision routes it to (prefetched where placed),
+    and elsewhere only where it moved off and was left while that replica has room (its
+    placement's ``left_here``)."""
     now = pool_replicas(url)
     routed = {m: set(w["routed"]) for m, w in next(iter(now.values()))["placement"]["models"].items()}
-    return {m: {r for r in now if now[r]["models"][m]["state"] == "ready"} for m in MODELS} == routed
+    ready = {m: {r for r in now if now[r]["models"][m]["state"] == "ready"} for m in MODELS}
+    left = {m: {r for r in now if m in now[r]["placement"].get("left_here", ())} for m in MODELS}
+    return all(routed[m] <= ready[m] <= routed[m] | left[m] for m in MODELS)
 
 
 def _revision(url: str) -> int:
@@ -152,7 +155,7 @@ def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(plac
     placed_at_some_point = {m: routed[m] | routed_after[m] for m in MODELS}
     # hashing by name would have sent some models to the replica that does not hold them, which loads them too
     assert all(loaded[m] <= placed_at_some_point[m] for m in MODELS), (loaded, routed, routed_after)
-    until(lambda: _settled(url), "every model ready where it is placed and nowhere else", 30)
+    until(lambda: _settled(url), "every model ready where it is placed, elsewhere only where it was left", 30)
 
 
 def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(placed):

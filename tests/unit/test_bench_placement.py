@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bench.placement as placement
-from bench.placement import (Answer, GpuWatch, Sampler, cache_counters, cold_loads, compute_apps,
+from bench.placement import (Answer, GpuWatch, Sampler, Watch, cache_counters, cold_loads, compute_apps,
                              gpu_over_budget_bytes, nvml_summary, over_budget_bytes, parse_compute_apps, popularity,
                              row, verdict, window_stats, zipf_weights)
 
@@ -213,3 +213,39 @@ def test_the_config_gives_each_pool_replica_its_gpu_share_and_every_model_the_ba
     cpu = yaml.safe_load(placement.write_config(tmp_path, tmp_path / "engines", "hash", 4, 2**20, 30, 1, 2)
                          .read_text())["applications"][0]["args"]
     assert cpu["pool"]["num_gpus"] == 0 and cpu["backend"] == "auto"  # the file's own
+
+
+def test_the_loads_after_a_shift_are_sorted_by_whether_a_revision_placed_them_there():
+    watch = Watch("http://unused")
+    watch.revisions = [
+        {"unix_time": 100.0, "revision": 7, "replicas": ["r0", "r1"], "target": {"a": ["r0"], "b": ["r1"]},
+         "reasons": {"a": "kept", "b": "kept"}},
+        {"unix_time": 104.0, "revision": 8, "replicas": ["r0", "r1"], "target": {"a": ["r1"], "b": ["r1"]},
+         "reasons": {"a": "moved from r0 to r1: balance", "b": "kept"}}]
+    watch.events = {("r1", 1): {"unix_time": 103.5, "event": "load", "model": "a", "detail": ""},  # seen late
+                    ("r0", 2): {"unix_time": 105.0, "event": "evict", "model": "a", "detail": "released"},
+                    ("r0", 3): {"unix_time": 106.0, "event": "reload", "model": "b", "detail": ""},
+                    ("r0", 4): {"unix_time": 120.0, "event": "load", "model": "b", "detail": ""}}  # outside
+    got = watch.loads_between(100.0, 110.0)
+    assert (got["placed_here"], got["moved"], got["not_placed_here"], got["evictions"]) == (1, 1, 1, 1)
+    assert got["loads"] == ["a@r1: moved from r0 to r1: balance", "b@r0: not placed here"]
+    assert got["revisions"] == [(7, 2), (8, 2)] and got["moves"] == ["a: moved from r0 to r1: balance"]
+
+
+def test_the_figure_reads_each_policys_resident_mib_budget_copies_and_cold_loads_over_the_shift(tmp_path):
+    from bench.placement_figure import main, series
+
+    mib = 2**20
+    rows = [{"placement": p, "clients": 16, "budget_bytes": 100 * mib, "cold_loads_per_1000": cold,
+             "resident_bytes_by_replica": {"a": 60 * mib, "b": 90 * mib}, "copies": {"m00": 2} if p == "bytes" else {},
+             "after_shift": [{"from_s": 0.0, "cold_loads_per_1000": 3.0}, {"from_s": 10.0, "cold_loads_per_1000": 0.5}]}
+            for p, cold in (("hash", 20.0), ("bytes", 0.0))]
+    got = series(rows + [{**rows[0], "clients": 64}], 16)
+    assert got["bytes"] == {"resident_mib": [90.0, 60.0], "budget_mib": 100.0, "copies": {"m00": 2},
+                            "times_s": [-10.0, 5.0, 15.0], "cold_per_1000": [0.0, 3.0, 0.5]}
+    assert got["hash"]["cold_per_1000"][0] == 20.0
+    with pytest.raises(ValueError, match="hash at 16 clients has no after_shift"):
+        series([{**rows[0], "after_shift": []}], 16)
+    run = tmp_path / "run.json"
+    run.write_text(__import__("json").dumps({"rows": rows}))
+    assert main([str(run), str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -133,6 +133,41 @@ def test_models_placed_before_a_second_replica_reported_spread_once_it_does():
     assert all("balance" in both.why[m]["reason"] for m in both.on("r1"))
 
 
+def two_replicas(resident_on_r1: frozenset[str] = frozenset()) -> dict[str, ReplicaView]:
+    return {"r0": ReplicaView(), "r1": ReplicaView(resident=resident_on_r1)}
+
+
+def test_balance_waits_until_the_loads_differ_by_more_than_balance_start():
+    # r0 carries 26 requests/s, r1 18: 36% of their mean apart, past hysteresis (25%), short of
+    # balance_start (50%): moving c (6) would cost a load for a gap rates still converging can make
+    models = {"a": ModelDemand(MIB, 10.0), "b": ModelDemand(MIB, 10.0), "c": ModelDemand(MIB, 6.0),
+              "d": ModelDemand(MIB, 10.0), "e": ModelDemand(MIB, 8.0)}
+    previous = Placement({"a": ("r0",), "b": ("r0",), "c": ("r0",), "d": ("r1",), "e": ("r1",)})
+    assert place(models, two_replicas(), previous).replicas == previous.replicas
+    assert place(models, two_replicas(), previous, PlacementOptions(balance_start=0.25)).replicas["c"] == ("r1",)
+
+
+def test_once_started_balance_moves_until_the_loads_are_within_the_hysteresis_band():
+    models = {"a": ModelDemand(MIB, 2.0), "b": ModelDemand(MIB, 4.0), "c": ModelDemand(MIB, 4.0),
+              "d": ModelDemand(MIB, 4.0), "e": ModelDemand(MIB, 2.0)}  # r0 14, r1 2: 150% of their mean apart
+    previous = Placement({"a": ("r0",), "b": ("r0",), "c": ("r0",), "d": ("r0",), "e": ("r1",)})
+    after = place(models, two_replicas(), previous)
+    # b (4) leaves r0 10 and r1 6, 50% apart: not past balance_start, but balance has started,
+    # so a (2) follows: 8 and 8
+    assert {r: sum(models[m].rate_per_s for m in after.on(r)) for r in ("r0", "r1")} == {"r0": 8.0, "r1": 8.0}
+    assert {m for m in models if after.replicas[m] != previous.replicas[m]} == {"a", "b"}
+    assert all("balance" in after.why[m]["reason"] for m in ("a", "b"))
+
+
+def test_a_model_still_resident_on_the_lighter_replica_moves_back_within_balance_start():
+    models = {"a": ModelDemand(MIB, 10.0), "b": ModelDemand(MIB, 10.0), "c": ModelDemand(MIB, 6.0),
+              "d": ModelDemand(MIB, 10.0), "e": ModelDemand(MIB, 8.0)}  # 36% apart, as above
+    previous = Placement({"a": ("r0",), "b": ("r0",), "c": ("r0",), "d": ("r1",), "e": ("r1",)})
+    after = place(models, two_replicas(frozenset({"b", "c"})), previous)  # r1 kept b and c: no load
+    assert after.replicas["c"] == ("r1",) and "balance" in after.why["c"]["reason"]
+    assert all(after.replicas[m] == previous.replicas[m] for m in models if m != "c")
+
+
 def test_a_replica_over_its_budget_sheds_its_coldest_model():
     models = {"a": ModelDemand(50 * MIB, 9.0), "b": ModelDemand(50 * MIB, 1.0)}
     previous = Placement({"a": ("r0",), "b": ("r0",)})
@@ -172,6 +207,18 @@ def test_the_rate_meter_reports_a_steady_rate_and_decays_it():
     assert meter.rates()["m"] == pytest.approx(10.0, rel=0.05)
     now[0] += 10.0
     assert meter.rates(["m", "other"]) == {"m": pytest.approx(5.0, rel=0.05), "other": 0.0}
+
+
+def test_the_rate_meter_follows_a_doubled_rate_within_10_percent_in_20_s():
+    now = [0.0]
+    meter = RateMeter(clock=lambda: now[0])  # the pool replicas' meter
+    for _ in range(1200):  # 10 requests/s for 120 s
+        now[0] += 0.1
+        meter.add("m")
+    for _ in range(400):  # then 20 requests/s: a popularity shift
+        now[0] += 0.05
+        meter.add("m")
+    assert meter.rates()["m"] == pytest.approx(20.0, rel=0.1)
 
 
 # ---------------------------------------------------------------- the deployment's state (deployments/placement.py)
@@ -232,19 +279,56 @@ def test_demands_sum_rates_and_guess_the_bytes_of_a_model_never_loaded():
     assert got["y"].bytes == 16 and got["y"].rate_per_s == 0.5  # the mean of the known ones
 
 
-def test_the_follower_releases_what_it_lost_before_it_prefetches_what_it_gained():
-    calls = []
-    follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b", "c"], resident=["a"]),
-                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
-    follower.apply({"target": {"a": ["r0"], "b": ["r1"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
-                    "why": {}, "revision": 1})
-    assert calls == []  # a is resident already
-    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"], "c": ["r1"]},
-                    "why": {}, "revision": 2})
-    assert calls == [("prefetch", "b")]  # a is still routed here: kept
-    follower.apply({"target": {"a": ["r1"], "b": ["r0"], "c": ["r1"]}, "routed": {"a": ["r1"], "b": ["r0"], "c": ["r1"]},
-                    "why": {}, "revision": 3})
-    assert calls[1:] == [("release", "a"), ("prefetch", "b")]
+class FakeReplica:
+    """A pool replica's cache for the follower: 30 MiB models under ``budget_mib``; ``calls``
+    records prefetches and releases in order."""
+
+    def __init__(self, models: list[str], resident: list[str], budget_mib: int = 100) -> None:
+        self.models, self.resident, self.budget_mib, self.calls = models, list(resident), budget_mib, []
+
+    def report(self) -> PoolReport:
+        return report("srv", self.models, resident=self.resident, budget_mib=self.budget_mib)
+
+    def prefetch(self, model: str) -> None:
+        self.calls.append(("prefetch", model))
+        self.resident.append(model)
+
+    def release(self, model: str) -> None:
+        self.calls.append(("release", model))
+        self.resident.remove(model)
+
+    def follower(self) -> PlacementFollower:
+        return PlacementFollower(None, "r0", self.report, self.prefetch, self.release)
+
+
+def decision(target: dict[str, list[str]], routed: dict[str, list[str]] | None = None,
+             rates: dict[str, float] | None = None) -> dict:
+    return {"target": target, "routed": routed or target, "revision": 1,
+            "why": {m: {"rate_per_s": r} for m, r in (rates or {}).items()}}
+
+
+def test_the_follower_prefetches_what_it_gained_and_keeps_what_it_lost_while_it_has_room():
+    replica = FakeReplica(["a", "b", "c"], resident=["a"])
+    follower = replica.follower()
+    follower.apply(decision({"a": ["r0"], "b": ["r1"], "c": ["r1"]}))
+    assert replica.calls == []  # a is resident already
+    follower.apply(decision({"a": ["r1"], "b": ["r0"], "c": ["r1"]}, {"a": ["r0"], "b": ["r1"], "c": ["r1"]}))
+    assert replica.calls == [("prefetch", "b")]
+    follower.apply(decision({"a": ["r1"], "b": ["r0"], "c": ["r1"]}))
+    assert replica.calls == [("prefetch", "b")]  # a moved off: 60 of 100 MiB, it stays
+    assert replica.resident == ["a", "b"] and follower.left == {"a"}
+    follower.apply(decision({"a": ["r0"], "b": ["r0"], "c": ["r1"]}))  # and moves back without a load
+    assert replica.calls == [("prefetch", "b")] and follower.left == set()
+
+
+def test_the_follower_releases_what_it_lost_coldest_first_only_to_make_room_for_what_it_gained():
+    replica = FakeReplica(["a", "b", "c", "d"], resident=["a", "b", "c"])  # 90 of 100 MiB
+    follower = replica.follower()
+    follower.apply(decision({"a": ["r0"], "b": ["r0"], "c": ["r0"], "d": ["r1"]}))
+    rates = {"a": 5.0, "b": 1.0, "c": 3.0, "d": 9.0}
+    follower.apply(decision({"a": ["r1"], "b": ["r1"], "c": ["r0"], "d": ["r0"]}, rates=rates))
+    assert replica.calls == [("release", "b"), ("prefetch", "d")]  # one 30 MiB model makes room: the coldest
+    assert sorted(replica.resident) == ["a", "c", "d"] and follower.left == {"a"}
 
 
 def test_a_model_first_placed_elsewhere_is_released_where_a_load_left_it_and_a_stray_one_later_is_not():

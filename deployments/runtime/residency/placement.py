@@ -21,10 +21,15 @@ routes by its answer. Its promises (tests/unit/test_placement.py):
 * **Hysteresis.** A model keeps its copies while its rate stays within ``hysteresis`` (a
   fraction) of the rate that changes them, and keeps the replicas it has while they still exist
   and fit: a placement recomputed from the same or slightly different reports is the same one.
+* **Balance with hysteresis.** Models move from the most to the least loaded replica only once
+  their loads (or, before any request, their bytes) differ by more than ``balance_start`` x
+  their mean, and then until they are within ``hysteresis`` x it (step 6): rates still
+  converging after a shift do not move a model at every recompute. A model still resident on
+  the lighter replica (it moved off and the replica kept it while it had room) moves back as
+  soon as they differ by more than ``hysteresis``, and before any other: moving it costs no load.
 * **A replica goes or comes: only its models move.** Models on a replica that is gone are
   placed again; a new replica takes models placed afresh, new copies, and models moved to it
-  while the replicas' loads (or, before any request, their bytes) differ by more than
-  ``hysteresis`` x their mean (step 6): no model moves between replicas that stay.
+  by the balance step: no model moves between replicas that stay but by that step.
 * **Deterministic.** Ties are broken by name and replica id, never by dict order or chance.
 
 ``RateMeter`` is what a replica keeps to report rates: requests per model, decayed.
@@ -63,12 +68,16 @@ class ModelDemand:
 class PlacementOptions:
     """``copy_share``: a model gets one copy per this share of a replica's fair load (see the
     module docstring); ``hysteresis``: the fraction by which a model's rate must pass the rate
-    that changes its copies before they change; ``max_copies``: at most this many copies (None:
-    as many as replicas)."""
+    that changes its copies before they change, and the band of the replicas' loads (a fraction
+    of their mean) within which balance stops; ``balance_start``: the band past which balance
+    starts moving models that cost a load (a model resident on the lighter replica moves back
+    past ``hysteresis`` alone); ``max_copies``: at most this many copies (None: as many as
+    replicas)."""
 
     copy_share: float = 0.5
     hysteresis: float = 0.25
     max_copies: int | None = None
+    balance_start: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -238,11 +247,12 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
 def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapping[str, ModelDemand],
              rates: Mapping[str, float], wanted: Mapping[str, int], total: float,
              options: PlacementOptions) -> dict[str, tuple[str, str]]:
-    """Step (6) of ``place``: while the heaviest replica (by expected load, or by placed bytes
-    when no model has a rate) is heavier than the lightest by more than ``hysteresis`` x the
-    mean, move from it to the lightest the copy that fits there and best halves the gap (a
-    replica that came takes models this way; within the band nothing moves). Returns model ->
-    (from, to) of the moves."""
+    """Step (6) of ``place``: once the heaviest replica (by expected load, or by placed bytes
+    when no model has a rate) is heavier than the lightest by more than ``balance_start`` x the
+    mean, and then while it is by more than ``hysteresis`` x the mean, move from it to the
+    lightest the copy that fits there and best halves the gap, a copy already resident there
+    first (it costs no load; such a move needs only the ``hysteresis`` band). A replica that
+    came takes models this way; within the band nothing moves. Returns model -> (from, to) of the moves."""
     if len(rooms) < 2:
         return {}
 
@@ -253,6 +263,7 @@ def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapp
         return room.load if total > 0 else sum(share(m) for m in room.models)
 
     moved: dict[str, tuple[str, str]] = {}
+    started = False  # past balance_start once in this call: models that cost a load move too
     for _ in range(sum(len(r.models) for r in rooms.values())):
         order = sorted(rooms, key=lambda r: (weight(rooms[r]), r))
         light, heavy = order[0], order[-1]
@@ -260,11 +271,13 @@ def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapp
         mean = sum(weight(r) for r in rooms.values()) / len(rooms)
         if gap <= options.hysteresis * mean or gap <= 0:
             break
+        started = started or gap > options.balance_start * mean
+        free = rooms[light].view.resident  # moving a model there costs no load
         candidates = [m for m in rooms[heavy].models if light not in placed[m] and m not in moved
-                      and 0 < share(m) < gap and rooms[light].fits(models[m].bytes)]
+                      and 0 < share(m) < gap and rooms[light].fits(models[m].bytes) and (started or m in free)]
         if not candidates:
             break
-        model = min(candidates, key=lambda m: (abs(share(m) - gap / 2), m))
+        model = min(candidates, key=lambda m: (m not in free, abs(share(m) - gap / 2), m))
         del rooms[heavy].models[model]
         rooms[heavy].load -= rates[model] / max(1, wanted[model])
         placed[model][placed[model].index(heavy)] = light
@@ -276,10 +289,12 @@ def _balance(rooms: dict[str, _Room], placed: dict[str, list[str]], models: Mapp
 
 class RateMeter:
     """Requests per second per model, decayed exponentially with ``half_life_s`` (a rate
-    halves that long after its requests stop). ``add(model)`` per request; ``rates()`` reads
+    halves that long after its requests stop; 5 s: after a popularity shift the rates are
+    within 10% of the new ones in about 17 s, so copies and moves follow in one or two steps
+    instead of chasing rates still converging). ``add(model)`` per request; ``rates()`` reads
     them. Thread-safe; ``clock`` for tests."""
 
-    def __init__(self, half_life_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, half_life_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.half_life_s = half_life_s
         self._clock = clock
         self._lock = threading.Lock()
