@@ -1027,6 +1027,12 @@ def _process_with_args(*args: str) -> Iterator[int]:
     """A process whose command line ends in ``args`` (as a raylet's names its session); its pid."""
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *args])
     try:
+        # Popen returns once the child execs (vfork), which can be before the kernel has set the
+        # new command line: an empty /proc/<pid>/cmdline for a moment (a raylet's is long set)
+        deadline = time.monotonic() + 30
+        while args[-1].encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the child's command line never showed its arguments"
+            time.sleep(0.01)
         yield process.pid
     finally:
         process.kill()
