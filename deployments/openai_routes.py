@@ -22,18 +22,34 @@ from starlette.routing import Route
 
 from .protocol.openai import (embeddings_response, error_body, model_object, models_response,
                               parse_embeddings_request, unknown_embedding_model)
+from .protocol.errors import detached, retry_after_headers
 from .protocol.v2 import parse_json
 from .routes import V2Routes
-from .runtime.contract.errors import InvalidParameter
+from .runtime.contract.errors import InvalidParameter, ModelNotFound, ServingError
 from .runtime.contract.repository import ModelEntry
 
 EMBED_PIPELINE = "embed"  # the pipeline kind whose models /v1/embeddings serves
 EMBED_INPUT, EMBED_OUTPUTS = "text", ["embedding", "tokens"]
 
 
-def openai_error(exc: BaseException, param: str | None = None) -> Response:
-    status, body = error_body(exc, param)
-    return JSONResponse(body, status_code=status)
+OPENAI_ROUTES = "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}"
+
+
+def openai_error(exc: BaseException, param: str | None = None, headers: dict[str, str] | None = None,
+                 route: bool = False) -> Response:
+    """``exc`` answered in OpenAI's error shape (``protocol.openai.error_body``), as
+    ``routes.error_response`` answers the v2 shape: ``Retry-After`` for a shed request,
+    ASCII-escaped JSON, the exception detached from the request's data."""
+    status, body = error_body(exc, param, route)
+    detached(exc)
+    return Response(json.dumps(body), status_code=status, media_type="application/json",
+                    headers={**retry_after_headers(exc), **(headers or {})})
+
+
+def is_openai_path(request: Request) -> bool:
+    """Whether the request's path (under the application's route prefix) is ``/v1`` or under it."""
+    path = request.url.path.removeprefix(request.scope.get("root_path", "").rstrip("/"))
+    return path == "/v1" or path.startswith("/v1/")
 
 
 class OpenAIRoutes(V2Routes):
@@ -45,6 +61,19 @@ class OpenAIRoutes(V2Routes):
             Route("/v1/models", self.openai_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.openai_model, methods=["GET"]),
         ]
+
+    async def _not_found(self, request: Request, exc: Exception) -> Response:
+        """An unknown path under ``/v1``: 404 in OpenAI's shape naming the ``/v1`` routes."""
+        if not is_openai_path(request):
+            return await super()._not_found(request, exc)
+        return openai_error(ModelNotFound(f"no route {request.method} {request.url.path}; OpenAI-compatible "
+                                          f"routes: {OPENAI_ROUTES}"), route=True)
+
+    def _route_error(self, request: Request, error: ServingError, headers: dict[str, str]) -> Response:
+        """A ``/v1`` route's 405 in OpenAI's shape (``Allow`` kept)."""
+        if not is_openai_path(request):
+            return super()._route_error(request, error, headers)
+        return openai_error(error, headers=headers, route=True)
 
     def embedding_models(self) -> list[ModelEntry]:
         """The served embed pipeline models, by name."""

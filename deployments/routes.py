@@ -374,8 +374,13 @@ class V2Routes:
     async def _not_allowed(self, request: Request, exc: Exception) -> Response:
         allow = ", ".join(sorted(m.strip() for m in (getattr(exc, "headers", None) or {}).get("Allow", "").split(",")
                                  if m.strip()))  # Starlette's comes from a set: the same order in every replica
-        return error_response(MethodNotAllowed(
+        return self._route_error(request, MethodNotAllowed(
             f"method {request.method} not allowed on {request.url.path}; allowed: {allow}"), {"Allow": allow})
+
+    def _route_error(self, request: Request, error: ServingError, headers: dict[str, str]) -> Response:
+        """The answer to a request its route refuses before running (405); a protocol edge with
+        its own error shape answers its own paths in it (``OpenAIRoutes``)."""
+        return error_response(error, headers)
 
     async def live(self, request: Request) -> JSONResponse:
         return JSONResponse({"live": True})

@@ -143,13 +143,14 @@ def unknown_embedding_model(name: str, known: list[str]) -> ModelNotFound:
                          "(GET /v1/models)")
 
 
-def error_body(exc: BaseException, param: str | None = None) -> tuple[int, dict[str, Any]]:
+def error_body(exc: BaseException, param: str | None = None, route: bool = False) -> tuple[int, dict[str, Any]]:
     """Status and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}`` of an
     exception, with the status and message of the one error table (``protocol.errors``).
-    ``param``: the field to name where the error does not (``InvalidParameter`` does)."""
+    ``param``: the field to name where the error does not (``InvalidParameter`` does).
+    ``route``: the error is the path's or method's (404 unknown route, 405), no model's: code null."""
     status, message = error_status(exc)
     param = getattr(unwrap(exc), "param", None) or param
-    if status == 404:
+    if status == 404 and not route:
         kind, code = "invalid_request_error", "model_not_found"
     elif status < 500:
         kind, code = "invalid_request_error", None

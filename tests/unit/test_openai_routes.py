@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 
 import numpy as np
 import pytest
 
 from deployments.pipelines import create_pipeline
+from deployments.protocol.errors import overloaded
 from deployments.runtime.contract.errors import ModelNotReady
 from deployments.runtime.residency.host import ModelHost
-from tests.unit.test_router_routes import FakeModelClient, make_router
+from tests.unit.test_router_routes import LIMIT_BYTES, FakeModelClient, make_router
 
 SENTENCES = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
 TOKEN_IDS_FIX = "check_embedding_ctx_length=False"
@@ -180,3 +182,49 @@ def test_a_pipeline_not_ready_is_a_503_server_error(served):
     client.raises = ModelNotReady("model 'embed' is not ready: retry shortly")
     message = _error(post(router, {"model": "embed", "input": "x"}), 503, None)
     assert message == "model 'embed' is not ready: retry shortly"
+
+
+@pytest.mark.parametrize("method, path, status, message, allow", [
+    ("GET", "/v1/embeddings", 405, "method GET not allowed on /v1/embeddings; allowed: POST", "POST"),
+    ("POST", "/v1/models", 405, "method POST not allowed on /v1/models; allowed: GET, HEAD", "GET, HEAD"),
+    ("DELETE", "/v1/models/embed", 405, "method DELETE not allowed on /v1/models/embed; allowed: GET, HEAD",
+     "GET, HEAD"),
+    ("GET", "/v1/chat/completions", 404, "no route GET /v1/chat/completions; OpenAI-compatible routes: POST "
+                                         "/v1/embeddings, GET /v1/models, GET /v1/models/{model}", None),
+    ("GET", "/v1", 404, "no route GET /v1; OpenAI-compatible routes: POST /v1/embeddings", None),
+])
+def test_a_v1_path_or_method_no_route_takes_answers_in_openai_shape(served, method, path, status, message, allow):
+    router, _ = served
+    r = router.request(method, path)
+    assert message in _error(r, status, None)
+    assert r.headers.get("allow") == allow
+
+
+@pytest.mark.parametrize("content, headers, status, message", [
+    (b"x" * (LIMIT_BYTES + 1), {}, 413, f"request body is {LIMIT_BYTES + 1} bytes; the limit is {LIMIT_BYTES} bytes"),
+    (b'{"model": "embed"}', {"content-encoding": "br"}, 415,
+     "Content-Encoding 'br' is not supported; supported: ['deflate', 'gzip', 'identity']"),
+    (gzip.compress(b" " * (LIMIT_BYTES + 1)), {"content-encoding": "gzip"}, 413,
+     f"request body decompresses (Content-Encoding: gzip) to more than the limit of {LIMIT_BYTES} bytes"),
+    (b"{not json", {}, 400, "request body is not valid JSON"),
+])
+def test_a_body_refused_before_parsing_answers_in_openai_shape(served, content, headers, status, message):
+    router, _ = served
+    r = router.post("/v1/embeddings", content=content, headers={"content-type": "application/json", **headers})
+    assert message in _error(r, status, None)
+
+
+def test_a_shed_embeddings_request_answers_503_in_openai_shape_with_retry_after(served):
+    router, client = served
+    client.raises = overloaded(40, 40, 3.0)
+    r = post(router, {"model": "embed", "input": "x"})
+    assert "40 requests already wait for this model (limit 40); retry after 3 s" in _error(r, 503, None)
+    assert r.headers["retry-after"] == "3"
+
+
+def test_v2_paths_keep_their_own_error_shape(served):
+    router, _ = served
+    r = router.get("/v2/models/embed/infer")
+    assert r.status_code == 405 and r.json() == {"error": "method GET not allowed on /v2/models/embed/infer; "
+                                                          "allowed: POST"}
+    assert isinstance(router.get("/v2/nothing").json()["error"], str)
