@@ -33,7 +33,7 @@ import numpy as np
 from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import service_pb2 as pb
 
-from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE
+from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, check_integer_range
 from ..runtime.contract.errors import InvalidInput
 from .binary import HEADER_LENGTH
 from .parameters import check_flag
@@ -103,10 +103,8 @@ def _typed_contents(where: str, datatype: str, shape: list[int], contents: Any) 
     # The range is checked on the Python ints and numpy is given the dtype: left to infer one,
     # numpy read protobuf 6's repeated uint64 field (and a list mixing 0 with 2**64 - 1) as
     # float64, and 2**64 - 1 came out as 0.
-    if dtype.kind in "iu" and count:
-        info = np.iinfo(dtype)
-        if min(values) < info.min or max(values) > info.max:
-            raise InvalidInput(f"{where}: {datatype} data must be integers in [{info.min}, {info.max}]")
+    if dtype.kind in "iu":
+        check_integer_range(where, datatype, values)
     return np.array(list(values), dtype=dtype).tobytes()
 
 

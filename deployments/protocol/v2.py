@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from ..runtime.contract.config import ModelConfig
-from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, datatype_of
+from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, check_integer_range, datatype_of
 from ..runtime.contract.errors import InvalidInput
 from .parameters import (INPUT_PARAMETERS, OUTPUT_PARAMETERS, REQUEST_PARAMETERS, SHARED_MEMORY_PARAMETERS,
                          check_flag, check_parameters, check_priority, check_shared_memory_output, class_count,
@@ -141,11 +141,13 @@ def _numeric_array(where: str, datatype: str, flat: list) -> np.ndarray:
     if any(type(x) is bool for x in flat):  # numpy would read true/false as 1/0 among numbers
         raise InvalidInput(f"{where}: {datatype} data must be numbers, not true/false")
     if dtype.kind in "iu":
-        if kind not in "iu":
-            raise InvalidInput(f"{where}: {datatype} data must be integers (no fractions, strings, booleans or nulls)")
-        info = np.iinfo(dtype)
-        if raw.size and (raw.min() < info.min or raw.max() > info.max):
-            raise InvalidInput(f"{where}: {datatype} data must be integers in [{info.min}, {info.max}]")
+        if kind not in "iu":  # numpy reads ints no one 64-bit type holds (1 and 2**63, 2**64) as float64 or objects
+            if not all(type(x) is int for x in flat):
+                raise InvalidInput(f"{where}: {datatype} data must be integers (no fractions, strings, booleans or "
+                                   "nulls)")
+            check_integer_range(where, datatype, flat)
+            return np.array(flat, dtype=dtype)
+        check_integer_range(where, datatype, raw)
     elif kind not in "iuf":
         raise InvalidInput(f"{where}: {datatype} data must be numbers (no strings, booleans, nulls or huge integers)")
     if dtype.kind != "f":

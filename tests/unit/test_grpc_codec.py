@@ -74,7 +74,7 @@ def typed(datatype: str, shape: list[int], **contents) -> pb.ModelInferRequest:
 
 @pytest.mark.parametrize("message, error", [
     (typed("INT32", [1, 3], int_contents=[1, 2]), "input 'x': shape [1, 3] needs 3 elements, contents.int_contents has 2"),
-    (typed("INT8", [1], int_contents=[300]), "input 'x': INT8 data must be integers in [-128, 127]"),
+    (typed("INT8", [1], int_contents=[300]), "input 'x': INT8 data element 0 is 300, out of INT8's range [-128, 127]"),
     (typed("INT32", [1], fp32_contents=[1.0]),
      "input 'x': a INT32 input takes its values in contents.int_contents, got ['contents.fp32_contents']"),
     (typed("FP16", [1], fp32_contents=[1.0]), "input 'x': FP16 has no typed contents field; send it in raw_input_contents"),

@@ -56,8 +56,10 @@ def test_request_fields_id_outputs_and_parameters_are_kept():
     ({"name": "a", "shape": [1.5], "datatype": "FP32", "data": [1]}, "axis 0 is 1.5"),
     ({"name": "a", "shape": [True], "datatype": "FP32", "data": [1]}, "axis 0 is true"),
     ({"name": "a", "shape": "2", "datatype": "FP32", "data": [1, 2]}, "'shape' must be a list"),
-    ({"name": "a", "shape": [2], "datatype": "INT8", "data": [1, 128]}, "INT8 data must be integers in [-128, 127]"),
-    ({"name": "a", "shape": [2], "datatype": "UINT8", "data": [1, -1]}, "UINT8 data must be integers in [0, 255]"),
+    ({"name": "a", "shape": [2], "datatype": "INT8", "data": [1, 128]},
+     "INT8 data element 1 is 128, out of INT8's range [-128, 127]"),
+    ({"name": "a", "shape": [2], "datatype": "UINT8", "data": [1, -1]},
+     "UINT8 data element 1 is -1, out of UINT8's range [0, 255]"),
     ({"name": "a", "shape": [2], "datatype": "INT32", "data": [1, 1.5]}, "INT32 data must be integers"),
     ({"name": "a", "shape": [2], "datatype": "FP32", "data": [1, "2"]}, "FP32 data must be numbers"),
     ({"name": "a", "shape": [2], "datatype": "FP32", "data": [1, None]}, "FP32 data must be numbers"),
@@ -84,6 +86,37 @@ def test_bad_tensors_are_invalid_input_naming_what_is_wrong(tensor, fragment):
     with pytest.raises(InvalidInput) as err:
         decode(tensor)
     assert fragment in err.value.message
+
+
+INTEGER_DATATYPES = ["UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"]
+
+
+@pytest.mark.parametrize("datatype", INTEGER_DATATYPES)
+@pytest.mark.parametrize("beside", ["alone", "beside 1", "beside the minimum"])
+@pytest.mark.parametrize("end", ["max + 1", "min - 1"])
+def test_an_integer_just_outside_its_datatype_is_400_saying_out_of_range(datatype, beside, end):
+    """JSON's 9223372036854775808 in INT64 data was refused as not an integer ("no fractions,
+    strings ..."): numpy reads it beside 1 as float64, beside -1 as an object."""
+    info = np.iinfo(NUMPY_BY_DATATYPE[datatype])
+    beside = {"alone": [], "beside 1": [1], "beside the minimum": [int(info.min)]}[beside]
+    value = info.max + 1 if end == "max + 1" else info.min - 1
+    with pytest.raises(InvalidInput) as err:
+        decode({"name": "a", "shape": [len(beside) + 1], "datatype": datatype, "data": beside + [value]})
+    assert err.value.message == (f"input 'a': {datatype} data element {len(beside)} is {value}, out of {datatype}'s "
+                                 f"range [{info.min}, {info.max}]")
+    assert error_status(err.value)[0] == 400
+
+
+@pytest.mark.parametrize("datatype", INTEGER_DATATYPES)
+def test_an_integer_datatypes_whole_range_decodes_exactly(datatype):
+    info = np.iinfo(NUMPY_BY_DATATYPE[datatype])
+    values = [info.min, 0, 1, info.max]
+    assert decode({"name": "a", "shape": [4], "datatype": datatype, "data": values})["a"].tolist() == values
+
+
+def test_a_fraction_beside_an_integer_out_of_range_is_still_not_an_integer():
+    with pytest.raises(InvalidInput, match=r"INT64 data must be integers \(no fractions"):
+        decode({"name": "a", "shape": [2], "datatype": "INT64", "data": [2 ** 63, 1.5]})
 
 
 @pytest.mark.parametrize("payload,fragment", [

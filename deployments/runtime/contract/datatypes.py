@@ -5,9 +5,11 @@ Source: the Open Inference Protocol REST spec, "Tensor Data Types" table.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import numpy as np
+
+from .errors import InvalidInput
 
 Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
@@ -73,3 +75,25 @@ def zeros(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     if datatype == "BYTES":
         return np.full(shape, b"0", dtype=object)
     return np.zeros(shape, dtype=NUMPY_BY_DATATYPE[datatype])
+
+
+def check_integer_range(where: str, datatype: str, values: Sequence[int] | np.ndarray) -> None:
+    """Check that integer ``values`` (Python ints of any size, or an integer array) fit the
+    integer ``datatype`` (UINT8 ... INT64).
+
+    Raises:
+        InvalidInput: naming the first value out of the datatype's range, and the range.
+    """
+    info = np.iinfo(NUMPY_BY_DATATYPE[datatype])
+    if len(values) == 0:
+        return
+    if isinstance(values, np.ndarray):
+        if values.min() >= info.min and values.max() <= info.max:
+            return
+        index = int(np.flatnonzero((values < info.min) | (values > info.max))[0])
+    else:
+        if min(values) >= info.min and max(values) <= info.max:
+            return
+        index = next(i for i, v in enumerate(values) if not info.min <= v <= info.max)
+    raise InvalidInput(f"{where}: {datatype} data element {index} is {int(values[index])}, out of {datatype}'s "
+                       f"range [{info.min}, {info.max}]")
