@@ -17,7 +17,9 @@ Tokenization is the ``tokenizers`` library with the encoder's ``tokenizer.json``
 ``model.onnx``), truncating at ``max_seq_length`` (sentence-transformers' ``max_seq_length``:
 256 for all-MiniLM-L6-v2; its ``tokenizer.json`` itself says 128) and without the file's padding
 (fixed to 128 in that file); a request of a few short texts (``INLINE_CHARACTERS``) is tokenized
-on the event loop, a longer one in a worker thread. Texts go to the encoder sorted by length, in
+on the event loop, a longer one in a worker thread; a long text is tokenized on a prefix
+(``encode_bounded``), so the tokenizer's work follows what is kept, not the text's length,
+whether it is cut or refused (``on_overlength``). Texts go to the encoder sorted by length, in
 calls of ``batch_size``, ``step_calls_in_flight`` calls of a request at a time
 (``pipelines.map_bounded``); the replica has ``replica_calls_in_flight`` encoder calls running at
 once, all requests together, and the texts that wait meanwhile join into the next call, up to
@@ -34,11 +36,12 @@ the other texts of its call, its request's or other requests'.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, Awaitable, Callable, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 from pydantic import Field
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer, models, normalizers, pre_tokenizers
 
 from . import JoinedCalls, PipelineParameters, map_bounded
 from ..runtime.contract.config import ModelConfig
@@ -57,6 +60,68 @@ TEXT = "text"
 # Texts of at most this many characters in all are tokenized on the event loop: for a query
 # the hop to a worker thread and back costs more than the tokenizer (tens of µs).
 INLINE_CHARACTERS = 256
+# A text is first tokenized on its first max_seq_length x this many characters (English runs 4-6
+# characters a token): one pass for almost every text that is cut.
+PREFIX_CHARACTERS_PER_TOKEN = 8
+
+
+def _settled(encoding: Encoding) -> bool:
+    """Whether the tokens kept from a prefix are the whole text's: the prefix was cut
+    (``overflowing``) and no kept token comes from its last word, the only one a cut can change
+    (the pre-tokenizer splits words without looking past their neighbours)."""
+    if not encoding.overflowing:
+        return False
+    kept = max((w for w in encoding.word_ids if w is not None), default=-1)
+    last = max((w for w in encoding.overflowing[-1].word_ids if w is not None), default=-1)
+    return kept < last
+
+
+# Letters and digits, CJK ideographs left out: inside a word for BERT's pre-tokenizer (which
+# splits at whitespace and punctuation, and its normalizer around each CJK ideograph).
+_IN_WORD = re.compile("[^\\W_\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df"
+                      "\U0002a700-\U0002b73f\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f]+")
+
+
+def _word_chars(tokenizer: Any) -> int | None:
+    """WordPiece's ``max_input_chars_per_word`` for a BERT tokenizer (BertNormalizer or none,
+    BertPreTokenizer, WordPiece): a longer word is one unknown token, however long. None for
+    another kind of tokenizer."""
+    if (isinstance(getattr(tokenizer, "model", None), models.WordPiece)
+            and isinstance(getattr(tokenizer, "pre_tokenizer", None), pre_tokenizers.BertPreTokenizer)
+            and (tokenizer.normalizer is None or isinstance(tokenizer.normalizer, normalizers.BertNormalizer))):
+        return int(tokenizer.model.max_input_chars_per_word)
+    return None
+
+
+def encode_bounded(tokenizer: Tokenizer, texts: Sequence[str], max_seq_length: int) -> list[Encoding]:
+    """``tokenizer.encode_batch(texts)`` (truncating at ``max_seq_length``), each text tokenized on
+    a prefix: its first ``max_seq_length x PREFIX_CHARACTERS_PER_TOKEN`` characters, doubled while
+    the prefix's tokens do not settle the answer (``_settled``: a prefix too short to be cut, or
+    whose kept tokens reach its last word), up to the whole text. The ids, the count and whether
+    a text was cut (``overflowing``) are what tokenizing the whole text gives, and a text of
+    megabytes costs the tokenizer a few kilobytes.
+
+    A word has no cut inside it that the tokenizer would agree with, so one long word is
+    tokenized whole; for a BERT tokenizer (``_word_chars``), before a prefix grows, a run of
+    letters and digits from its cut longer than WordPiece's word limit is shortened to one
+    character over it (the word stays one unknown token), so a text of one long word costs
+    the tokenizer little more either (emoji and other symbols are not shortened)."""
+    size = max_seq_length * PREFIX_CHARACTERS_PER_TOKEN
+    word_chars = _word_chars(tokenizer)
+    texts = list(texts)
+    encodings = tokenizer.encode_batch([t[:size] for t in texts])
+    pending = [i for i, t in enumerate(texts) if len(t) > size and not _settled(encodings[i])]
+    while pending:
+        if word_chars is not None:
+            for i in pending:
+                run = _IN_WORD.match(texts[i], size)
+                if run is not None and run.end() - size > word_chars + 1:
+                    texts[i] = texts[i][:size + word_chars + 1] + texts[i][run.end():]
+        size *= 2
+        for i, encoding in zip(pending, tokenizer.encode_batch([texts[i][:size] for i in pending])):
+            encodings[i] = encoding
+        pending = [i for i in pending if len(texts[i]) > size and not _settled(encodings[i])]
+    return encodings
 
 
 class EmbedParameters(PipelineParameters):
@@ -227,12 +292,12 @@ class EmbedPipeline:
             InferenceError, ModelNotReady, InferenceTimeout: passed on from ``infer``; its
                 ``InvalidInput`` names the step (``pipelines.step_caller``).
         """
+        limit = self.parameters.max_seq_length
         if sum(map(len, texts)) <= INLINE_CHARACTERS:
             encodings = self._tokenizer.encode_batch(list(texts))
         else:
-            encodings = await asyncio.to_thread(self._tokenizer.encode_batch, list(texts))
+            encodings = await asyncio.to_thread(encode_bounded, self._tokenizer, texts, limit)
         cut = [i for i, e in enumerate(encodings) if e.overflowing]
-        limit = self.parameters.max_seq_length
         if cut and self.parameters.on_overlength == "reject":
             raise PayloadTooLarge(
                 f"model '{self.name}' input '{TEXT}'[{cut[0]}] is longer than {limit} tokens "

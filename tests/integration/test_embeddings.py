@@ -127,3 +127,20 @@ def test_a_timed_out_request_leaves_no_encoder_calls_behind_to_starve_the_next(s
     assert outputs(v2_embed(server, ["hi"]))["tokens"]["data"] == [3]
     ran = _encoder_rows(server) - before
     assert ran <= 8 * 32 + 1, f"{ran} encoder rows ran for a request answered 504 and a one-word one"
+
+
+def test_a_text_of_megabytes_answers_200_cut_at_256_tokens(server, client):
+    """A text is tokenized on a prefix only (``pipelines.embed.encode_bounded``). Tokenized whole,
+    a 25 MB text kept the pipeline's worker thread busy past this request's 20 s timeout (and
+    a 63 MB one past the 60 s default, then for minutes after its 504)."""
+    text = "word " * (5 * 1024 * 1024)
+    body = {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["short", text]}],
+            "parameters": {"timeout": 20_000_000}}  # microseconds
+    r = requests.post(f"{server}/v2/models/embed/infer", json=body, timeout=120)
+    assert outputs(r)["tokens"]["data"] == [3, 256]
+    assert r.json()["parameters"] == {"truncated": [1], "max_seq_length": 256}
+    # the same text's embedding is its first 254 words'
+    alone = np.array(outputs(v2_embed(server, ["word " * 254]))["embedding"]["data"], np.float32)
+    np.testing.assert_allclose(np.array(outputs(r)["embedding"]["data"][384:], np.float32), alone, atol=1e-5)
+    answer = client.embeddings.create(model="embed", input=[text])
+    assert answer.usage.prompt_tokens == 256

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from deployments.pipelines import create_pipeline
-from deployments.pipelines.embed import EmbedPipeline, load_tokenizer
+from deployments.pipelines.embed import PREFIX_CHARACTERS_PER_TOKEN, EmbedPipeline, encode_bounded, load_tokenizer
 from deployments.runtime.contract.errors import ConfigError, InvalidInput, Overloaded, PayloadTooLarge
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.tools import prepare as prep
@@ -173,6 +173,81 @@ def test_an_embedding_does_not_depend_on_the_other_texts_of_its_request(pipeline
     np.testing.assert_allclose(mixed, alone, atol=1e-5)
 
 
+CUT = 256 * PREFIX_CHARACTERS_PER_TOKEN  # the first prefix's characters
+LONG_TEXTS = {
+    "many words": "word " * 200_000,
+    "no whitespace at all": "a" * 100_000,
+    "a whitespace run, then words": " " * 50_000 + "hello world " * 1_000,
+    "CJK without spaces": "東京は晴れ" * 20_000,
+    "emoji between spaces": "😀 🎉" * 20_000,
+    "emoji without spaces": "😀🎉" * 20_000,
+    "a word straddling the cut": "x" * (CUT - 3) + " " + "abcdefghij" * 3 + " more" * 1_000,
+    "words of many pieces across the cut": "hello " * 340 + "unbelievablyfantastically" * 3 + " tail" * 500,
+    "punctuation": "a,b." * 30_000,
+    "combining accents": "e\u0301 " * 30_000,
+    "a word over 100 characters, then words": "q" * 50_000 + " a b c",
+    "a long word in the first prefix, cut, then words": "hello " * 100 + "x" * 100_000 + ", tail" * 500,
+    "a long word of letters broken by accents": "hello " * 100 + ("x" * 3_000 + "\u0301") * 30 + " tail" * 500,
+    "a long word of letters, then emoji": "hello " * 100 + "x" * 100_000 + "😀b" + " tail" * 500,
+    "a long word of CJK-free letters and digits": "hello " * 200 + "ab12" * 30_000 + " 東京" * 500,
+    "254 words: 256 tokens, not cut": "word " * 254,
+    "255 words: cut": "word " * 255,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_repository) -> Tokenizer:
+    return load_tokenizer(str(model_repository.get(ENCODER).onnx_path().parent / "tokenizer.json"), 256)
+
+
+@pytest.mark.parametrize("kind", LONG_TEXTS)
+def test_a_long_text_tokenized_by_prefixes_keeps_the_whole_texts_tokens_and_cut(tokenizer, kind):
+    whole = tokenizer.encode(LONG_TEXTS[kind])
+    [bounded] = encode_bounded(tokenizer, [LONG_TEXTS[kind]], 256)
+    assert bounded.ids == whole.ids and bounded.attention_mask == whole.attention_mask
+    assert bounded.type_ids == whole.type_ids and bool(bounded.overflowing) == bool(whole.overflowing)
+
+
+def test_a_prefix_whose_kept_tokens_reach_its_last_word_is_not_taken(model_repository):
+    """Cut at 64 characters, the 120-character word is 62 characters of word pieces; whole, it is
+    longer than WordPiece's 100 and one [UNK]."""
+    tokenizer = load_tokenizer(str(model_repository.get(ENCODER).onnx_path().parent / "tokenizer.json"), 8)
+    text = "a " + "qz" * 60 + " b c d e f g h"
+    [bounded] = encode_bounded(tokenizer, [text], 8)
+    assert bounded.tokens == ["[CLS]", "a", "[UNK]", "b", "c", "d", "e", "[SEP]"] == tokenizer.encode(text).tokens
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the characters it is given."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.characters = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+    def encode_batch(self, texts: list[str]) -> list:
+        self.characters += sum(map(len, texts))
+        return self.tokenizer.encode_batch(texts)
+
+
+@pytest.mark.parametrize("on_overlength", ["truncate", "reject"])
+def test_a_text_of_megabytes_is_tokenized_on_a_prefix_only(model_repository, recording, tokenizer, on_overlength):
+    counting = CountingTokenizer(tokenizer)
+    config = model_repository.get("embed").config
+    pipeline = EmbedPipeline(recording, counting, EmbedPipeline.from_repository(model_repository, recording).encoder,
+                             dict(config.parameters, on_overlength=on_overlength))
+    text = "word " * (1024 * 1024)  # 5 MiB
+    if on_overlength == "reject":
+        with pytest.raises(PayloadTooLarge, match=r"input 'text'\[1\] is longer than 256 tokens"):
+            embed(pipeline, "short", text)
+    else:
+        out = embed(pipeline, "short", text)
+        assert out["tokens"].tolist() == [3, 256] and out.parameters == {"truncated": [1], "max_seq_length": 256}
+    assert counting.characters == len("short") + CUT
+
+
 def test_encoder_calls_are_padded_to_their_longest_text_only_and_embeddings_are_unchanged(model_repository,
                                                                                           pipeline, recording):
     """The sequence buckets are the encoder's batcher's (``dynamic_batching.sequence_buckets``):
@@ -309,3 +384,14 @@ def test_the_shipped_tokenizer_file_itself_pads_and_cuts_at_128(members):
     # why the pipeline sets both explicitly (load_tokenizer)
     spec = json.loads(members["tokenizer.json"])
     assert spec["truncation"]["max_length"] == 128 and spec["padding"]["strategy"] == {"Fixed": 128}
+
+
+def test_a_text_of_one_word_of_megabytes_is_tokenized_on_a_prefix_only(model_repository, recording, tokenizer):
+    """Its first prefix is one unfinished word; grown by doubling it was tokenized whole, several
+    times over. Shortened past WordPiece's 100 characters, it is one [UNK] still."""
+    counting = CountingTokenizer(tokenizer)
+    pipeline = EmbedPipeline(recording, counting, EmbedPipeline.from_repository(model_repository, recording).encoder,
+                             model_repository.get("embed").config.parameters)
+    out = embed(pipeline, "a" * (5 << 20) + " b")
+    assert out["tokens"].tolist() == [4] and out.parameters == {}
+    assert counting.characters < 3 * CUT
