@@ -144,3 +144,14 @@ def test_a_text_of_megabytes_answers_200_cut_at_256_tokens(server, client):
     np.testing.assert_allclose(np.array(outputs(r)["embedding"]["data"][384:], np.float32), alone, atol=1e-5)
     answer = client.embeddings.create(model="embed", input=[text])
     assert answer.usage.prompt_tokens == 256
+
+
+@pytest.mark.parametrize("method, path, status, message", [
+    ("GET", "/v1/embeddings", 405, "method GET not allowed on /v1/embeddings; allowed: POST"),
+    ("GET", "/v1/chat/completions", 404, "no route GET /v1/chat/completions; OpenAI-compatible routes: "
+                                         "POST /v1/embeddings, GET /v1/models, GET /v1/models/{model}"),
+])
+def test_a_v1_path_or_method_no_route_takes_answers_in_openai_shape(server, method, path, status, message):
+    r = requests.request(method, f"{server}{path}", timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
