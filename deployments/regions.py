@@ -9,13 +9,13 @@ so a region registered a moment ago through any router is usable at once, and on
 or registered again over another key, offset or size, is refused or used anew at once. Model
 control's desired state (``deployments.control``) is followed by polling instead,
 because a load must wait for every replica to apply it; a region needs no work from a replica
-before its first use (it is mapped then), so reading it on use makes register and unregister
+before its first use (its object is opened then), so reading it on use makes register and unregister
 take effect everywhere when they answer, as Triton's do, with no replica to wait for.
 
 A name is registered once across the cluster: ``add`` stores its key only if absent (the GCS's own
-check), so two routers cannot both register it. Each process unmaps what it mapped of a region
-unregistered through another router within ``SWEEP_S`` (``SharedMemory.sweep``, only while it
-has something mapped). Regions live as long as the cluster's GCS: a ``serve deploy`` keeps them
+check), so two routers cannot both register it. Each process closes the CUDA handles it opened of
+a region unregistered through another router within ``SWEEP_S`` (``SharedMemory.sweep``, only
+while it has one open; a system region holds nothing open between requests). Regions live as long as the cluster's GCS: a ``serve deploy`` keeps them
 (Triton forgets them when it restarts); ``POST /v2/systemsharedmemory/unregister`` clears them.
 """
 
@@ -32,7 +32,7 @@ logger = logging.getLogger("ray.serve")
 KV_NAMESPACE = "trt_serve_shared_memory"
 _PREFIX = b"region/"
 _GENERATION = b"generation"  # changed by every add and remove (``RegionStore.generation``)
-SWEEP_S = 2.0  # how often a process with regions mapped unmaps those unregistered elsewhere
+SWEEP_S = 2.0  # how often a process with CUDA handles open closes those unregistered elsewhere
 
 
 class GcsRegionStore:
@@ -77,7 +77,7 @@ _PROCESS: SharedMemory | None = None
 
 def process_shared_memory() -> SharedMemory:
     """In a replica's constructor: this process's ``SharedMemory`` over the GCS store, one per
-    process (a region is mapped once in it), its ``sweep`` run every ``SWEEP_S`` on the event
+    process (a CUDA region's handle is opened once in it), its ``sweep`` run every ``SWEEP_S`` on the event
     loop that runs the constructor (a replica's; none in a unit test that builds routes alone)."""
     global _PROCESS
     if _PROCESS is None:

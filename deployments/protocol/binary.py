@@ -83,13 +83,20 @@ def join_body(chunks: list[bytes], header_length: int | None) -> Body:
     size = sum(len(c) for c in chunks)
     if header_length is None or header_length == size:
         return b"".join(chunks)
-    raw = np.empty(size + _ALIGN, dtype=np.uint8)
-    start = -(raw.ctypes.data + header_length) % _ALIGN
-    pos = start
+    raw = aligned_buffer(size, header_length)
+    pos = 0
     for chunk in chunks:
         raw[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
-    return memoryview(raw[start:pos]).cast("B")
+    return memoryview(raw).cast("B")
+
+
+def aligned_buffer(size: int, lead: int = 0) -> np.ndarray:
+    """A new uninitialized ``uint8`` array of ``size`` bytes whose byte ``lead`` starts on a
+    64-byte boundary (so numeric tensors from there on decode as aligned views)."""
+    raw = np.empty(size + _ALIGN, dtype=np.uint8)
+    start = -(raw.ctypes.data + lead) % _ALIGN
+    return raw[start:start + size]
 
 
 def decode_body(chunks: list[bytes], header_value: str | None, shm: TensorReader | None = None) -> InferRequest:

@@ -35,7 +35,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, check_integer_range
 from ..runtime.contract.errors import InvalidInput
-from .binary import HEADER_LENGTH
+from .binary import HEADER_LENGTH, fixed_byte_size
 from .parameters import check_flag
 
 # The typed contents field of each datatype (grpc_service.proto, ``InferTensorContents``).
@@ -145,8 +145,11 @@ def infer_body(request: Any) -> tuple[list[bytes], int]:
             continue
         if raw and has_contents:
             raise InvalidInput(f"{where}: give either contents or raw_input_contents, not both")
-        data = next(entries) if raw else _typed_contents(where, tensor.datatype, list(tensor.shape),
-                                                         tensor.contents) if has_contents else b""
+        if raw:
+            data = next(entries)
+            _check_raw_size(where, tensor.datatype, list(tensor.shape), len(data))
+        else:
+            data = _typed_contents(where, tensor.datatype, list(tensor.shape), tensor.contents) if has_contents else b""
         _check_given_size(where, params, len(data))
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                        "parameters": {**params, "binary_data_size": len(data)}})
@@ -165,6 +168,19 @@ def infer_body(request: Any) -> tuple[list[bytes], int]:
                                       {**params, "binary_data": True}})
     head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     return [head, *chunks], len(head)
+
+
+def _check_raw_size(where: str, datatype: str, shape: list[int], size: int) -> None:
+    """An input's ``raw_input_contents`` entry holds shape x datatype bytes (a datatype of fixed
+    size; BYTES, a datatype or shape the decoder refuses are the decoder's to name). Checked here
+    so that the message names the gRPC field: the body the edge writes gives the size as
+    ``binary_data_size``, which a gRPC request does not have.
+
+    Raises:
+        InvalidInput: another byte count (Triton's words, then both byte counts).
+    """
+    if datatype in NUMPY_BY_DATATYPE and datatype != "BYTES" and all(d > 0 for d in shape):
+        fixed_byte_size(where, datatype, tuple(shape), size, "raw_input_contents")
 
 
 def _check_given_size(where: str, params: Mapping[str, Any], size: int) -> None:

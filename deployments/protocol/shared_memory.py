@@ -16,14 +16,18 @@ echoed.
 
 Where registrations live is the ``RegionStore``'s business (``deployments.regions``: Ray's GCS
 key-value store, read by every replica of the cluster when a request names a region: its
-generation once a request, a region's record once a generation, ``RegionCache``); each process
-maps a region's bytes once, on first use, and unmaps them once the region is unregistered
-(``SharedMemory.sweep``). A mapping is kept by the object's identity (device and inode, recorded
-at register), offset and size, never by name or key alone: a client that unregisters, removes its
-object, creates a new one at the same key and registers the same name (Triton's HTTP and gRPC
-shm examples, one after another) gets the new object read and written, in every process, even
-one that still has the first object mapped; an object replaced at its key without a new register
-is refused (400), as is a key that names another node's object.
+generation once a request, a region's record once a generation, ``RegionCache``). A system
+region's object is opened at its key for each read or write, checked to be the object the region
+was registered over (device and inode, recorded at register), and read with ``pread`` into a
+buffer of the request's own (an input is a copy) or written with ``pwrite``; it is never mapped,
+since the client owns it and may shrink, truncate, replace or remove it at any moment, and a
+mapped page past the object's end faults (SIGBUS kills the process) where ``pread`` returns
+fewer bytes: such a request is answered 400, naming the region, offset and size, and the process
+serves on. A client that unregisters, removes its object, creates a new one at the same key and
+registers the same name (Triton's HTTP and gRPC shm examples, one after another) gets the new
+object read and written; an object replaced at its key without a new register is refused (400),
+as is a key that names another node's object. A CUDA region's handle is opened once per process,
+on first use, and closed once the region is unregistered (``SharedMemory.sweep``).
 
 The server's host is the client's: a key names a file of this node's ``/dev/shm`` directly (no
 ``/`` after its leading ones, not ``.`` or ``..``), so no request reaches another file.
@@ -33,11 +37,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import dataclasses
 import functools
 import json
-import mmap
 import os
 import stat
 import threading
@@ -388,64 +390,107 @@ def _unable_to_open(region: Region, path: Path, replaced: bool = False) -> Share
                              "server's host)")
 
 
-def _check_object(region: Region, path: Path, status: os.stat_result) -> None:
-    """``status`` is of the object ``region`` was registered over (a registration that recorded
-    none, of an older server, is taken as it is).
-
-    Raises:
-        SharedMemoryError: another object is at the key now (``_unable_to_open``).
-    """
-    if region.ino and (status.st_dev, status.st_ino) != (region.dev, region.ino):
-        raise _unable_to_open(region, path, replaced=True)
+def _is_registered_object(region: Region, status: os.stat_result) -> bool:
+    """Whether ``status`` is of the object ``region`` was registered over (a registration that
+    recorded none, of an older server, takes any regular file)."""
+    if region.ino:
+        return (status.st_dev, status.st_ino) == (region.dev, region.ino)
+    return stat.S_ISREG(status.st_mode)
 
 
-class _Mapping:
-    """One mapped region: ``view`` is its ``byte_size`` bytes (a writable ``memoryview``) of the
-    object it was registered over.
+class _Object:
+    """The object a system region was registered over, opened for one read or write of a
+    request's tensor (``with _Object(region, path) as obj``) and closed after it. Its bytes are
+    read and written with ``pread`` / ``pwrite``, never through a mapping: the client owns the
+    object and may shrink, truncate, replace or remove it at any moment, and a page of a mapping
+    past the object's end faults (SIGBUS, the process dies) where a ``pread`` just returns fewer
+    bytes (answered 400, ``_shrunk``).
 
     Raises:
         SharedMemoryError: no object at the key, another one than the registered
-            (``_unable_to_open``), or one too small for the region now.
+            (``_unable_to_open``), or not a regular file.
     """
 
     def __init__(self, region: Region, path: Path) -> None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        self.region, self.path = region, path
+        try:  # O_NONBLOCK: whatever the client put at the key, opening it never waits
+            self.fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             raise _unable_to_open(region, path) from None
+        status = os.fstat(self.fd)
+        self.size = status.st_size  # as it was opened: the client may change it at any time
+        if not _is_registered_object(region, status):
+            os.close(self.fd)
+            raise _unable_to_open(region, path, replaced=True)
+
+    def __enter__(self) -> "_Object":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def read(self, where: str, ref: TensorRef) -> memoryview:
+        """``ref``'s bytes of the region, copied into a new 64-byte aligned buffer (numeric
+        inputs decode as aligned views of it).
+
+        Raises:
+            SharedMemoryError: the object holds fewer bytes than the region now (``_shrunk``),
+                or cannot be read.
+        """
+        from .binary import aligned_buffer  # binary reads inputs through this module
+
+        view = memoryview(aligned_buffer(ref.byte_size)).cast("B")
+        position, done = self.region.offset + ref.offset, 0
+        while done < ref.byte_size:
+            got = self._io(where, ref, os.preadv, [view[done:]], position + done)
+            if got == 0:
+                raise self._shrunk(where, ref)
+            done += got
+        return view
+
+    def write(self, where: str, ref: TensorRef, raw: bytes | memoryview) -> None:
+        """``raw`` (at most ``ref.byte_size`` bytes) into ``ref``'s bytes of the region. The
+        object's size as it was opened is checked first: one that shrank is refused (``_shrunk``)
+        and not grown back; one that shrinks after it was opened grows back to at most the
+        registered end (``pwrite`` past the end extends the file; it never faults).
+
+        Raises:
+            SharedMemoryError: as ``read``.
+        """
+        view = memoryview(raw).cast("B")
+        position = self.region.offset + ref.offset
+        if self.size < position + ref.byte_size:
+            raise self._shrunk(where, ref)
+        done = 0
+        while done < len(view):
+            done += self._io(where, ref, os.pwrite, view[done:], position + done)
+
+    def _io(self, where: str, ref: TensorRef, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(fd, *args)``, an ``OSError`` answered as the region's 400."""
         try:
-            status = os.fstat(fd)
-            _check_object(region, path, status)
-            end = region.offset + region.byte_size
-            if end > status.st_size:
-                raise SharedMemoryError(
-                    f"Invalid shared memory region: '{region.key}'; region '{region.name}' needs {end} bytes of "
-                    f"it and it holds {status.st_size} now (it shrank since it was registered); register it again")
-            start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
-            self.map = mmap.mmap(fd, end - start, offset=start)
-        finally:
-            os.close(fd)
-        self.view = memoryview(self.map)[region.offset - start:]
+            return call(self.fd, *args)
+        except OSError as error:
+            raise SharedMemoryError(f"Unable to access shared memory region: '{self.region.key}'; {where}: region "
+                                    f"'{self.region.name}', offset {ref.offset}, byte size {ref.byte_size}: "
+                                    f"{error.strerror or error}") from None
 
-    def close(self) -> None:
-        """Unmap now; while a request still holds a view of it, once the last such view is gone
-        (the views keep the ``mmap`` alive; its memory is unmapped when it is freed)."""
-        self.view.release()
-        with contextlib.suppress(BufferError):
-            self.map.close()
-
-
-def _mapping_key(region: Region) -> tuple[int, int, str, int, int]:
-    """What a system region's mapping is kept by: the object (device, inode: each new object at
-    a key is another), key, offset and size; never the region's name."""
-    return region.dev, region.ino, region.key, region.offset, region.byte_size
+    def _shrunk(self, where: str, ref: TensorRef) -> SharedMemoryError:
+        """The 400 of an object that holds fewer bytes than ``ref`` needs (the client shrank it)."""
+        start = self.region.offset + ref.offset
+        size = self._io(where, ref, os.fstat).st_size
+        return SharedMemoryError(
+            f"Invalid shared memory region: '{self.region.key}'; {where}: region '{self.region.name}', offset "
+            f"{ref.offset}, byte size {ref.byte_size} needs bytes {start} to {start + ref.byte_size} of {self.path}, "
+            f"and it holds {size} bytes now (the client shrank it since the region was registered); write the "
+            "object back to its size or register the region again")
 
 
 class SharedMemory:
     """This process's use of the registered regions: ``read_input`` and ``write_outputs`` for an
-    infer request (any protocol), each region's bytes mapped once, on first use, and kept by the
-    object's identity, offset and size (``_mapping_key``) until the region is unregistered
-    (``forget``, ``sweep``).
+    infer request (any protocol). A system region's object is opened for each read or write and
+    read or written with ``pread`` / ``pwrite`` (``_Object``), never mapped: nothing a client does
+    to its object faults this process. A CUDA region's handle is opened once, on first use, and
+    closed once the region is unregistered (``forget``, ``sweep``).
 
     Args:
         store: the registered regions (a request reads their generation when it names one, and
@@ -457,17 +502,10 @@ class SharedMemory:
     def __init__(self, store: RegionStore, cuda: IpcOpenings | None = None) -> None:
         self.store = store
         self.regions = RegionCache(store)
-        self._lock = threading.Lock()
-        self._maps: dict[tuple[int, int, str, int, int], _Mapping] = {}
         self.cuda = cuda or IpcOpenings()
         self.registry = Registry(store, self.forget)
-        # the last sweep that listed the store: the generation it read, what stayed mapped and opened
-        self._swept: tuple[Any, set[tuple[int, int, str, int, int]], set[tuple[bytes, int]]] = (_UNREAD, set(), set())
-
-    @property
-    def mapped(self) -> int:
-        """How many regions this process has mapped (and uses for new requests)."""
-        return len(self._maps)
+        # the last sweep that listed the store: the generation it read, what stayed opened
+        self._swept: tuple[Any, set[tuple[bytes, int]]] = (_UNREAD, set())
 
     def for_request(self) -> "RequestMemory":
         """This process's shared memory for one infer request: the registrations as of its first
@@ -495,26 +533,13 @@ class SharedMemory:
                                     f"bytes, the region holds {region.byte_size}")
         return region
 
-    def _bytes(self, region: Region, ref: TensorRef) -> memoryview:
-        """``ref``'s bytes of system region ``region``, mapped on first use; the object at the
-        region's key must be the one it was registered over, at every use (one ``stat``).
+    def _object(self, region: Region) -> _Object:
+        """The object system region ``region`` was registered over, opened (``_Object``).
 
         Raises:
-            SharedMemoryError: as ``_Mapping``.
+            SharedMemoryError: as ``_Object``.
         """
-        path = key_path(region.name, region.key)
-        if region.ino:
-            try:
-                status = os.stat(path, follow_symlinks=False)
-            except OSError:
-                raise _unable_to_open(region, path) from None
-            _check_object(region, path, status)
-        key = _mapping_key(region)
-        with self._lock:  # the view is taken before a sweep or forget can close the mapping
-            mapping = self._maps.get(key)
-            if mapping is None:
-                mapping = self._maps[key] = _Mapping(region, path)
-            return mapping.view[ref.offset:ref.offset + ref.byte_size]
+        return _Object(region, key_path(region.name, region.key))
 
     def _lease(self, region: Region, device_id: int) -> ContextManager[int]:
         """CUDA region ``region``'s base address on ``device_id`` (``IpcOpenings.lease``)."""
@@ -522,15 +547,16 @@ class SharedMemory:
 
     def read_input(self, where: str, datatype: str, shape: tuple[int, ...],
                    params: Mapping[str, Any], regions: Lookup | None = None) -> np.ndarray | DeviceTensor:
-        """Input ``where`` (``datatype``, ``shape``) from the region its ``params`` name: a view of
-        the region's bytes for a numeric datatype (no copy), decoded for BYTES (4-byte length
+        """Input ``where`` (``datatype``, ``shape``) from the region its ``params`` name: a copy of
+        the region's bytes for a numeric datatype (``_Object.read``), decoded for BYTES (4-byte length
         then bytes, per element); from a CUDA region, a ``DeviceTensor`` (the model's backend
         opens it and binds it where it runs on the GPU; anywhere else it is refused, 400).
         ``regions``: the registrations the request uses (``for_request``; None: as of now).
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``; the object is gone from this
-                node; ``shared_memory_byte_size`` is not shape x datatype (Triton's words).
+                node, replaced or shrunk (``_Object``); ``shared_memory_byte_size`` is not shape
+                x datatype (Triton's words).
             InvalidInput: the bytes are not a valid tensor (BOOL bytes other than 0 and 1,
                 BYTES lengths that overrun).
         """
@@ -549,7 +575,8 @@ class SharedMemory:
             fixed_byte_size(where, datatype, shape, ref.byte_size, "shared_memory_byte_size")
             return DeviceTensor(tuple(shape), NUMPY_BY_DATATYPE[datatype], region.name, ref.offset,
                                 functools.partial(self._lease, region), where)
-        raw = self._bytes(region, ref)
+        with self._object(region) as obj:
+            raw = obj.read(where, ref)
         return tensor_from_bytes(where, raw, datatype, shape, "shared_memory_byte_size")
 
     def device_outputs(self, request: InferRequest, regions: Lookup | None = None) -> InferRequest:
@@ -582,7 +609,8 @@ class SharedMemory:
 
         Raises:
             SharedMemoryError: as ``tensor_ref`` and ``_region``; the output is larger than
-                ``shared_memory_byte_size`` (Triton's words).
+                ``shared_memory_byte_size`` (Triton's words); the object is gone, replaced or
+                shrunk (``_Object``).
         """
         from .binary import raw_bytes
 
@@ -602,58 +630,41 @@ class SharedMemory:
                 size = len(raw)
                 if size > ref.byte_size:
                     raise output_too_small(name, ref.byte_size, size, datatype_of(array), array.shape)
-                self._bytes(region, ref)[:size] = raw
+                with self._object(region) as obj:
+                    obj.write(where, ref, raw)
             written[name] = {k: params[k] for k in PARAMETERS if k in params}
         return written
 
     def forget(self, region: Region) -> None:
-        """Unmap ``region`` here (it was unregistered): at once, or once the requests that still
-        read or write it let go. New requests no longer use the mapping either way."""
+        """Close ``region``'s CUDA handle here (it was unregistered): at once, or once the
+        requests that still use it let go (``IpcOpenings.close``). A system region holds nothing
+        open between requests."""
         if region.kind == CUDA:
             self.cuda.close(base64.b64decode(region.raw_handle))
-            return
-        with self._lock:
-            mapping = self._maps.pop(_mapping_key(region), None)
-            if mapping is not None:
-                mapping.close()
 
     def sweep(self) -> int:
-        """Unmap every mapping that no registered region names any more (unregistered through
-        another router), as ``forget``; returns how many stay mapped or opened. Reads the store
-        only when something is mapped, and lists its regions only when the store's generation
-        changed since the last sweep, or something was mapped or opened that it did not see (all
-        it saw were registered as of that generation, and nothing was removed since). Only what
-        was mapped before the store was read is unmapped: a region registered and first used
-        while it is read is not in what it read, and stays."""
-        if not self._maps and not self.cuda.opened:
+        """Close every CUDA handle that no registered region names any more (unregistered through
+        another router), as ``forget``; returns how many stay opened. Reads the store only when
+        something is opened, and lists its regions only when the store's generation changed
+        since the last sweep, or something was opened that it did not see (all it saw were
+        registered as of that generation, and nothing was removed since). Only what was opened
+        before the store was read is closed: a region registered and first used while it is
+        read is not in what it read, and stays."""
+        if not self.cuda.opened:
             return 0
-        with self._lock:
-            before = set(self._maps)
         opened_before = self.cuda.keys()
         generation = self.store.generation()
-        swept_generation, swept_maps, swept_opened = self._swept
-        if generation == swept_generation and before <= swept_maps and opened_before <= swept_opened:
-            return len(before) + len(opened_before)
-        regions = self.store.regions()
-        live = {_mapping_key(r) for r in regions if r.kind == SYSTEM}
-        handles = {base64.b64decode(r.raw_handle) for r in regions if r.kind == CUDA}
+        swept_generation, swept_opened = self._swept
+        if generation == swept_generation and opened_before <= swept_opened:
+            return len(opened_before)
+        handles = {base64.b64decode(r.raw_handle) for r in self.store.regions() if r.kind == CUDA}
         opened = self.cuda.keep_only(handles, among=opened_before)
-        self._swept = (generation, before & live, {k for k in opened_before if k[0] in handles})
-        with self._lock:
-            for key in before - live:
-                mapping = self._maps.pop(key, None)
-                if mapping is not None:
-                    mapping.close()
-            return len(self._maps) + opened
+        self._swept = (generation, {k for k in opened_before if k[0] in handles})
+        return opened
 
     def close(self) -> None:
-        """Unmap and close everything (the process stops serving)."""
+        """Close every CUDA handle (the process stops serving)."""
         self.cuda.close_all()
-        with self._lock:
-            for mapping in self._maps.values():
-                mapping.close()
-            self._maps.clear()
-
 
 
 class RequestMemory:

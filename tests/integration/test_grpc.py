@@ -349,7 +349,8 @@ def test_raw_byte_count_that_disagrees_with_the_shape_is_invalid_argument(stub):
     with pytest.raises(grpc.RpcError) as info:
         stub.ModelInfer(request, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("input byte size mismatch for input 'INPUT1'. Expected 64, got 60")
+    assert info.value.details() == ("input byte size mismatch for input 'INPUT1'. Expected 64, got 60; input 'INPUT1': "
+                                    "shape [1, 16] x INT32 needs 64 bytes, raw_input_contents gives 60 bytes")
 
 
 @pytest.fixture

@@ -4,10 +4,12 @@ pool replica and a dedicated model's replica (other processes), and by a process
 the registration; every fault 400 (status 404) in Triton's words, the server serving after each;
 shared-memory requests counted by the statistics as any other; Triton's HTTP and gRPC shm examples'
 sequence (the same names and keys over new objects) and a burst of requests on regions registered a
-moment before answered 200 with the right outputs."""
+moment before answered 200 with the right outputs; an object the client truncates after register
+answered 400 over HTTP and gRPC by pool, dedicated and pipeline replicas that serve on."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -326,8 +328,7 @@ def example_round(module, triton, keys: tuple[str, str], base: int) -> tuple[np.
 def test_the_shm_examples_one_after_another_each_get_their_own_sums(server, grpc_url, client):
     """Triton's HTTP and gRPC shm examples, run one after another against one server, use the
     same region names and keys: the second's objects are new objects at the same keys, and its
-    answer must be read from and written into them, not into the first's (unlinked) objects
-    that a replica may still have mapped."""
+    answer must be read from and written into them, not into the first's (unlinked) objects."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
@@ -343,10 +344,10 @@ def test_the_shm_examples_one_after_another_each_get_their_own_sums(server, grpc
 def test_a_burst_of_requests_on_regions_registered_a_moment_before_is_answered_200_with_the_right_outputs(
         server, client, regions):
     """Closed-loop clients, each registering fresh input and output regions and naming them in
-    requests at once (bench.frontdoors' shared-memory clients), while every replica that maps
-    them checks what is still registered every 2 s (its sweep reads each of the many regions
-    registered, so that a region registered meanwhile is first used while the sweep reads):
-    every request is answered 200 with the model's output in its region, none 500."""
+    requests at once (bench.frontdoors' shared-memory clients), among many regions registered
+    (a replica's sweep once read each of them while regions were first used; it has nothing of a
+    system region to close now): every request is answered 200 with the model's output in its
+    region, none 500."""
     import tritonclient.utils.shared_memory as shm
 
     _, filler_key = regions("filler", 64)
@@ -390,3 +391,141 @@ def test_a_burst_of_requests_on_regions_registered_a_moment_before_is_answered_2
         answers = [a for worker in pool.map(burst, range(6)) for a in worker]
     failed = [a for a in answers if a != (200, "", True)]
     assert answers and not failed, (len(answers), failed[:5])
+
+
+def replica_processes() -> dict[str, int]:
+    """Every live Serve replica of this session's Ray: its actor name (a new one for a replica
+    Serve starts in place of one that died) -> its process id."""
+    import ray
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::")]
+    pids = ray.get([ray.get_actor(name, namespace="serve").__ray_call__.remote(lambda self: os.getpid())
+                    for name in names], timeout=60)
+    return dict(zip(names, pids))
+
+
+def shrunk(key: str, where: str, region: str, size: int) -> str:
+    """The 400 of ``size`` bytes at offset 0 of ``region`` (at offset 0 of ``key``), whose object
+    the client truncated to 0 bytes."""
+    return (f"Invalid shared memory region: '{key}'; {where}: region '{region}', offset 0, byte size {size} needs "
+            f"bytes 0 to {size} of /dev/shm/{key.lstrip('/')}, and it holds 0 bytes now (the client shrank it since "
+            "the region was registered); write the object back to its size or register the region again")
+
+
+def refused_over_both(server, over_grpc, model: str, body: dict, grpc_call, words: str) -> None:
+    """``body`` over HTTP is 400 and ``grpc_call(over_grpc)`` INVALID_ARGUMENT, each saying ``words``."""
+    from tritonclient.utils import InferenceServerException
+
+    r = post(server, f"/v2/models/{model}/infer", body)
+    assert r.status_code == 400, (r.status_code, r.text[:300])  # a replica killed: 500/503 without JSON
+    assert r.json() == {"error": words}
+    with pytest.raises(InferenceServerException) as refused:
+        grpc_call(over_grpc)
+    assert (refused.value.status(), refused.value.message()) == ("StatusCode.INVALID_ARGUMENT", words)
+
+
+@pytest.mark.parametrize("model, input_name, output_name, shape, classes", [
+    ("tiny_cnn", "input", "logits", (1, 3, 224, 224), 1000),  # a pool replica
+    ("ocr_cls", "x", "save_infer_model/scale_0.tmp_1", (1, 3, 48, 192), 2),  # a dedicated model's replica
+])
+def test_an_object_truncated_after_register_is_400_over_http_and_grpc_and_the_replica_serves_on(
+        server, grpc_url, client, regions, model, input_name, output_name, shape, classes):
+    """A client truncates its input object, then its output object, to 0 bytes after a request
+    used them (a replica that had mapped them faulted: SIGBUS killed it): each infer naming them
+    is 400 / INVALID_ARGUMENT naming the region, offset and size; once the objects are whole
+    again the same replicas (same processes, none restarted) answer shared-memory and plain
+    requests with the model's output."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+
+    x = np.random.default_rng(17).standard_normal(shape, dtype=np.float32)
+    expected = reference(model, x)
+    in_handle, in_key = regions("trunc_in", x.nbytes)
+    out_handle, out_key = regions("trunc_out", expected.nbytes)
+    client.register_system_shared_memory("trunc_in", in_key, x.nbytes)
+    client.register_system_shared_memory("trunc_out", out_key, expected.nbytes)
+    body = {"inputs": [{"name": input_name, "datatype": "FP32", "shape": list(shape), "parameters": {
+                "shared_memory_region": "trunc_in", "shared_memory_byte_size": x.nbytes}}],
+            "outputs": [{"name": output_name, "parameters": {
+                "shared_memory_region": "trunc_out", "shared_memory_byte_size": expected.nbytes}}]}
+
+    def over_grpc(triton) -> None:
+        tensor = grpcclient.InferInput(input_name, list(shape), "FP32").set_shared_memory("trunc_in", x.nbytes)
+        wanted = grpcclient.InferRequestedOutput(output_name)
+        wanted.set_shared_memory("trunc_out", expected.nbytes)
+        triton.infer(model, [tensor], outputs=[wanted])
+
+    def whole_again() -> None:  # the objects back to their size (the client's own mappings valid again)
+        for key, size in ((in_key, x.nbytes), (out_key, expected.nbytes)):
+            os.truncate(f"/dev/shm/{key.lstrip('/')}", size)
+        shm.set_shared_memory_region(in_handle, [x])
+        shm.set_shared_memory_region(out_handle, [np.full_like(expected, np.nan)])
+
+    def output() -> np.ndarray:
+        return shm.get_contents_as_numpy(out_handle, np.float32, expected.shape)
+
+    whole_again()
+    before = replica_processes()
+    with grpcclient.InferenceServerClient(grpc_url) as over:
+        for _ in range(2):  # through more than one replica where there are several: each has used the regions
+            assert post(server, f"/v2/models/{model}/infer", body).status_code == 200
+            over_grpc(over)
+        np.testing.assert_allclose(output(), expected, rtol=1e-5, atol=1e-5)
+        for key, where, region, size in ((in_key, f"input '{input_name}'", "trunc_in", x.nbytes),
+                                         (out_key, f"output '{output_name}'", "trunc_out", expected.nbytes)):
+            os.truncate(f"/dev/shm/{key.lstrip('/')}", 0)  # the test's own mapping is not touched until whole again
+            for _ in range(2):
+                refused_over_both(server, over, model, body, over_grpc, shrunk(key, where, region, size))
+            whole_again()
+        assert post(server, f"/v2/models/{model}/infer", body).status_code == 200
+        np.testing.assert_allclose(output(), expected, rtol=1e-5, atol=1e-5)
+        shm.set_shared_memory_region(out_handle, [np.full_like(expected, np.nan)])
+        over_grpc(over)
+        np.testing.assert_allclose(output(), expected, rtol=1e-5, atol=1e-5)
+    plain = client.infer(model, [httpclient.InferInput(input_name, list(shape), "FP32").set_data_from_numpy(x)])
+    np.testing.assert_allclose(plain.as_numpy(output_name), expected, rtol=1e-5, atol=1e-5)
+    after = replica_processes()
+    assert {name: after.get(name) for name in before} == before  # no replica died or was replaced
+
+
+def test_a_pipelines_input_object_truncated_after_register_is_400_and_the_pipeline_serves_on(
+        server, grpc_url, client, regions):
+    """The same for the embed pipeline's replica, which reads its BYTES input from the region."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import serialize_byte_tensor
+
+    texts = np.array([b"a client shrank its object", b"the pipeline serves on"], dtype=object)
+    serialized = serialize_byte_tensor(texts)  # each text after its 4-byte length
+    raw = serialized.item()
+    handle, key = regions("trunc_text", len(raw))
+    shm.set_shared_memory_region(handle, [serialized])
+    client.register_system_shared_memory("trunc_text", key, len(raw))
+    body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {
+        "shared_memory_region": "trunc_text", "shared_memory_byte_size": len(raw)}}]}
+
+    def over_grpc(triton):
+        tensor = grpcclient.InferInput("text", [2], "BYTES").set_shared_memory("trunc_text", len(raw))
+        return triton.infer("embed", [tensor])
+
+    plain_body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": [t.decode() for t in texts]}]}
+    plain = post(server, "/v2/models/embed/infer", plain_body)
+    assert plain.status_code == 200
+    embedding_data = next(o["data"] for o in plain.json()["outputs"] if o["name"] == "embedding")
+    before = replica_processes()
+    with grpcclient.InferenceServerClient(grpc_url) as over:
+        for _ in range(2):
+            assert post(server, "/v2/models/embed/infer", body).json()["outputs"] == plain.json()["outputs"]
+        os.truncate(f"/dev/shm/{key.lstrip('/')}", 0)
+        for _ in range(2):
+            refused_over_both(server, over, "embed", body, over_grpc, shrunk(key, "input 'text'", "trunc_text", len(raw)))
+        os.truncate(f"/dev/shm/{key.lstrip('/')}", len(raw))
+        shm.set_shared_memory_region(handle, [serialized])
+        assert post(server, "/v2/models/embed/infer", body).json()["outputs"] == plain.json()["outputs"]
+        embedding = over_grpc(over).as_numpy("embedding")
+    np.testing.assert_allclose(embedding, np.array(embedding_data, np.float32).reshape(2, 384), rtol=1e-6, atol=1e-6)
+    assert post(server, "/v2/models/embed/infer", plain_body).json()["outputs"] == plain.json()["outputs"]
+    after = replica_processes()
+    assert {name: after.get(name) for name in before} == before

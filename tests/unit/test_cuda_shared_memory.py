@@ -288,6 +288,25 @@ def test_a_region_unregistered_through_another_router_is_closed_by_the_sweep(mem
     assert memory.sweep() == 0 and opener.closed == [0x10000]
 
 
+def test_the_sweep_lists_the_store_only_when_its_generation_changed_or_something_new_is_opened(memory, opener):
+    def use(name):
+        with decode_request(request([shm_input("A", name, 64)]), None, memory).inputs["A"].lease(0):
+            pass
+
+    register(memory, "a", HANDLE)
+    register(memory, "b", OTHER)
+    use("a")
+    assert memory.sweep() == 1
+    memory.store.reads.clear()
+    assert memory.sweep() == 1 and memory.store.reads == {"generation": 1}  # nothing registered or removed since
+    use("b")  # a handle the last listing did not see
+    memory.store.reads.clear()
+    assert memory.sweep() == 2 and memory.store.reads["regions"] == 1
+    memory.store.remove("a")  # unregistered through another router: the next sweep lists and closes
+    memory.store.reads.clear()
+    assert memory.sweep() == 1 and memory.store.reads["regions"] == 1 and opener.closed == [0x10000]
+
+
 def test_a_handle_that_does_not_open_is_400_naming_the_cuda_error():
     memory = SharedMemory(DictStore(), IpcOpenings(FakeOpener(fail=True)))
     register(memory)

@@ -96,6 +96,19 @@ def test_raw_contents_for_some_inputs_only_or_beside_typed_ones_are_refused():
         infer_body(message)
 
 
+@pytest.mark.parametrize("datatype, shape, size, expected", [("INT32", [1, 16], 60, 64), ("FP32", [2, 3], 28, 24),
+                                                             ("BOOL", [4], 0, 4)])
+def test_raw_contents_of_another_size_than_the_shape_name_raw_input_contents(datatype, shape, size, expected):
+    message = request([raw_input("a", "INT32", ARRAYS["INT32"])])
+    message.inputs[0].datatype, message.inputs[0].shape[:] = datatype, shape
+    message.raw_input_contents[0] = bytes(size)
+    with pytest.raises(InvalidInput) as info:
+        infer_body(message)
+    assert info.value.message == (f"input byte size mismatch for input 'a'. Expected {expected}, got {size}; input "
+                                  f"'a': shape {shape} x {datatype} needs {expected} bytes, raw_input_contents gives "
+                                  f"{size} bytes")
+
+
 def test_a_bad_shape_or_datatype_in_typed_contents_is_the_decoders_to_name():
     with pytest.raises(InvalidInput, match="shape axis 1 is -1, must be a positive integer"):
         decoded(typed("INT32", [1, -1], int_contents=[1]))

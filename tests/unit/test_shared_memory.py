@@ -1,12 +1,15 @@
 """Triton's shared-memory extensions without Ray or HTTP (``deployments.protocol.shared_memory``):
 registration checked as Triton checks it, inputs read from and outputs written to real objects in
-/dev/shm, mapped once per process, each fault answered with Triton's words."""
+/dev/shm with pread and pwrite (never mapped: a client's object that shrinks never faults the
+server), each fault answered with Triton's words."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import json
+import multiprocessing
+import os
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -62,6 +65,16 @@ def key():
     yield name
     with contextlib.suppress(FileNotFoundError):  # a test removed it
         shm_client.destroy_shared_memory_region(handle)
+
+
+@pytest.fixture
+def object_key():
+    """A fresh 256-byte object in /dev/shm that this process has not mapped (``key``'s is mapped
+    by the client library), removed afterwards."""
+    name = f"/trt_serve_test_{uuid.uuid4().hex[:12]}"
+    key_path("r", name).write_bytes(bytes(256))
+    yield name
+    key_path("r", name).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -170,7 +183,8 @@ def test_cuda_register_needs_a_64_byte_handle(memory):
         memory.registry.register(CUDA, "g", {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8})
 
 
-def test_inputs_are_read_from_the_region_without_a_copy_and_mapped_once(memory, key):
+def test_inputs_are_read_from_the_region_as_aligned_copies_leaving_nothing_mapped_or_open(memory, object_key):
+    key = object_key
     a, b = np.arange(16, dtype=np.int32), np.full(16, 3, np.int32)
     write(key, a, 32)
     write(key, b, 96)
@@ -178,12 +192,10 @@ def test_inputs_are_read_from_the_region_without_a_copy_and_mapped_once(memory, 
     got = decode_request(request([shm_input("A", "in", 64), shm_input("B", "in", 64, offset=64)]), None, memory)
     np.testing.assert_array_equal(got.inputs["A"], a.reshape(1, 16))
     np.testing.assert_array_equal(got.inputs["B"], b.reshape(1, 16))
-    write(key, a * 10, 32)  # the client writes again: the decoded input is the region itself
-    np.testing.assert_array_equal(got.inputs["A"], (a * 10).reshape(1, 16))
-    assert memory.mapped == 1
-    del got
-    memory.registry.unregister(SYSTEM, "in")  # unmaps here at once
-    assert memory.mapped == 0
+    assert got.inputs["A"].ctypes.data % 64 == 0 and got.inputs["B"].ctypes.data % 64 == 0
+    write(key, a * 10, 32)  # the client writes again: the decoded input is the request's own copy
+    np.testing.assert_array_equal(got.inputs["A"], a.reshape(1, 16))
+    assert not mapped_here(key) and not open_here(key)
 
 
 def test_bytes_inputs_are_read_as_length_prefixed_elements(memory, key):
@@ -268,19 +280,91 @@ def mapped_here(key: str) -> bool:
     return str(key_path("r", key)) in Path("/proc/self/maps").read_text()
 
 
-def test_a_mapping_held_by_a_request_is_unmapped_by_the_sweep_once_the_request_lets_go(memory):
-    key = f"/trt_serve_test_{uuid.uuid4().hex[:12]}"
-    key_path("r", key).write_bytes(bytes(64))  # not mapped by this process as a client's would be
+def open_here(key: str) -> bool:
+    """Whether this process holds the object of ``key`` open (its ``/proc/self/fd``)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return str(key_path("r", key)) in targets
+
+
+def in_a_child(scenario, *args):
+    """``scenario(*args)`` run in a forked child process, so that a fault that kills a process
+    (SIGBUS) fails the test instead of ending pytest. Returns the child's exit code (negative:
+    the signal that killed it) and what ``scenario`` returned (None: it returned nothing)."""
+    context = multiprocessing.get_context("fork")
+    results = context.SimpleQueue()
+    child = context.Process(target=lambda: results.put(scenario(*args)))
+    child.start()
+    child.join(60)
+    return child.exitcode, None if results.empty() else results.get()
+
+
+def shrunk_text(key: str, where: str, region: str, size: int) -> str:
+    """The 400 of a tensor at offset 64 of 64 bytes of a region at offset 0 over ``key``,
+    whose object holds ``size`` bytes now."""
+    return (f"Invalid shared memory region: '{key}'; {where}: region '{region}', offset 64, byte size 64 needs bytes "
+            f"64 to 128 of {key_path('r', key)}, and it holds {size} bytes now (the client shrank it since the "
+            "region was registered); write the object back to its size or register the region again")
+
+
+def shrink_then_read(key: str, size: int, used_before: bool):
+    """A replica's read of an input after the client truncated its object to ``size`` bytes
+    (``used_before``: a request read it before the truncation, as a replica that served the
+    client already has): the decoded values, or the error's status and text."""
+    memory = SharedMemory(DictStore())
+    memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 256})
+    body = request([shm_input("A", "in", 64, offset=64)])
+    if used_before:
+        decode_request(body, None, memory).inputs["A"].sum()
+    os.truncate(key_path("r", key), size)
     try:
-        memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
-        held = decode_request(request([shm_input("A", "in", 64)]), None, memory)
-        memory.store.remove("in")  # unregistered through another router: this process learns it at its sweep
-        assert memory.sweep() == 0 and memory.mapped == 0  # no new request uses it
-        assert mapped_here(key) and held.inputs["A"].tolist() == [[0] * 16]  # the request in flight still reads it
-        del held
-        assert not mapped_here(key)
-    finally:
-        key_path("r", key).unlink()
+        return decode_request(body, None, memory).inputs["A"].tolist()  # the values, as a model reads them
+    except SharedMemoryError as error:
+        return error_status(error)[0], error.message
+
+
+@pytest.mark.parametrize("size", [0, 100])
+@pytest.mark.parametrize("used_before", [False, True])
+def test_an_input_whose_object_shrank_after_register_is_400_naming_it_and_the_process_lives(object_key, size,
+                                                                                             used_before):
+    exitcode, result = in_a_child(shrink_then_read, object_key, size, used_before)
+    assert exitcode == 0  # before pread: -7, the child killed by SIGBUS where a request had mapped it
+    assert result == (400, shrunk_text(object_key, "input 'A'", "in", size))
+
+
+def shrink_then_write(key: str, size: int):
+    """A replica's write of an output after the client truncated its object to ``size`` bytes,
+    the region written once before: the error's status and text, and the object's size after."""
+    memory = SharedMemory(DictStore())
+    memory.registry.register(SYSTEM, "out", {"key": key, "byte_size": 256})
+    params = {"Y": {"shared_memory_region": "out", "shared_memory_byte_size": 64, "shared_memory_offset": 64}}
+    output = {"Y": np.arange(16, dtype=np.int32)}
+    memory.write_outputs(params, output)
+    os.truncate(key_path("r", key), size)
+    try:
+        memory.write_outputs(params, output)
+        return None
+    except SharedMemoryError as error:
+        return error_status(error)[0], error.message, os.stat(key_path("r", key)).st_size
+
+
+@pytest.mark.parametrize("size", [0, 100])
+def test_an_output_whose_object_shrank_after_register_is_400_naming_it_and_the_object_is_left_as_is(object_key, size):
+    exitcode, result = in_a_child(shrink_then_write, object_key, size)
+    assert exitcode == 0  # before pwrite: -7, the child killed by SIGBUS
+    assert result == (400, shrunk_text(object_key, "output 'Y'", "out", size), size)
+
+
+def test_an_object_grown_back_after_a_shrink_is_read_again(memory, object_key):
+    memory.registry.register(SYSTEM, "in", {"key": object_key, "byte_size": 256})
+    os.truncate(key_path("r", object_key), 0)
+    with pytest.raises(SharedMemoryError):
+        decode_request(request([shm_input("A", "in", 64, offset=64)]), None, memory)
+    write(object_key, np.full(64, 5, np.int32))
+    assert decode_request(request([shm_input("A", "in", 64, offset=64)]), None, memory).inputs["A"].tolist() \
+        == [[5] * 16]
 
 
 def test_the_sweep_stops_quietly_once_the_loop_executor_is_shut_down(monkeypatch, caplog):
@@ -361,7 +445,7 @@ def test_an_object_replaced_at_its_key_without_a_new_register_is_400_naming_why(
 
 class ListedWhileRegistering(DictStore):
     """A store whose listing is overtaken: while a sweep reads it, ``meanwhile`` runs (a client
-    registers a region and a request maps it) after the regions were listed."""
+    registers a region and a request opens it) after the regions were listed."""
 
     meanwhile = None
 
@@ -372,39 +456,14 @@ class ListedWhileRegistering(DictStore):
         return listed
 
 
-def test_a_region_registered_while_the_sweep_reads_the_store_stays_mapped_and_usable(key):
-    memory = SharedMemory(ListedWhileRegistering())
-    try:
-        memory.registry.register(SYSTEM, "old", {"key": key, "byte_size": 64})
-        decode_request(request([shm_input("A", "old", 64)]), None, memory)  # something mapped: the sweep reads
-        new_key = f"{key}_new"
-        shm_client.create_shared_memory_region("n", new_key, 64)
-        write(new_key, np.full(16, 9, np.int32))
-        held = []
-
-        def register_and_use():
-            memory.registry.register(SYSTEM, "new", {"key": new_key, "byte_size": 64})
-            held.append(decode_request(request([shm_input("A", "new", 64)]), None, memory))  # in flight
-
-        memory.store.meanwhile = register_and_use
-        assert memory.sweep() == 2
-        memory.store.meanwhile = None
-        again = decode_request(request([shm_input("A", "new", 64)]), None, memory)
-        assert again.inputs["A"].tolist() == held[0].inputs["A"].tolist() == [[9] * 16]
-    finally:
-        held.clear()
-        memory.close()
-        key_path("n", new_key).unlink()
-
-
 def test_a_region_unregistered_while_a_request_reads_it_and_registered_again_is_usable(memory, key):
     memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
     held = decode_request(request([shm_input("A", "in", 64)]), None, memory)
-    memory.registry.unregister(SYSTEM, "in")  # unmapped here once the request lets go
+    memory.registry.unregister(SYSTEM, "in")
     memory.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})  # the same object again
     write(key, np.full(16, 4, np.int32))
     assert decode_request(request([shm_input("A", "in", 64)]), None, memory).inputs["A"].tolist() == [[4] * 16]
-    assert held.inputs["A"].tolist() == [[4] * 16]  # the request's view stays valid
+    assert held.inputs["A"].tolist() == [[0] * 16]  # the earlier request keeps its own copy
 
 
 def test_a_registration_of_another_server_version_reads_with_defaults_and_without_unknown_fields():
@@ -526,38 +585,10 @@ def test_a_record_read_under_an_older_generation_is_not_kept_for_newer_requests(
     assert newer[0]("r").offset == 32 and cache.lookup()("r").offset == 32
 
 
-def test_the_sweep_lists_the_store_only_when_its_generation_changed_or_something_new_is_mapped(key):
+def test_system_regions_leave_the_sweep_nothing_to_close_or_read(key):
     store = DictStore()
     router, replica = SharedMemory(store), SharedMemory(store)
-    try:
-        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
-        router.registry.register(SYSTEM, "other", {"key": key, "offset": 64, "byte_size": 64})
-        infer_through(replica, request([shm_input("A", "in", 64)]))
-        assert replica.sweep() == 1
-        store.reads.clear()
-        assert replica.sweep() == 1 and store.reads == {"generation": 1}  # nothing registered or removed since
-        infer_through(replica, request([shm_input("A", "other", 64)]))  # a mapping the last listing did not see
-        store.reads.clear()
-        assert replica.sweep() == 2 and store.reads["regions"] == 1
-        router.store.remove("in")  # unregistered through another router: the next sweep lists and unmaps
-        store.reads.clear()
-        assert replica.sweep() == 1 and store.reads["regions"] == 1 and replica.mapped == 1
-    finally:
-        replica.close()
-
-
-def test_a_region_mapped_by_an_older_request_after_the_sweep_unmapped_it_is_unmapped_by_the_next(key):
-    store = DictStore()
-    router, replica = SharedMemory(store), SharedMemory(store)
-    params = shm_input("A", "in", 64)["parameters"]
-    try:
-        router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
-        replica.read_input("input 'A'", "INT32", (1, 16), params)
-        older = replica.regions.lookup()  # a request that started before the unregister
-        router.registry.unregister(SYSTEM, "in")
-        assert replica.sweep() == 0
-        replica.read_input("input 'A'", "INT32", (1, 16), params, older)  # it maps the region again
-        assert replica.mapped == 1
-        assert replica.sweep() == 0 and replica.mapped == 0
-    finally:
-        replica.close()
+    router.registry.register(SYSTEM, "in", {"key": key, "byte_size": 64})
+    infer_through(replica, request([shm_input("A", "in", 64)]))
+    store.reads.clear()
+    assert replica.sweep() == 0 and store.reads == {}  # nothing held open between requests
