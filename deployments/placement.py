@@ -41,6 +41,7 @@ from ray import serve
 from .control import GcsStore, sync_forever
 from .loopback import replica_grpc_on_loopback
 from .observe.deployment import placement_recorder
+from .runtime.contract.units import format_mib
 from .runtime.residency.placement import ModelDemand, Placement, PlacementOptions, ReplicaView, place
 
 logger = logging.getLogger("ray.serve")
@@ -56,7 +57,9 @@ class PoolReport:
     """What a pool replica tells the placement deployment (JSON-ready). ``server``: its HAProxy
     server name (``haproxy_server_name``); ``models``: the pool models it serves (not
     unloaded); ``resident``: those loaded now; ``footprints``: model -> bytes its loads
-    measured; ``rates``: model -> requests per second it answered."""
+    measured (a model refused as alone over the budget too: it was measured); ``rates``: model
+    -> requests per second it answered; ``estimates``: model -> the bytes its first load would
+    reserve (``ModelCache.estimated_bytes``), for the models not in ``footprints``."""
 
     server: str
     budget_bytes: int | None
@@ -65,6 +68,7 @@ class PoolReport:
     resident: list[str]
     footprints: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
+    estimates: dict[str, int] = field(default_factory=dict)
 
 
 def haproxy_server_name(replica_id: Any) -> str:
@@ -77,25 +81,39 @@ def haproxy_server_name(replica_id: Any) -> str:
 
 def demands(reports: Iterable[PoolReport]) -> dict[str, ModelDemand]:
     """Each model served by any of ``reports``: its bytes (the largest footprint a replica
-    measured; a model never loaded: the mean of those known, else 0) and its rate (summed)."""
+    measured, loaded or refused as over its budget; a model no replica measured, ``measured``
+    False: the largest estimate a replica gave (what its first load would reserve), else the
+    mean of the measured ones that fit the largest budget, else 0) and its rate (summed)."""
     reports = list(reports)
     names = sorted({m for r in reports for m in r.models})
     measured: dict[str, int] = {}
+    estimated: dict[str, int] = {}
     for report in reports:
         for model, nbytes in report.footprints.items():
             measured[model] = max(measured.get(model, 0), nbytes)
-    guess = int(sum(measured.values()) / len(measured)) if measured else 0
-    return {m: ModelDemand(measured.get(m, guess), sum(r.rates.get(m, 0.0) for r in reports)) for m in names}
+        for model, nbytes in report.estimates.items():
+            estimated[model] = max(estimated.get(model, 0), nbytes)
+    budgets = [r.budget_bytes for r in reports]
+    largest = None if not budgets or None in budgets else max(b for b in budgets if b is not None)
+    fitting = [b for b in measured.values() if largest is None or b <= largest]
+    guess = int(sum(fitting) / len(fitting)) if fitting else 0
+    return {m: ModelDemand(measured.get(m, estimated.get(m, guess)), sum(r.rates.get(m, 0.0) for r in reports),
+                           m in measured) for m in names}
 
 
 def routed(target: Placement, previous: dict[str, tuple[str, ...]], reports: dict[str, PoolReport]) -> dict[str, tuple[str, ...]]:
     """Where HAProxy should send each model now (module docstring): its target replicas that
-    have it resident; else its previous routes that still report; else its target."""
+    have it resident; else its previous routes that still hold it (the old replica serves while
+    the new one prefetches); else its target. A previous route that no longer holds the model
+    is dropped: a request there would load it as well, outside the placement, where the
+    placement did not count its bytes (two models routed to a replica they do not fit together
+    evicted each other at every request while the replica they were placed on never got them).
+    A model placed on no replica has no route (HAProxy hashes it)."""
     out = {}
     for model, where in target.replicas.items():
         ready = tuple(r for r in where if model in reports[r].resident)
-        kept = tuple(r for r in previous.get(model, ()) if r in reports)
-        out[model] = ready or kept or where
+        kept = tuple(r for r in previous.get(model, ()) if r in reports and model in reports[r].resident)
+        out[model] = (ready or kept or where) if where else ()
     return out
 
 
@@ -161,18 +179,19 @@ class Decider:
         return {r: report for r, (at, report) in sorted(self.reports.items()) if now - at < REPORT_FRESH_S}
 
     def recompute(self) -> bool:
-        """A new decision from the fresh reports; True when where a model is routed changed
-        (a new revision, published)."""
+        """A new decision from the fresh reports; True when where a model is placed or routed
+        changed (a new revision; published when the routes changed)."""
         self.recomputes += 1
         reports = self.fresh()
         views = {r: ReplicaView(rep.budget_bytes, rep.max_models, frozenset(rep.resident)) for r, rep in reports.items()}
-        previous = Placement({m: tuple(r for r in where if r in reports) for m, where in self.target.replicas.items()})
+        before = self.target.replicas
+        previous = Placement({m: tuple(r for r in where if r in reports) for m, where in before.items()})
         self.target = place(demands(reports.values()), views, previous, self.options)
         routes = routed(self.target, self.routes, reports)
-        if routes == self.routes:
+        if routes == self.routes and self.target.replicas == before:
             return False
-        self.routes, self.revision = routes, self.revision + 1
-        if self.publish is not None:
+        changed, self.routes, self.revision = routes != self.routes, routes, self.revision + 1
+        if changed and self.publish is not None:
             self.publish({m: [self.servers[r] for r in where] for m, where in routes.items()})
         return True
 
@@ -265,17 +284,20 @@ class PlacementFollower:
         placement: handle of ``PlacementDeployment``.
         replica: this replica's id.
         report: builds this replica's ``PoolReport``.
-        prefetch, release: ``ModelCache.prefetch`` / ``release`` of a model (blocking).
+        prefetch: ``ModelCache.prefetch`` of a model with the bytes to count it at when this
+            replica never measured it (the decision's); True when it loaded (blocking).
+        release: ``ModelCache.release`` of a model (blocking).
     """
 
     def __init__(self, placement: Any, replica: str, report: Callable[[], PoolReport],
-                 prefetch: Callable[[str], Any], release: Callable[[str], Any]) -> None:
+                 prefetch: Callable[[str, int | None], Any], release: Callable[[str], Any]) -> None:
         self.placement, self.replica, self.report = placement, replica, report
         self.prefetch, self.release = prefetch, release
         self.decision: dict[str, Any] | None = None
         self.mine: set[str] = set()  # models placed or routed here in the last decision applied
         self.placed: set[str] = set()  # models the last decision applied placed anywhere
         self.left: set[str] = set()  # models that moved off and are still resident here
+        self.waiting: dict[str, str] = {}  # model placed here, not resident: why it was not prefetched
         self.task: asyncio.Task | None = None
         self._applying: asyncio.Future | None = None
 
@@ -299,29 +321,47 @@ class PlacementFollower:
         for model in sorted((first_placed & resident) - target - routes - self.mine):
             self.release(model)
         self.left = ((self.left | self.mine) & resident) - target - routes
+        waiting = {}
         for model in sorted(target - resident):
             try:
-                self._make_room(model, decision)
-                self.prefetch(model)
+                short = self._make_room(model, decision)
+                if short is None and not self.prefetch(model, self._bytes(model, decision)):
+                    short = "the cache found no room beside what it holds and is loading (a prefetch never evicts)"
             except Exception as error:  # its request will say why; the others still load
+                short = f"failed: {error}"
                 logger.warning("placement: prefetch of %s failed: %s", model, error)
+            if short is not None and model not in set(self.report().resident):
+                waiting[model] = short
+        self.waiting = waiting
         self.mine, self.placed = target | routes, set(decision["target"])
 
-    def _make_room(self, model: str, decision: dict[str, Any]) -> None:
+    @staticmethod
+    def _bytes(model: str, decision: dict[str, Any]) -> int | None:
+        """``model``'s bytes in ``decision`` (the largest footprint a replica measured), None
+        when no replica measured it."""
+        why = decision["why"].get(model) or {}
+        return why.get("bytes") if why.get("bytes_measured", True) else None
+
+    def _make_room(self, model: str, decision: dict[str, Any]) -> str | None:
         """Release models of ``left``, coldest first (by the decision's rates), until ``model``
-        fits beside the rest of what this replica holds (its budget and count cap; a model
-        never loaded here counts as the largest footprint known), or none is left."""
+        fits beside the rest of what this replica holds (its budget and count cap; ``model``
+        counts at this replica's own measurement, else the decision's bytes, else the largest
+        footprint known here), or none is left. Returns None when it fits, else why not."""
         while True:
             report = self.report()
             resident = set(report.resident)
             self.left &= resident
             sizes = report.footprints
-            need = sizes.get(model, max(sizes.values(), default=0))
+            need = sizes.get(model) or self._bytes(model, decision) or max(sizes.values(), default=0)
             used = sum(sizes.get(m, 0) for m in resident)
             fits = ((report.budget_bytes is None or used + need <= report.budget_bytes)
                     and (report.max_models is None or len(resident) + 1 <= report.max_models))
-            if fits or not self.left:
-                return
+            if fits:
+                return None
+            if not self.left:
+                return (f"does not fit beside what this replica holds: needs {format_mib(need)}, "
+                        f"{format_mib(used)} of {format_mib(report.budget_bytes)} held by {sorted(resident)} "
+                        f"(a prefetch never evicts; its first request here loads it)")
             coldest = min(self.left, key=lambda m: ((decision["why"].get(m) or {}).get("rate_per_s", 0.0), m))
             self.left.discard(coldest)
             self.release(coldest)
@@ -347,4 +387,5 @@ class PlacementFollower:
                 "recomputes": self.decision.get("recomputes"),
                 "replicas": self.decision["replicas"],
                 "placed_here": sorted(target), "routed_here": sorted(routes), "left_here": sorted(self.left),
+                "not_prefetched": dict(self.waiting),
                 "models": {m: model_placement(self.decision, m) for m in self.decision["why"]}}

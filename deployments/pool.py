@@ -134,8 +134,10 @@ class PoolDeployment:
             served = [n for n in self.versions if self.cache.serves(n)]
             resident = set(self.cache.resident())
             footprints = {n: b for n in served if (b := self.cache.footprint_bytes(n)) is not None}
+            estimates = {n: b for n in served if n not in footprints and (b := self.cache.estimated_bytes(n)) is not None}
             return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
-                              sorted(n for n in served if n in resident), footprints, self.rates.rates(served))
+                              sorted(n for n in served if n in resident), footprints, self.rates.rates(served),
+                              estimates)
 
         follower = PlacementFollower(handle(router_app, "placement"), replica_id.unique_id, report,
                                      self.cache.prefetch, self.cache.release)

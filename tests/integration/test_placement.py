@@ -21,6 +21,8 @@ import requests
 from bench.autoscale import start_runner
 from bench.replicas import interrupt_group, kill_replica
 
+from deployments.runtime.contract.units import MIB
+
 from .conftest import REPOSITORY, runner_config
 
 pytestmark = pytest.mark.integration
@@ -48,24 +50,26 @@ def until(condition, what: str, timeout_s: float = 120.0):
 
 
 @contextlib.contextmanager
-def placement_server(tmp: Path, **args):
-    """(process, base URL, config path) of the runner on a repository of ``MODELS`` in ``tmp``,
-    two pool replicas under ``placement: bytes``, the application's ``args`` updated with
-    ``args``; once every model is ready."""
+def placement_server(tmp: Path, sources: dict[str, str] | None = None, pool: dict | None = None, **args):
+    """(process, base URL, config path) of the runner on a repository in ``tmp`` of ``sources``
+    (model -> the shipped model it copies; default ``MODELS``, copies of simple), two pool
+    replicas under ``placement: bytes`` (the pool's options updated with ``pool``), the
+    application's ``args`` updated with ``args``; once every model is ready."""
     root = tmp / "engines"
-    for name in MODELS:
+    sources = sources or {name: "simple" for name in MODELS}
+    for name, source in sources.items():
         (root / name / "1").mkdir(parents=True)
-        shutil.copy(f"{REPOSITORY}/simple/config.yaml", root / name / "config.yaml")
-        (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/simple/1/model.onnx")
+        shutil.copy(f"{REPOSITORY}/{source}/config.yaml", root / name / "config.yaml")
+        (root / name / "1" / "model.onnx").symlink_to(f"{REPOSITORY}/{source}/1/model.onnx")
     path, port = runner_config(tmp, repository=str(root), request_timeout_s=30,
                                pool={"num_gpus": 0, "num_replicas": 2, "placement": "bytes",
-                                     "max_num_models_per_replica": 6}, **args)
+                                     "max_num_models_per_replica": 6, **(pool or {})}, **args)
     log = tmp / "out.log"
     proc = start_runner(path, log)
     url = f"http://127.0.0.1:{port}"
     try:
         until(lambda: proc.poll() is None and all(
-            requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200 for m in MODELS)
+            requests.get(f"{url}/v2/models/{m}/ready", timeout=5).status_code == 200 for m in sources)
             or (proc.poll() is not None and pytest.fail(log.read_text()[-3000:])), "the pool models ready", 300)
         yield proc, url, path
     finally:
@@ -86,10 +90,10 @@ def memory(url: str) -> dict | None:
     return r.json()["pool"] if r.status_code == 200 else None
 
 
-def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
+def pool_replicas(url: str, replicas: int = 2, models: list[str] = MODELS) -> dict[str, dict]:
     """Replica id -> its ``/v2/memory`` pool status, once ``replicas`` replicas with a settled
-    placement (every model routed where it is placed) that covers every model and names that
-    many reporting replicas have answered."""
+    placement (every model routed where it is placed) that covers every one of ``models`` and
+    names that many reporting replicas have answered."""
     seen: dict[str, dict] = {}
 
     def read():
@@ -99,7 +103,7 @@ def pool_replicas(url: str, replicas: int = 2) -> dict[str, dict]:
         placement = pool.get("placement", {})
         settled = all(w["routed"] == w["replicas"] for w in placement.get("models", {}).values())
         if (placement.get("revision") and len(placement["replicas"]) == replicas
-                and set(placement["models"]) == set(MODELS) and settled):
+                and set(placement["models"]) == set(models) and settled):
             seen[pool["replica"]] = pool
         return len(seen) >= replicas and set(next(iter(seen.values()))["placement"]["replicas"]) == set(seen)
 
@@ -177,3 +181,73 @@ def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(p
 
     for model in MODELS:
         until(lambda: answer(url, model), f"{model} answering", 60)
+
+
+# ------------------------------------------------- models of real size under a small byte budget
+
+MID = [f"mid_{k}" for k in range(4)]  # mid_cnn's model: 112-215 MiB measured (RSS)
+BUDGET_MIB = 500  # two of them per replica; tiny_cnn's model (~950 MiB: 2 x 475 MiB contexts) fits none
+IMAGE = {"inputs": [{"name": "input", "shape": [1, 3, 224, 224], "datatype": "FP32",
+                     "data": np.zeros(3 * 224 * 224, dtype=np.float32).tolist()}]}
+
+
+@pytest.fixture(scope="module")
+def sized(tmp_path_factory):
+    """(process, base URL) of the runner on four copies of mid_cnn and one of tiny_cnn ("big"),
+    two pool replicas of ``BUDGET_MIB`` each."""
+    with placement_server(tmp_path_factory.mktemp("sized"), {**{m: "mid_cnn" for m in MID}, "big": "tiny_cnn"},
+                          pool={"memory_budget_mib": BUDGET_MIB}) as (proc, url, _):
+        yield proc, url
+
+
+def test_a_model_larger_than_every_budget_is_placed_nowhere_by_its_measured_bytes(sized):
+    _, url = sized
+    r = requests.post(f"{url}/v2/models/big/infer", json=IMAGE, timeout=120)
+    assert r.status_code == 503, r.text
+    assert "more than this replica's memory budget of 500.0 MiB" in r.json()["error"]
+
+    def measured():
+        big = next(iter(pool_replicas(url, models=[*MID, "big"]).values()))["placement"]["models"]["big"]
+        return big if big["bytes_measured"] else None
+
+    big = until(measured, "big's measured bytes in the decision", 60)
+    assert big["bytes"] > BUDGET_MIB * MIB and big["replicas"] == big["routed"] == [] and big["copies"] == 0
+    assert big["reason"].startswith("larger than every replica's budget (") and "MiB measured" in big["reason"]
+    index = requests.post(f"{url}/v2/repository/index", timeout=30).json()
+    [line] = [line for line in index if line["name"] == "big"]
+    assert line["placement"]["replicas"] == [] and line["placement"]["bytes"] == big["bytes"]
+
+
+def test_requests_go_where_each_model_is_placed_and_no_model_reloads_while_the_set_fits(sized):
+    _, url = sized
+    for model in MID:  # each measured once (its first load), wherever it is placed
+        r = requests.post(f"{url}/v2/models/{model}/infer", json=IMAGE, timeout=120)
+        assert r.status_code == 200, r.text
+
+    def measured_and_settled():
+        now = pool_replicas(url, models=[*MID, "big"])
+        models = next(iter(now.values()))["placement"]["models"]
+        ready = {m: {r for r in now if now[r]["models"][m]["state"] == "ready"} for m in MID}
+        return now if all(models[m]["bytes_measured"] and set(models[m]["routed"]) <= ready[m] for m in MID) else None
+
+    before = until(measured_and_settled, "every model measured and ready where it is routed", 120)
+    placement = next(iter(before.values()))["placement"]
+    placed = {r: sum(placement["models"][m]["bytes"] for m in MID if r in placement["models"][m]["replicas"])
+              for r in before}
+    assert all(b <= BUDGET_MIB * MIB for b in placed.values()), placed
+    for _ in range(3):
+        for model in MID:
+            r = requests.post(f"{url}/v2/models/{model}/infer", json=IMAGE, timeout=120)
+            assert r.status_code == 200, r.text
+    after = pool_replicas(url, models=[*MID, "big"])
+    for r in after:
+        for m in MID:
+            loads, evictions = after[r]["models"][m]["loads"], after[r]["models"][m]["evictions"]
+            assert loads <= 2 and evictions <= 1, (r, m, loads, evictions)  # no thrash: the set fits
+    # the requests were answered where the decision routed them: no replica loaded a model it
+    # was not routed (the hash would have sent some to the replica that does not hold them)
+    routed = {m: set(w["routed"]) for m, w in next(iter(after.values()))["placement"]["models"].items()}
+    routed_before = {m: set(w["routed"]) for m, w in placement["models"].items()}
+    for m in MID:
+        grew = {r for r in after if after[r]["models"][m]["loads"] > before[r]["models"][m]["loads"]}
+        assert grew <= routed[m] | routed_before[m], (m, grew, routed[m])

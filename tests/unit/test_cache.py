@@ -263,6 +263,23 @@ def test_model_alone_over_budget_is_refused_with_both_figures(
     cache.close()
 
 
+def test_a_model_refused_as_over_budget_still_reports_its_measured_footprint(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    """The placement decision reads footprints through ``footprint_bytes``: a model measured,
+    refused and never resident must report the figure it was refused with, not None (the
+    decision then guessed it at the mean of the others and placed it)."""
+    from deployments.runtime.residency import footprints
+
+    budget = sizes["ocr_rec"] // 2
+    cache = make_cache(repo, load_policy="lru", budget_bytes=budget)
+    with pytest.raises(OverBudget):
+        cache.infer("ocr_rec", random_inputs(repo.get("ocr_rec").config, np.random.default_rng(5)))
+    entry = repo.get("ocr_rec")
+    kept = footprints.measured_footprint(entry, "onnxruntime")
+    assert kept is not None and cache.footprint_bytes("ocr_rec") == kept.total(entry.config.instances) > budget
+    cache.close()
+
+
 def test_one_noisy_reading_over_the_budget_is_measured_again_not_refused(
         repo: ModelRepository, monkeypatch: pytest.MonkeyPatch) -> None:
     """RSS noise from other requests once read tiny_cnn at 2x its footprint; a reading over the
@@ -583,4 +600,17 @@ def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
     cache.unload("tiny_cnn")
     assert cache.prefetch("tiny_cnn") is False  # unloaded by model control: not loaded back
     assert cache.status()["models"]["tiny_cnn"]["state"] == "absent"
+    cache.close()
+
+
+def test_prefetch_counts_a_model_never_loaded_here_at_the_bytes_it_is_given(
+        repo: ModelRepository, sizes: dict[str, int]) -> None:
+    """A replica given a model placement measured elsewhere counts it at those bytes, not at
+    the largest footprint it knows (mid_cnn counted at resnet18's bytes was never prefetched
+    where it fitted)."""
+    cache = make_cache(repo, load_policy="lru", budget_bytes=sizes["tiny_cnn"] + sizes["mid_cnn"] + 10_000_000)
+    assert cache.prefetch("tiny_cnn") is True
+    assert cache.prefetch("mid_cnn") is False  # counted at tiny_cnn's bytes: it would not fit
+    assert cache.prefetch("mid_cnn", sizes["mid_cnn"]) is True
+    assert cache.status()["models"]["mid_cnn"]["state"] == "ready" and not events(cache, "evict")
     cache.close()

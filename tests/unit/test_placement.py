@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
+from deployments.placement import PoolReport, demands
 from deployments.runtime.residency.placement import (
     ModelDemand, Placement, PlacementOptions, RateMeter, ReplicaView, copies_for, place)
 
@@ -39,6 +41,48 @@ def test_every_replica_keeps_its_placed_models_within_its_budget_when_the_whole_
     assert all(len(where) >= 1 for where in placement.replicas.values())
     assert max(placed_bytes(placement, models).values()) <= budget_mib * MIB
     assert all(why["reason"] != "fits no replica" for why in placement.why.values())
+
+
+def test_a_model_measured_larger_than_every_budget_is_placed_on_no_replica_and_says_so():
+    # tiny_cnn measured 949.7 MiB against 700 MiB budgets (2 contexts x 475 MiB): placing it
+    # counted bytes no replica has, and the models placed beside it thrashed
+    models = {"tiny": ModelDemand(950 * MIB, 5.0), "r18": ModelDemand(450 * MIB, 1.0), "mid": ModelDemand(112 * MIB, 1.0)}
+    previous = Placement({"tiny": ("r0",), "r18": ("r1",)})  # placed earlier, by a wrong guess
+    placement = place(models, replicas(3, 700), previous)
+    assert placement.replicas["tiny"] == () and "tiny" not in set().union(*(placement.on(r) for r in replicas(3, 700)))
+    assert placement.why["tiny"]["copies"] == 0 and placement.why["tiny"]["bytes"] == 950 * MIB
+    assert placement.why["tiny"]["reason"] == (
+        "larger than every replica's budget (950.0 MiB measured, the largest budget 700.0 MiB): placed on no replica")
+    assert placement.replicas["r18"] == ("r1",) and len(placement.replicas["mid"]) == 1
+    # a replica without a byte budget holds anything: it is placed there
+    views = {**replicas(2, 700), "r9": ReplicaView(None)}
+    assert place(models, views).replicas["tiny"] == ("r9",)
+
+
+def test_measured_bytes_replace_the_estimate_and_the_placed_bytes_fit_every_budget():
+    # the user's pool: 3 replicas of 700 MiB, copies of resnet18 (~450 MiB), mid_cnn (~112 MiB)
+    # and tiny_cnn (~950 MiB, refused as over budget), and small models never measured
+    sizes = {"resnet18": 450, "resnet18_a": 450, "resnet18_b": 450, "mid_cnn": 112, "mid_cnn_a": 112,
+             "mid_cnn_b": 112, "tiny_cnn": 950, "tiny_cnn_a": 950, "tiny_cnn_b": 950}
+    names = [*sizes, "simple", "simple_identity"]
+    # each replica measured some (tiny_cnn: refused as over budget, measured all the same) and
+    # estimates the others as their first load would reserve (resnet18's graph: 633 MiB)
+    reports = [PoolReport(f"srv-{r}", 700 * MIB, None, names, [],
+                          {m: b * MIB for k, (m, b) in enumerate(sizes.items()) if k % 3 == r},
+                          {}, {**{m: 633 * MIB for m in sizes}, "simple": 4096, "simple_identity": 8192})
+               for r in range(3)]
+    reports = [replace(r, estimates={m: b for m, b in r.estimates.items() if m not in r.footprints}) for r in reports]
+    got = demands(reports)
+    assert {m: got[m].bytes for m in sizes} == {m: b * MIB for m, b in sizes.items()}
+    assert all(got[m].measured for m in sizes) and not got["simple"].measured and got["simple"].bytes == 4096
+    # no estimate at all: the mean of the measured ones that fit some replica
+    no_estimate = demands([replace(r, estimates={}) for r in reports])
+    assert no_estimate["simple"].bytes == (3 * 450 + 3 * 112) * MIB // 6
+    views = {f"r{r}": ReplicaView(700 * MIB) for r in range(3)}
+    placement = place(got, views)
+    assert {m for m, where in placement.replicas.items() if not where} == {"tiny_cnn", "tiny_cnn_a", "tiny_cnn_b"}
+    assert max(placed_bytes(placement, got).values()) <= 700 * MIB, placed_bytes(placement, got)
+    assert all(len(placement.replicas[m]) == 1 for m in sizes if not m.startswith("tiny"))
 
 
 def test_the_count_cap_holds_too():
@@ -289,9 +333,10 @@ class FakeReplica:
     def report(self) -> PoolReport:
         return report("srv", self.models, resident=self.resident, budget_mib=self.budget_mib)
 
-    def prefetch(self, model: str) -> None:
+    def prefetch(self, model: str, nbytes: int | None = None) -> bool:
         self.calls.append(("prefetch", model))
         self.resident.append(model)
+        return True
 
     def release(self, model: str) -> None:
         self.calls.append(("release", model))
@@ -339,7 +384,7 @@ def test_a_model_first_placed_elsewhere_is_released_where_a_load_left_it_and_a_s
     calls = []
     resident = ["a", "b"]
     follower = PlacementFollower(None, "r0", lambda: report("srv", ["a", "b"], resident=resident),
-                                 lambda m: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
+                                 lambda m, nbytes: calls.append(("prefetch", m)), lambda m: calls.append(("release", m)))
     follower.apply({"target": {"a": ["r0"]}, "routed": {"a": ["r0"]}, "why": {}, "revision": 1})
     assert calls == []  # b is not placed yet: it stays
     follower.apply({"target": {"a": ["r0"], "b": ["r1"]}, "routed": {"a": ["r0"], "b": ["r1"]},
@@ -388,7 +433,7 @@ def _two_replica_decision() -> dict:
 def test_a_models_placement_names_its_replicas_routes_bytes_rate_copies_and_reason():
     decision = _two_replica_decision()
     b = model_placement(decision, "b")
-    assert b == {"bytes": 30 * MIB, "rate_per_s": 60.0, "copies": 2, "reason": decision["why"]["b"]["reason"],
+    assert b == {"bytes": 30 * MIB, "bytes_measured": True, "rate_per_s": 60.0, "copies": 2, "reason": decision["why"]["b"]["reason"],
                  "replicas": decision["target"]["b"], "routed": ["r0"]}
     assert sorted(b["replicas"]) == ["r0", "r1"] and b["reason"].startswith("hot: ")
     assert model_placement(decision, "nope") is None
@@ -406,3 +451,55 @@ def test_the_index_line_says_why_a_model_is_not_placed():
     assert index_placement(decision, "new", loaded=True)["reason"] == "not placed yet: the placement decides again every 2 s"
     gone = index_placement(None, "a", loaded=True)
     assert gone["revision"] is None and gone["copies"] == 0 and "did not answer" in gone["reason"]
+
+
+# ---------------------------------------------------------------- routing follows placement
+
+
+def test_a_model_is_routed_where_it_is_placed_once_the_replica_it_was_routed_to_no_longer_holds_it():
+    # resnet18_a and _b were placed on r0 but routed to r1 (where they had been loaded), which
+    # holds one of them at a time: they evicted each other there at every request while the
+    # routes kept pointing at r1 (the decision stayed at one revision)
+    stored = {"incarnation": "x", "revision": 7, "target": {"a": ["r0"], "b": ["r0"]},
+              "routed": {"a": ["r1"], "b": ["r1"]}, "why": {}, "servers": {"r0": "srv-0", "r1": "srv-1"}}
+    published = []
+    decider = Decider(publish=published.append, clock=lambda: 0.0, stored=stored)
+    sizes = {"a": 450 * MIB, "b": 450 * MIB}
+    decider.report("r0", PoolReport("srv-0", 1000 * MIB, None, ["a", "b"], [], sizes, {}))
+    decider.report("r1", PoolReport("srv-1", 1000 * MIB, None, ["a", "b"], ["b"], sizes, {}))
+    assert decider.recompute()
+    state = decider.state()
+    # a goes where it is placed (r1 no longer holds it: a request there would load it outside
+    # the placement); b, resident on r1, moves there (balance: a free move)
+    assert state["target"] == state["routed"] == {"a": ["r0"], "b": ["r1"]}
+    assert published[-1] == {"a": ["srv-0"], "b": ["srv-1"]} and state["revision"] == 8
+
+
+def test_a_model_placed_on_no_replica_has_no_route():
+    decider = Decider(clock=lambda: 0.0)
+    sizes = {"tiny": 950 * MIB, "mid": 112 * MIB}
+    decider.report("r0", PoolReport("srv-0", 700 * MIB, None, ["tiny", "mid"], [], sizes, {}))
+    decider.recompute()
+    state = decider.state()
+    assert state["target"]["tiny"] == [] and state["routed"]["tiny"] == [] and state["routed"]["mid"] == ["r0"]
+    assert "larger than every replica's budget" in state["why"]["tiny"]["reason"]
+
+
+def test_the_follower_prefetches_a_model_by_the_bytes_another_replica_measured_or_says_why_not():
+    # mid_cnn_a (112 MiB, measured elsewhere) was placed on a replica with 210 MiB free that
+    # counted it at the largest footprint it knew (resnet18's 450 MiB): never prefetched, silently
+    calls = []
+    resident = ["r18"]
+    sizes = {"r18": 490 * MIB}
+    follower = PlacementFollower(
+        None, "r0", lambda: PoolReport("srv", 700 * MIB, None, ["r18", "mid", "big"], list(resident), dict(sizes), {}),
+        lambda m, nbytes: calls.append((m, nbytes)) or resident.append(m) or True, lambda m: calls.append(("release", m)))
+    why = {"r18": {"bytes": 490 * MIB, "bytes_measured": True}, "mid": {"bytes": 112 * MIB, "bytes_measured": True},
+           "big": {"bytes": 300 * MIB, "bytes_measured": True}}
+    follower.apply({"target": {"r18": ["r0"], "mid": ["r0"], "big": ["r0"]}, "routed": {"r18": ["r0"]},
+                    "why": why, "revision": 1, "replicas": ["r0"]})
+    assert calls == [("mid", 112 * MIB)]  # big (300 MiB) does not fit beside 602 MiB
+    follower.decision = {"target": {"r18": ["r0"], "mid": ["r0"], "big": ["r0"]}, "routed": {}, "why": why,
+                         "revision": 1, "replicas": ["r0"]}
+    waiting = follower.visible()["not_prefetched"]
+    assert list(waiting) == ["big"] and waiting["big"].startswith("does not fit beside what this replica holds: needs 300.0 MiB")

@@ -190,6 +190,7 @@ class ModelCache:
         self.measure_elements = measure_elements
         self._backend_request = backend
         self._given = dict(footprints or {})
+        self._estimates: dict[tuple, int | None] = {}  # (model, its file) -> estimated_bytes
         self._checkout_timeout_s = checkout_timeout_s
         self._on_execution = on_execution
         self._slots = {key: _Slot(key, self._host(e.at(version))) for e in entries
@@ -269,13 +270,13 @@ class ModelCache:
         with _LOAD_LOCK:
             self._evict_marked()
 
-    def prefetch(self, name: str) -> bool:
+    def prefetch(self, name: str, nbytes: int | None = None) -> bool:
         """Load ``name`` now, without holding it (a replica about to receive its requests:
         ``placement: bytes``), only where it fits beside the models loaded now: a prefetch never
         evicts (placed models that do not fit together would evict each other in turn). Not
         when it is unloaded (``unload``: model control decides that) or already loaded; a
-        model never loaded here counts by the bytes of the largest measured so far. Blocking.
-        Returns whether it loaded here.
+        model never loaded here counts by ``nbytes`` (what another replica measured), else by
+        the bytes of the largest measured here so far. Blocking. Returns whether it loaded here.
 
         Raises: as ``acquire``.
         """
@@ -285,7 +286,7 @@ class ModelCache:
                 return False
             known = [s.footprint.total(s.host.config.instances) for s in self._slots.values() if s.footprint]
             need = (slot.footprint.total(slot.host.config.instances) if slot.footprint is not None
-                    else max(known, default=0))
+                    else nbytes if nbytes else max(known, default=0))
             loaded = sum(1 for s in self._slots.values() if s.state != _ABSENT)
             if ((self.budget_bytes is not None and self._resident_bytes + self._reserved_bytes + need > self.budget_bytes)
                     or (self.max_models is not None and loaded + 1 > self.max_models)):
@@ -311,12 +312,31 @@ class ModelCache:
 
     def footprint_bytes(self, name: str) -> int | None:
         """``name``'s footprint as its last load here measured it (engine + instances x
-        contexts, what it counts against the budget), kept after an eviction; None before."""
+        contexts, what it counts against the budget), kept after an eviction; for a model never
+        resident here, the figure this process measured of its file (a model refused as alone
+        over the budget was measured, then unloaded: ``footprints.measured_footprint``); None
+        before any measurement."""
         slot = self._slot(name)
         with self._cond:
-            if slot.footprint is None:
-                return None
-            return slot.footprint.total(slot.host.config.instances)
+            footprint = slot.footprint
+            if footprint is None and slot.backend:
+                footprint = footprints.measured_footprint(slot.host.entry, slot.backend)
+            return None if footprint is None else footprint.total(slot.host.config.instances)
+
+    def estimated_bytes(self, name: str) -> int | None:
+        """The bytes ``name``'s first load here would reserve (``footprint_bytes`` once it is
+        measured): a figure given or recorded beside the model, else the graph prediction
+        (``predict.predict``, read once per model file); None when that fails (its load will
+        say why)."""
+        slot = self._slot(name)
+        key = (slot.name, str(slot.host.entry.onnx_path()))
+        if key not in self._estimates:
+            try:
+                self._estimates[key] = self._estimate(slot)[0].total(slot.host.config.instances)
+            except Exception as error:  # a model file the load refuses: no estimate, not a failed report
+                logger.debug("model cache: no estimate of %s: %s", name, error)
+                self._estimates[key] = None
+        return self._estimates[key]
 
     @property
     def resident_bytes(self) -> int:

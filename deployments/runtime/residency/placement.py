@@ -13,6 +13,9 @@ routes by its answer. Its promises (tests/unit/test_placement.py):
   it would evict as well, and re-placing the tail at every recompute by rates that wobble moved
   models back and forth); a new one goes where it evicts least: the replica whose coldest
   models that would make room for it carry the least request rate (``why`` says ``evicts``).
+* **Too large for every replica: placed nowhere.** A model whose bytes exceed every replica's
+  ``budget_bytes`` is placed on no replica (``why`` says so, with its bytes and the largest
+  budget): no replica could hold it, and placing it would count bytes no replica has.
 * **Copies for hot models.** A model gets ``ceil(rate / (copy_share x fair))`` copies, ``fair``
   the rate one replica would get if load were even (total rate / replicas), at least 1, at
   most the replicas (or ``max_copies``); extra copies only where they fit without pushing any
@@ -43,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+from ..contract.units import format_mib
+
 
 @dataclass(frozen=True)
 class ReplicaView:
@@ -58,10 +63,12 @@ class ReplicaView:
 @dataclass(frozen=True)
 class ModelDemand:
     """One model: ``bytes`` its footprint (engine + contexts, what a replica's cache counts),
-    ``rate_per_s`` its requests per second over all replicas."""
+    ``rate_per_s`` its requests per second over all replicas, ``measured`` whether ``bytes`` is
+    a replica's measurement (False: an estimate for a model no replica has measured yet)."""
 
     bytes: int
     rate_per_s: float = 0.0
+    measured: bool = True
 
 
 @dataclass(frozen=True)
@@ -164,7 +171,7 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
     """The placement of ``models`` on ``replicas`` (by id), starting from ``previous`` (the last
     decision, or None); see the module docstring for what it promises.
 
-    Steps: (1) each model's copies (``_copies``, with hysteresis against ``previous``); (2) the
+    Steps: (0) a model larger than every replica's budget is placed nowhere; (1) each model's copies (``_copies``, with hysteresis against ``previous``); (2) the
     previous copies on replicas that still exist are kept, up to the copies; (3) a replica over
     its limits drops its coldest kept models until it fits; (4) every model without a copy is
     placed, largest first, on a replica it fits (already resident there first, then the least
@@ -173,19 +180,24 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
     """
     ids = sorted(replicas)
     rooms = {r: _Room(replicas[r]) for r in ids}
+    budgets = [replicas[r].budget_bytes for r in ids]
+    largest = None if not ids or None in budgets else max(b for b in budgets if b is not None)
+    too_large = {m for m, d in models.items() if largest is not None and d.bytes > largest}
     rates = {m: max(0.0, d.rate_per_s) for m, d in models.items()}
     total = sum(rates.values())
     before = previous.replicas if previous is not None else {}
     wanted = {m: _copies(rates[m], total, len(ids), len(before[m]) if before.get(m) else None, options)
               for m in sorted(models)}
-    reasons: dict[str, str] = {}
+    reasons: dict[str, str] = {m: (f"larger than every replica's budget ({format_mib(models[m].bytes)} "
+                                   f"{'measured' if models[m].measured else 'estimated'}, the largest budget "
+                                   f"{format_mib(largest or 0)}): placed on no replica") for m in too_large}
     placed: dict[str, list[str]] = {m: [] for m in sorted(models)}
 
     def put(model: str, replica: str) -> None:
         placed[model].append(replica)
         rooms[replica].models[model] = models[model].bytes
 
-    for model in sorted(models):  # (2) keep
+    for model in sorted(set(models) - too_large):  # (2) keep
         for replica in before.get(model, ()):
             if replica in rooms and len(placed[model]) < wanted[model] and replica not in placed[model]:
                 put(model, replica)
@@ -206,7 +218,7 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
         return min(pool, key=lambda r: (rooms[r].load, -rooms[r].free_bytes(), r))
 
     for model in sorted(models, key=lambda m: (-models[m].bytes, -rates[m], m)):  # (4) first copies
-        if placed[model] or not ids:
+        if placed[model] or not ids or model in too_large:
             continue
         nbytes = models[model].bytes
         fitting = [r for r in ids if rooms[r].fits(nbytes)]
@@ -223,7 +235,7 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
                               f"({_eviction_cost(rooms[target], nbytes, rates):.3g} requests/s of colder models)")
         put(model, target)
         rooms[target].load += rates[model] / max(1, wanted[model])
-    for model in sorted(models, key=lambda m: (-rates[m], m)):  # (5) extra copies
+    for model in sorted(set(models) - too_large, key=lambda m: (-rates[m], m)):  # (5) extra copies
         while len(placed[model]) < wanted[model]:
             fitting = [r for r in ids if r not in placed[model] and rooms[r].fits(models[model].bytes)]
             if not fitting:
@@ -235,8 +247,8 @@ def place(models: Mapping[str, ModelDemand], replicas: Mapping[str, ReplicaView]
     moved = _balance(rooms, placed, models, rates, wanted, total, options)  # (6)
     for model, (source, target) in moved.items():
         reasons[model] = f"moved from {source} to {target}: balance"
-    why = {m: {"bytes": models[m].bytes, "rate_per_s": round(rates[m], 3), "copies": len(placed[m]),
-               "reason": reasons.get(m, "kept" if before.get(m) else "fits")}
+    why = {m: {"bytes": models[m].bytes, "bytes_measured": models[m].measured, "rate_per_s": round(rates[m], 3),
+               "copies": len(placed[m]), "reason": reasons.get(m, "kept" if before.get(m) else "fits")}
            for m in sorted(models)}
     for m in sorted(models):
         if len(placed[m]) > 1 and why[m]["reason"] in ("kept", "fits"):
