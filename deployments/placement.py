@@ -10,9 +10,10 @@ starting point: hysteresis), and:
 
 * ``target``: model -> the replicas that should hold it;
 * ``routed``: model -> the replicas HAProxy sends it to: the target replicas that report it
-  resident, or, while none does yet, the replicas it was routed to before that still report,
-  or the target itself when there are none. So a replica loads a model it gains (``prefetch``)
-  before requests arrive, and requests keep reaching the replica that has it meanwhile.
+  resident, or, while none does yet, the replicas it was routed to before that still hold it,
+  or the target itself when there are none (none for a model placed on no replica: hashed).
+  So a replica loads a model it gains (``prefetch``) before requests arrive, and requests keep
+  reaching the replica that has it meanwhile, never one that has let it go.
 * a replica releases a model once it is neither a target nor routed there (``ModelCache.release``:
   never while a request holds it).
 
@@ -326,7 +327,8 @@ class PlacementFollower:
             try:
                 short = self._make_room(model, decision)
                 if short is None and not self.prefetch(model, self._bytes(model, decision)):
-                    short = "the cache found no room beside what it holds and is loading (a prefetch never evicts)"
+                    short = ("the cache did not load it: no room beside what it holds and reserves (a prefetch "
+                             "never evicts), or a request's load of it is under way")
             except Exception as error:  # its request will say why; the others still load
                 short = f"failed: {error}"
                 logger.warning("placement: prefetch of %s failed: %s", model, error)
