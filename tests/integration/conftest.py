@@ -28,7 +28,8 @@ def _free_port() -> int:
 def runner_config(folder: Path, **args) -> tuple[Path, int]:
     """``serve_config.yaml`` for ``make serve``'s runner in ``folder``: the router application's
     args updated with ``args`` (a dict merged into the arg's own, e.g. ``pool={"num_gpus": 0}``;
-    the metrics on a free port), the HTTP port free, and the models' applications written again
+    the metrics and gRPC on free ports, so a developer's ``make serve`` on 8001 and a test's
+    server never meet), the HTTP port free, and the models' applications written again
     for those args (``deployments.check.write``); returns (its path, the HTTP port)."""
     from deployments.check import write
 
@@ -36,7 +37,7 @@ def runner_config(folder: Path, **args) -> tuple[Path, int]:
     port = _free_port()
     config["http_options"]["port"] = port
     config["applications"] = [app := config["applications"][0]]  # the models' are written below
-    for name, value in {"metrics": {"port": _free_port()}, **args}.items():
+    for name, value in {"metrics": {"port": _free_port()}, "grpc_port": _free_port(), **args}.items():
         given = app["args"].get(name)
         app["args"][name] = dict(given, **value) if isinstance(given, dict) and isinstance(value, dict) else value
     path = folder / "serve_config.yaml"
