@@ -238,3 +238,48 @@ def test_the_process_waits_for_the_gpu_as_told(prepared_engines, mode, flag):
                           cwd=str(prepared_engines.parent))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-3:] == ["0", str(flag), "1"]
+
+
+def test_a_first_load_makes_room_for_its_learned_figure_not_the_whole_budget(prepared_engines, tmp_path):
+    """Models this process never measured (fresh copies of the files) load one after another
+    under a budget that holds all three with room to spare: only the first one's load makes
+    room for the whole budget (nothing is resident yet); the next ones reserve their graph
+    prediction scaled by what the first measured on the GPU, so no load evicts the ones before
+    it, and this process's NVML reading over its baseline stays within the budget throughout."""
+    import shutil
+
+    from deployments.runtime.contract.repository import ModelRepository
+
+    names = ["tiny_cnn", "mid_cnn", "resnet18"]
+    onnxruntime_cuda.prime()
+    base = gpu_memory.baseline.bytes
+    x = {"input": np.random.default_rng(4).random((2, 3, 224, 224), dtype=np.float32)}
+    for copy in ("measured", "fresh"):
+        for name in names:
+            shutil.copytree(prepared_engines / name, tmp_path / copy / name)
+    measuring = ModelCache(ModelRepository(tmp_path / "measured", names), names,
+                           CacheOptions(load_policy="lru", max_num_models_per_replica=3),
+                           backend="onnxruntime_cuda").start()
+    try:
+        for name in names:
+            measuring.infer(name, x)
+        totals = {n: m["bytes"] for n, m in measuring.status()["models"].items()}
+    finally:
+        measuring.close()
+    budget = 2 * sum(totals.values())
+    fresh = ModelRepository(tmp_path / "fresh", names)
+    cache = ModelCache(fresh, names,
+                       CacheOptions(load_policy="lru", memory_budget_mib=budget / (1 << 20), max_num_models_per_replica=3),
+                       backend="onnxruntime_cuda").start()
+    try:
+        peak = 0
+        for name in names:
+            assert_close(cache.infer(name, x), cpu_reference(fresh.get(name), x), onnxruntime_cuda.TOLERANCE[True])
+            peak = max(peak, process_gpu_bytes().bytes - base)
+        events = [(e["event"], e["model"], e["footprint_source"]) for e in cache.timeline()]
+        print(f"footprints MB {dict((n, t // MB) for n, t in totals.items())}, budget {budget / MB:.0f} MB, "
+              f"peak GPU over base {peak / MB:.0f} MB; events {events}")
+        assert events == [("load", n, "measured") for n in names]
+        assert peak <= cache.budget_bytes
+    finally:
+        cache.close()

@@ -603,6 +603,25 @@ def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
     cache.close()
 
 
+def test_a_prefetch_loads_a_model_measured_elsewhere_at_those_bytes_without_measuring_it(
+        prepared_engines, tmp_path) -> None:
+    """The bytes a prefetch is given (what another replica measured of the model) are what its
+    load reserves and counts (``footprint_source: reported``), not the graph prediction: a GPU
+    replica would otherwise make room for its whole budget to load a model it has not measured."""
+    import shutil
+
+    shutil.copytree(prepared_engines / "mid_cnn", tmp_path / "mid_cnn")  # a file this process never measured
+    fresh = ModelRepository(tmp_path, ["mid_cnn"])
+    instances = fresh.get("mid_cnn").config.instances
+    reported = instances * 37_000_000
+    cache = ModelCache(fresh, ["mid_cnn"], CacheOptions(load_policy="lru", memory_budget_mib=1024))
+    assert cache.prefetch("mid_cnn", reported) is True
+    model = cache.status()["models"]["mid_cnn"]
+    assert (model["footprint_source"], model["bytes"], cache.resident_bytes) == ("reported", reported, reported)
+    assert [(e["event"], e["model_bytes"]) for e in cache.timeline()] == [("load", reported)]
+    cache.close()
+
+
 def test_prefetch_counts_a_model_never_loaded_here_at_the_bytes_it_is_given(
         repo: ModelRepository, sizes: dict[str, int]) -> None:
     """A replica given a model placement measured elsewhere counts it at those bytes, not at

@@ -32,9 +32,11 @@ Promises, all policies:
 
 Footprint of a model = ``engine_bytes + instances x context_bytes`` (``backends.base.Footprint``). Before
 a model's first load the cache reserves the best figure it has: one measured earlier in this
-process (``footprints.measured_footprint``), one passed in ``footprints``, one recorded beside the
-model (``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
-budget. The load then measures the real one (``footprints.load_and_measure``: exact on TensorRT,
+process (``footprints.measured_footprint``), one passed in ``footprints``, one another replica
+measured (``prefetch``'s bytes: ``reported``), one recorded beside the model
+(``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
+budget; on a GPU the prediction is raised by what earlier first loads here measured over theirs,
+and the first of all makes room for the whole budget (``_gpu_first_reservation``). The load then measures the real one (``footprints.load_and_measure``: exact on TensorRT,
 RSS growth on ONNX Runtime); when it is larger than the reservation, the extra is reserved at
 once, under the load lock, by evicting unheld models; if that is not enough the model is unloaded
 before any other load starts and its load starts over with the real figure, waiting for room
@@ -190,6 +192,8 @@ class ModelCache:
         self.measure_elements = measure_elements
         self._backend_request = backend
         self._given = dict(footprints or {})
+        self._reported: dict[str, int] = {}  # bytes another replica measured (``prefetch``'s nbytes)
+        self._gpu_fit: tuple[float, int] | None = None  # GPU bytes over the prediction: (ratio, excess)
         self._estimates: dict[tuple, int | None] = {}  # (model, its file) -> estimated_bytes
         self._checkout_timeout_s = checkout_timeout_s
         self._on_execution = on_execution
@@ -291,6 +295,8 @@ class ModelCache:
             if ((self.budget_bytes is not None and self._resident_bytes + self._reserved_bytes + need > self.budget_bytes)
                     or (self.max_models is not None and loaded + 1 > self.max_models)):
                 return False
+            if slot.footprint is None and nbytes:
+                self._reported[slot.name] = nbytes  # the load reserves what the fit was checked at
         with self.acquire(name):
             return True
 
@@ -431,7 +437,7 @@ class ModelCache:
         (``load``, ``reload`` (a load after an eviction), ``evict``, ``unload`` (asked for: ``unload``), ``refused``); ``model``;
         ``ms`` (duration of the load or eviction, 0 for a refusal; a load's without its warmup);
         ``warmup_ms`` (a load's warmup runs, the config's ``warmup:``; else 0); ``model_bytes`` (its
-        footprint); ``footprint_source`` (``measured``, ``given``, ``recorded``, ``predicted``);
+        footprint); ``footprint_source`` (``measured``, ``given``, ``reported``, ``recorded``, ``predicted``);
         ``resident_bytes`` (all models' footprints after the event); ``resident_models``;
         ``budget_bytes``; ``max_models``; ``process_rss_bytes`` (the process's resident set
         after the event, for comparison); ``process_gpu_bytes`` and ``gpu_source`` (models on a
@@ -600,6 +606,10 @@ class ModelCache:
             return known, "measured"
         if slot.name in self._given:
             return self._given[slot.name], "given"
+        if slot.name in self._reported:
+            instances = slot.host.config.instances
+            return Footprint(engine_bytes=0, context_bytes=-(-self._reported[slot.name] // instances),
+                             device="gpu" if backend in GPU_BACKENDS else "host"), "reported"
         recorded = footprints.read_record(entry, backend)
         if recorded is not None:
             return recorded, "recorded"
@@ -629,11 +639,7 @@ class ModelCache:
                 self._refuse_if_alone_over_budget(slot, estimate, source)
             need = estimate.total(instances)
             if source == "predicted" and slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
-                # The graph prediction is host-side; on a GPU a first load could overshoot it and,
-                # until the evictions after it, the budget (seen on the H200: +10 MB). Make room
-                # for the whole budget instead (less the GPU growth, which it must leave); the
-                # measured figure then takes the usual path (grow, or load again, or refuse).
-                need = self.budget_bytes - self._growth_for(slot)
+                need = self._gpu_first_reservation(slot, need)
                 if need <= 0:
                     self._refuse_if_alone_over_budget(slot, estimate, source)
             reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
@@ -642,9 +648,12 @@ class ModelCache:
                 with _LOAD_LOCK:
                     self._evict_marked()
                     start = time.perf_counter()
+                    predicted = estimate.total(instances) if source == "predicted" else 0
                     footprint, source = self._load_host(slot, estimate, source)
                     load_ms = (time.perf_counter() - start) * 1e3
                     actual = footprint.total(instances)
+                    if predicted and footprint.device == "gpu" and footprint.measured:
+                        self._learn_gpu_fit(predicted, actual)
                     fits = actual <= reserved or self._grow_reservation(slot, actual - reserved)
                     if fits:
                         reserved = max(reserved, actual)
@@ -695,6 +704,33 @@ class ModelCache:
         if engine is not None and engine.backend in GPU_BACKENDS:  # they measure their own, at load
             return slot.host.footprint(), "measured"
         return estimate, source
+
+    def _gpu_first_reservation(self, slot: _Slot, predicted: int) -> int:
+        """What a GPU model's first load reserves when only the graph prediction is known
+        (``predicted`` bytes, host-side). The GPU holds more (each context's session, cuDNN and
+        cuBLAS handles and workspaces, the arena's rounding) and a load overshooting its
+        reservation takes the replica over its budget until the evictions after it (seen on
+        the H200: +10 MB). Before any model is measured here: the whole budget less the GPU
+        growth (everything else is evicted). After: the prediction scaled by the largest ratio
+        of GPU bytes to prediction seen on this replica, or raised by the largest excess,
+        whichever is more (a small model's fixed per-context cost makes its ratio the larger,
+        a large one's activations its excess); capped by the whole budget."""
+        whole = self.budget_bytes - self._growth_for(slot)
+        with self._cond:
+            fit = self._gpu_fit
+        if fit is None:
+            return whole
+        ratio, excess = fit
+        return min(whole, max(int(predicted * ratio), predicted + excess))
+
+    def _learn_gpu_fit(self, predicted: int, actual: int) -> None:
+        """Keep the largest ratio and excess of a first load's ``actual`` GPU bytes over its graph
+        prediction (``predicted``), for ``_gpu_first_reservation``."""
+        if predicted <= 0:
+            return
+        with self._cond:
+            ratio, excess = self._gpu_fit or (0.0, 0)
+            self._gpu_fit = (max(ratio, actual / predicted), max(excess, actual - predicted))
 
     def _grow_reservation(self, slot: _Slot, extra: int) -> bool:
         """Reserve ``extra`` more bytes for ``slot`` now, marking unheld models for eviction
