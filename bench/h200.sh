@@ -38,7 +38,7 @@ case "$1" in
     python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv ;;
   ray) mkdir -p /tmp/py && xz -dc "$D/site.tar.xz" | tar xf - -C /tmp/py && python3 -c 'import ray; print(ray.__version__)' ;;
-  tests) export TRITON_CLIENT_EXAMPLES=$PWD/.device/examples/src/python/examples; cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu tests/unit/test_backend_select.py 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
+  tests) export TRITON_CLIENT_EXAMPLES=$PWD/.device/examples/src/python/examples; cd /tmp/w && python3 -m pytest -q -rs -s -p no:cacheprovider ${TESTS:-tests/gpu tests/unit/test_backend_select.py} 2>&1 | tee "$OUT/tests.log" | grep -v "^\s*$" | tail -60 ;;
   embed) cd /tmp/w && python3 -m bench.embed --clients 1,16,64,256 --gpu-fraction 0.25 \
       --variants ${VARIANTS:-unbatched,joined,bucketed,bucketed_padded} --duration-s 4 --warmup-s 2 --processes 4 ${EMBED_ARGS:-} \
       --out "$OUT/embed.json" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;
@@ -81,7 +81,8 @@ case "$1" in
       --rounds 5 --requests 30 --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -12 ;;
   dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
       --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
-  placement) cd /tmp/w && timeout 560 python3 -m bench.placement --policies hash,bytes --clients 16,64 --no-shift-kill \
-      --models 48 --warmup-s 20 --duration-s 30 --gpu-fraction 0.2 --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
+  placement) cd /tmp/w && timeout 580 python3 -m bench.placement --policies ${POLICIES:-hash,bytes} --clients 16,64 \
+      ${SHIFT_KILL:---no-shift-kill} --models 48 --warmup-s 20 --duration-s 30 --gpu-fraction 0.2 \
+      --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

@@ -97,6 +97,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 APP = "models"
 BASE = "ocr_cls"
+PORT_ATTEMPTS = 3  # server starts per policy when a port it was given was taken first
 MAX_BATCHES = (4, 8, 16, 32)  # the copies' max batch in turn: footprints about 4x apart
 POLICIES = ("hash", "bytes", "multiplexed")
 SAMPLE_S = 0.5  # how often /v2/memory and /metrics are read
@@ -674,25 +675,36 @@ class Bench:
         from bench.throughput import free_port, ray_env
 
         a = self.args
-        port, metrics_port = free_port(), free_port()
         folder = self.scratch / policy
         folder.mkdir()
-        short = Path(tempfile.mkdtemp(prefix="bp-", dir=self.scratch.parent))  # HAProxy's socket path: at most 97 characters
-        haproxy = {k: v for k, v in ray_env("fast", short).items()  # this run's own HAProxy files and ports
-                   if k.startswith("RAY_SERVE_HAPROXY_") and k != "RAY_SERVE_HAPROXY_BINARY_PATH"}
         log = folder / "server.log"
         started = time.monotonic()
-        if policy == "multiplexed":
-            proc = start_multiplexed(self.repository, port, a.replicas, self.max_models, self.footprints,
-                                     self.budget_bytes, log, a.gpu_fraction, **haproxy)
-        else:
-            config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
-                                  port, metrics_port, a.gpu_fraction, a.serve_backend)
-            proc = start_runner(config, log, **haproxy)
-        url = f"http://127.0.0.1:{port}"
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            # A port free_port() saw free can be taken by the new cluster's own processes before
+            # HAProxy binds it (Ray's workers listen on ephemeral ports): start again on others.
+            port, metrics_port = free_port(), free_port()
+            short = Path(tempfile.mkdtemp(prefix="bp-", dir=self.scratch.parent))  # HAProxy's socket path: at most 97 characters
+            haproxy = {k: v for k, v in ray_env("fast", short).items()  # this run's own HAProxy files and ports
+                       if k.startswith("RAY_SERVE_HAPROXY_") and k != "RAY_SERVE_HAPROXY_BINARY_PATH"}
+            if policy == "multiplexed":
+                proc = start_multiplexed(self.repository, port, a.replicas, self.max_models, self.footprints,
+                                         self.budget_bytes, log, a.gpu_fraction, **haproxy)
+            else:
+                config = write_config(folder, self.repository, policy, a.replicas, self.budget_bytes, len(self.names),
+                                      port, metrics_port, a.gpu_fraction, a.serve_backend)
+                proc = start_runner(config, log, **haproxy)
+            try:
+                self._ready(policy, url := f"http://127.0.0.1:{port}", proc, log)
+                break
+            except RuntimeError:
+                if proc.poll() is None:
+                    interrupt_group(proc)
+                shutil.rmtree(short, ignore_errors=True)
+                if attempt == PORT_ATTEMPTS or "Address already in use" not in log.read_text(errors="replace"):
+                    raise
+                self.log(f"{policy}: a port was taken before the server bound it; starting again on others")
         rows = []
         try:
-            self._ready(policy, url, proc, log)
             self.log(f"{policy}: serving after {time.monotonic() - started:.0f} s")
             for clients in a.clients:
                 rows.append(asyncio.run(self._point(policy, clients, url, proc)))
