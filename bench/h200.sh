@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 runs of docs/h200.md, one step per device call, from the repository root
 # there (the device tool sends /work/main's tree; this branch travels as .device/gpu/repo):
-#   part N    carry .device/b/N (N = 0..4; bench/h200_bundle.sh makes them): one part of the bundle to /tmp/b
-#   bundle    carry .device/b/5: join the parts, then what setup and ray do below, the code from this
-#             tree (not .device/gpu/repo): all set up in 6 calls
+#   part N    carry .device/b/N (all but the last; bench/h200_bundle.sh makes them): one part of the bundle to /tmp/b
+#   bundle    carry the last .device/b/N: join the parts, then what setup and ray do below, the code from this
+#             tree (not .device/gpu/repo): all set up in as many calls as parts (7)
 #   chunk N   carry .device/gpu/ortgpu/N (N = 0..3): the onnxruntime-gpu wheel's parts to /tmp/gpu
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
@@ -17,7 +17,7 @@ HTTP="--duration-s 3 --warmup-s 1 --processes 4"
 case "$1" in
   part) mkdir -p /tmp/b && cp .device/b/"$2"/b.part* /tmp/b/ && ls -la /tmp/b ;;
   bundle)
-    cp .device/b/5/b.part* /tmp/b/ && (cd /tmp && cat /tmp/b/b.part* | tar xf -) && rm -rf /tmp/b || exit 1
+    cp .device/b/*/b.part* /tmp/b/ && (cd /tmp && cat /tmp/b/b.part* | tar xf -) && rm -rf /tmp/b || exit 1
     B=/tmp/bundle; bash $B/ortgpu/unpack.sh /tmp/site || exit 1
     rm -rf /tmp/w /tmp/extra /tmp/extra2 && mkdir -p /tmp/w /tmp/py
     tar cf - --exclude=./.device . | tar xf - -C /tmp/w
@@ -82,7 +82,7 @@ case "$1" in
   dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
       --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
   placement) cd /tmp/w && timeout 580 python3 -m bench.placement --policies ${POLICIES:-hash,bytes} --clients 16,64 \
-      ${SHIFT_KILL:---no-shift-kill} --models 48 --warmup-s 20 --duration-s 30 --gpu-fraction 0.2 \
+      ${SHIFT_KILL:---no-shift-kill} --models 48 --warmup-s 20 --duration-s ${DURATION_S:-30} --gpu-fraction 0.2 \
       --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
