@@ -123,7 +123,7 @@ class PoolOptions(DeploymentOptions, CacheOptions):
     # Which replica holds a pool model (docs/placement.md, "Placement by bytes"): `hash`, the
     # replica HAProxy hashes its name to; `bytes`, the placement deployment's decision from the
     # replicas' budgets, footprints and request rates (copies for hot models).
-    placement: Literal["hash", "bytes"] = "hash"
+    placement: Literal["hash", "bytes"] = "bytes"
 
 
 def cores() -> int:

@@ -57,7 +57,8 @@ class PoolDeployment:
     """Serves the models not given a dedicated deployment: their HTTP routes (``PoolRoutes``, the
     model named in the path), and calls through handles chosen by multiplexed model id.
 
-    HAProxy sends a model's requests to the replica its name hashes to; Ray Serve's multiplexing
+    HAProxy sends a model's requests to a replica its placement names (``placement: bytes``, the
+    default) or to the one its name hashes to (``hash``); Ray Serve's multiplexing
     routes a handle's calls to a replica that has the model and caps the models per replica
     by count (``max_num_models_per_replica``); what is actually resident is
     decided by the replica's ``ModelCache``: the same count cap plus ``memory_budget_mib``, with
@@ -79,7 +80,7 @@ class PoolDeployment:
             once it is (``apply``).
         max_ongoing_requests, max_queued_requests: the pool's; requests beyond both are shed
             with 503 (``admission.Admission``; ``max_queued_requests`` None: no bound).
-        placement: ``hash`` or ``bytes``: with ``bytes`` the replica reports to the router
+        placement: ``bytes`` (default) or ``hash``: with ``bytes`` the replica reports to the router
             application's placement deployment and loads and releases models as it decides
             (``deployments.placement.PlacementFollower``).
     """
@@ -87,7 +88,7 @@ class PoolDeployment:
     async def __init__(self, repository: str, names: Iterable[str], backend: str, options: CacheOptions,
                        routes: RouterOptions, metrics: dict[str, Any] | None = None, initial: Desired | None = None,
                        models: list[ModelEntry] | None = None, max_ongoing_requests: int = 512,
-                       max_queued_requests: int | None = None, placement: str = "hash") -> None:
+                       max_queued_requests: int | None = None, placement: str = "bytes") -> None:
         show_on_terminal()
         replica_grpc_on_loopback()
         names = list(names)

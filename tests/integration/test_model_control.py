@@ -130,7 +130,11 @@ def test_a_model_added_after_start_loads_serves_and_unloads_while_the_others_kee
     r = requests.post(f"{url}/v2/models/added_cnn/infer", json=cnn_body(X[:1]))
     assert r.status_code == 503, r.text
     assert r.json()["error"].startswith("Request for unknown model: 'added_cnn' has no available versions")
-    assert index(url)["added_cnn"] == {"name": "added_cnn", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    entry = index(url)["added_cnn"]
+    placed = entry.pop("placement")  # the pool's default, placement: bytes, places an unloaded model nowhere
+    assert entry == {"name": "added_cnn", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    assert (placed["policy"], placed["replicas"], placed["copies"]) == ("bytes", [], 0), placed
+    assert placed["reason"] == "unloaded: placed on no replica until it is loaded", placed
     memory = requests.get(f"{url}/v2/memory").json()["pool"]
     assert memory["models"]["added_cnn"]["state"] == "absent" and memory["events"][-1]["event"] == "unload"
     for model, statuses in background.items():
