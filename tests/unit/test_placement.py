@@ -111,6 +111,15 @@ def test_hot_models_get_copies_in_proportion_to_their_load():
     assert copies_for(60.0, 100.0, 4, PlacementOptions()) == 4
 
 
+def test_a_trickle_gets_one_copy_however_large_its_share():
+    # the only model used, once every few seconds: all of the load, none to spread
+    trickle = place({"m": ModelDemand(MIB, 0.17), "idle": ModelDemand(MIB, 0.0)}, replicas(2, 100))
+    assert len(trickle.replicas["m"]) == 1 and "hot" not in trickle.why["m"]["reason"]
+    assert copies_for(0.17, 0.17, 2, PlacementOptions()) == 1
+    assert copies_for(2.5, 2.5, 4, PlacementOptions()) == 2  # one copy per request/s
+    assert copies_for(20.0, 20.0, 4, PlacementOptions()) == 4
+
+
 def test_copies_are_added_only_where_they_fit():
     models = {"hot": ModelDemand(60 * MIB, 90.0), "other": ModelDemand(60 * MIB, 10.0)}
     placement = place(models, replicas(2, 100))

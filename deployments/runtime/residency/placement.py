@@ -20,7 +20,9 @@ routes by its answer. Its promises (tests/unit/test_placement.py):
   the rate one replica would get if load were even (total rate / replicas), at least 1, at
   most the replicas (or ``max_copies``); extra copies only where they fit without pushing any
   model out. So copies follow load: with ``copy_share`` 0.5 a model that alone takes more than
-  half of one replica's fair share gets a second copy.
+  half of one replica's fair share gets a second copy. A trickle is no load: a model gets at
+  most one copy per ``copy_min_rate_per_s`` of its rate (the only model used, at a request every
+  few seconds, kept a copy on every replica, taking a place under each one's count cap).
 * **Hysteresis.** A model keeps its copies while its rate stays within ``hysteresis`` (a
   fraction) of the rate that changes them, and keeps the replicas it has while they still exist
   and fit: a placement recomputed from the same or slightly different reports is the same one.
@@ -79,9 +81,10 @@ class PlacementOptions:
     of their mean) within which balance stops; ``balance_start``: the band past which balance
     starts moving models that cost a load (a model resident on the lighter replica moves back
     past ``hysteresis`` alone); ``max_copies``: at most this many copies (None: as many as
-    replicas)."""
+    replicas); ``copy_min_rate_per_s``: a model gets at most one copy per this rate (requests/s)."""
 
     copy_share: float = 0.5
+    copy_min_rate_per_s: float = 1.0
     hysteresis: float = 0.25
     max_copies: int | None = None
     balance_start: float = 0.5
@@ -102,8 +105,10 @@ class Placement:
 
 def copies_for(rate_per_s: float, total_rate_per_s: float, replicas: int, options: PlacementOptions) -> int:
     """Copies a model of ``rate_per_s`` gets (no hysteresis): ``ceil(rate / (copy_share x
-    total / replicas))``, within [1, replicas] (and ``max_copies``)."""
+    total / replicas))``, within [1, replicas] (and ``max_copies``, and one per
+    ``copy_min_rate_per_s``)."""
     most = replicas if options.max_copies is None else min(replicas, options.max_copies)
+    most = min(most, max(1, math.floor(rate_per_s / options.copy_min_rate_per_s)))
     if replicas <= 0 or total_rate_per_s <= 0 or rate_per_s <= 0:
         return 1 if most >= 1 else 0
     share = options.copy_share * total_rate_per_s / replicas
