@@ -268,11 +268,12 @@ class ModelClient:
         return await self._control("desired")
 
     async def control_set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None,
-                          kept: dict[str, Any] | None = None) -> dict[str, Any]:
+                          kept: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
         """``ControlDeployment.set``: model ``name`` should (not) serve (a load: what ``read``
         names, ``control.reading``; ``kept``: the reading it serves now, served again if the
-        load fails); returns the state's ``{"incarnation", "revision"}``."""
-        return await self._control("set", name, loaded, placement, read, kept)
+        load fails; not loaded: ``reason``, why a load the router refused failed); returns the
+        state's ``{"incarnation", "revision"}``."""
+        return await self._control("set", name, loaded, placement, read, kept, reason)
 
     async def control_applied(self, name: str, placement: str,
                               state: dict[str, Any]) -> tuple[list[dict[str, Any]], frozenset[str]]:

@@ -144,15 +144,18 @@ class ControlDeployment:
         return {"incarnation": self.incarnation, "revision": self.revision}
 
     def set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None,
-            kept: dict[str, Any] | None = None) -> dict[str, Any]:
+            kept: dict[str, Any] | None = None, reason: str | None = None) -> dict[str, Any]:
         """Model ``name`` should (not) serve from ``placement``; a load serves ``read``
         (``reading``: what the router read in its folder; None: whatever each replica reads).
         ``kept``: the reading served now, of a model loaded now (``reading``), which ``report``
-        restores if this load fails. Returns the new state's ``{"incarnation", "revision"}``
-        (what ``applied`` takes)."""
+        restores if this load fails. ``reason``, not loaded: why its load failed before any
+        replica tried it (the router refused it: its folder does not read, or cannot serve
+        here), kept as a replica's failure is. Returns the new state's ``{"incarnation",
+        "revision"}`` (what ``applied`` takes)."""
         if not loaded:
             generation = self.models.get(name, {}).get("generation", 0)
-            return self._change(name, {"loaded": False, "placement": placement, "generation": generation})
+            why = {"reason": reason} if reason is not None else {}
+            return self._change(name, {"loaded": False, "placement": placement, "generation": generation, **why})
         keep = {"kept": kept} if kept is not None and self.models.get(name, {}).get("loaded") else {}
         return self._change(name, {"loaded": True, "placement": placement, "generation": self.revision + 1,
                                    **(read or {}), **keep})

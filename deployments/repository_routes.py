@@ -280,7 +280,8 @@ class RepositoryRoutes(V2Routes):
     async def load(self, request: Request) -> Response:
         """``POST /v2/repository/models/{name}/load``: read the model's folder again (the same
         validation as at start: a bad config is 400 naming the file and field, and nothing
-        changes), then load it on every replica of its deployment (pool models: into every pool
+        changes but a model not loaded's index line, which gives the failure: ``_refused``),
+        then load it on every replica of its deployment (pool models: into every pool
         replica's cache); answers 200 with an empty body once all have it. This router's index,
         metadata and config routes describe the folder as read from then on, not before: a load
         that fails leaves them as they were (a model new to it is known from then on, with the
@@ -300,16 +301,11 @@ class RepositoryRoutes(V2Routes):
         if unsupported:
             raise InvalidInput(f"failed to load '{name}': load parameters {unsupported} are not supported "
                                "(a config or files sent with the request); put the model's folder in the repository")
-        try:  # taken once every replica serves it; a thread: a remote model may download
-            entry = await asyncio.to_thread(self.repo.peek, name)
-        except ConfigError as e:  # a config the sender wrote: 400
-            raise InvalidInput(f"failed to load '{name}': {e.message}") from None
-        except LoadFault as e:  # a model file it cannot read: the server's, 500
-            raise LoadFault(f"failed to load '{name}': {e.message}") from None
-        except ModelNotFound as e:
-            raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
-        placement = self._placement(entry, "load")
-        self._keeps_deployed_config(entry, placement)
+        try:
+            entry, placement = await self._read_to_load(name)
+        except (InvalidInput, LoadFault) as e:
+            await self._refused(name, e)
+            raise
         async with self._control_lock(name):
             served = self.repo.get(name) if self.states.is_ready(name) and name in self.repo.names() else None
             self.changing[name] = "LOADING"
@@ -345,6 +341,47 @@ class RepositoryRoutes(V2Routes):
             backend = "pipeline" if placement == "pipeline" else next((o["backend"] for o in outcomes if o["backend"]), None)
             self._take(entry, placement, backend, state)
         return Response(status_code=200)
+
+    async def _read_to_load(self, name: str) -> tuple[ModelEntry, str]:
+        """Model ``name``'s folder read again for a load (taken once every replica serves it; in
+        a thread: a remote model may download), and where it runs (``_placement``).
+
+        Raises:
+            InvalidInput: its config (naming the file and field) or its model file is invalid,
+                or it cannot load here (``_placement``, ``_keeps_deployed_config``).
+            LoadFault: a model file it cannot read (the server's fault, 500).
+            ModelNotFound: no such model folder.
+        """
+        try:
+            entry = await asyncio.to_thread(self.repo.peek, name)
+        except ConfigError as e:  # a config (or model file) the sender wrote: 400
+            raise InvalidInput(f"failed to load '{name}': {e.message}") from None
+        except LoadFault as e:  # a model file it cannot read: the server's, 500
+            raise LoadFault(f"failed to load '{name}': {e.message}") from None
+        except ModelNotFound as e:
+            raise ModelNotFound(f"failed to load '{name}': {e.message}") from None
+        placement = self._placement(entry, "load")
+        self._keeps_deployed_config(entry, placement)
+        return entry, placement
+
+    async def _refused(self, name: str, error: ServingError) -> None:
+        """A load refused before any replica tried it (``_read_to_load``): a model not loaded
+        is UNAVAILABLE with the failure as its reason ("failed to load: ..."), as after a load a
+        replica failed (``ControlDeployment.report``); the reason goes into the desired state,
+        so every router's index and every replica's answers give it (this router's alone when
+        the control replica does not answer). A model loaded keeps serving (a failed load
+        changes nothing)."""
+        async with self._control_lock(name):
+            if self.states.is_loaded(name) or name in self.changing:
+                return
+            prefix = f"failed to load '{name}': "
+            reason = f"failed to load: {error.message.removeprefix(prefix)}"
+            try:
+                known = (await self.client.control_desired())["models"].get(name)
+                await self.client.control_set(name, False, known["placement"] if known else "pool", reason=reason)
+            except Exception as e:  # the control replica is unavailable: the answer is still the load's error
+                logger.warning("model control: the refused load of '%s' is not recorded: %r", name, e)
+            self._mark_unloaded(name, reason)
 
     @answers_errors
     async def unload(self, request: Request) -> Response:

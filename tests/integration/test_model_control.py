@@ -252,6 +252,29 @@ def test_a_bad_config_on_load_is_400_naming_file_and_field_and_changes_nothing(c
     assert requests.post(f"{url}/v2/models/tiny_cnn/infer", json=cnn_body(X[:1])).status_code == 200
 
 
+def test_a_model_file_that_is_not_onnx_is_400_and_listed_with_the_failure_as_its_reason(control):
+    """A load of a folder whose file is not ONNX answered 400, then the index still listed it as
+    "not loaded: POST .../load loads it" (the router refused it reading its config, completed
+    from that file, and recorded nothing). Now the failure is its reason, whether the router
+    refuses it or the pool replica does (a complete config: the file is read at load), and the
+    server keeps serving the others."""
+    url, root = control
+    (root / "nc_bad" / "1").mkdir(parents=True)
+    (root / "nc_bad" / "config.yaml").write_text("max_batch_size: 8\n")  # completed from the file
+    copy_model(root, "tiny_cnn", "nc_bad_full")
+    for name in ("nc_bad", "nc_bad_full"):
+        (root / name / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
+        r = requests.post(f"{url}/v2/repository/models/{name}/load")
+        assert r.status_code == 400, r.text
+        prefix = f"failed to load '{name}': "
+        error = r.json()["error"]
+        assert error.startswith(f"{prefix}model '{name}': its model file ") and "is not a valid ONNX model" in error, error
+        line = {k: v for k, v in index(url)[name].items() if k in ("name", "state", "reason")}
+        assert line == {"name": name, "state": "UNAVAILABLE", "reason": f"failed to load: {error.removeprefix(prefix)}"}
+    r = requests.post(f"{url}/v2/models/tiny_cnn/infer", json=cnn_body(X[:1]))
+    assert r.status_code == 200, r.text
+
+
 def pool_replicas() -> list[dict]:
     """The control application's pool replicas as the Serve controller reports them."""
     from ray.serve.context import _get_global_client

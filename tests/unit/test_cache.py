@@ -8,9 +8,11 @@ start from measured figures and their budgets are set from them.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,7 @@ from deployments.runtime.contract.config import CacheOptions, ModelConfig
 from deployments.runtime.contract.errors import OverBudget
 from deployments.runtime.contract.units import MIB, format_mib
 from deployments.runtime.residency.host import ModelHost
+from deployments.runtime.residency.predict import predict
 from deployments.runtime.contract.repository import ModelRepository
 
 MODELS = ["tiny_cnn", "mid_cnn", "resnet18", "ocr_det", "ocr_cls", "ocr_rec"]
@@ -48,10 +51,11 @@ def random_inputs(config: ModelConfig, rng: np.random.Generator) -> dict[str, np
 
 
 def make_cache(repo: ModelRepository, load_policy: str, budget_bytes: int | None = None,
-               max_models: int | None = None, wait_timeout_s: float = 30.0) -> ModelCache:
-    """A cache of ``MODELS``; the budget in bytes goes through ``memory_budget_mib`` exactly
+               max_models: int | None = None, wait_timeout_s: float = 30.0,
+               names: list[str] = MODELS) -> ModelCache:
+    """A cache of ``names``; the budget in bytes goes through ``memory_budget_mib`` exactly
     (a MiB is a power of two), no count cap unless ``max_models``."""
-    return ModelCache(repo, MODELS, CacheOptions(
+    return ModelCache(repo, names, CacheOptions(
         load_policy=load_policy, memory_budget_mib=None if budget_bytes is None else budget_bytes / MIB,
         max_num_models_per_replica=max_models, wait_timeout_s=wait_timeout_s))
 
@@ -632,4 +636,85 @@ def test_prefetch_counts_a_model_never_loaded_here_at_the_bytes_it_is_given(
     assert cache.prefetch("mid_cnn") is False  # counted at tiny_cnn's bytes: it would not fit
     assert cache.prefetch("mid_cnn", sizes["mid_cnn"]) is True
     assert cache.status()["models"]["mid_cnn"]["state"] == "ready" and not events(cache, "evict")
+    cache.close()
+
+
+def repository_of(root: Path, engines: Path, linked: tuple[str, ...] = (),
+                  fresh: tuple[str, ...] = ()) -> ModelRepository:
+    """A repository in ``root`` of ``linked`` models (links to their ``engines`` folders: files
+    this process may have measured) and ``fresh`` copies (files it never measured)."""
+    root.mkdir()
+    for name in linked:
+        (root / name).symlink_to(engines / name)
+    for name in fresh:
+        shutil.copytree(engines / name, root / name, ignore=shutil.ignore_patterns("footprint.json"))
+    return ModelRepository(root, [*linked, *fresh])
+
+
+def predicted_bytes(repo: ModelRepository, name: str) -> int:
+    entry = repo.get(name)
+    return predict(entry).footprint().total(entry.config.instances)
+
+
+def test_a_model_predicted_and_measured_over_the_budget_is_refused_and_evicts_nothing(
+        prepared_engines: Path, sizes: dict[str, int], tmp_path: Path) -> None:
+    """A never-measured model predicted over the whole budget reserved the whole budget (the
+    prediction capped), which evicted every model, then was measured and refused: the 503 came
+    after the replica had emptied itself. Now it is measured in the room free now."""
+    from deployments.runtime.residency import footprints
+
+    resident = ["mid_cnn", "ocr_cls"]
+    fresh = repository_of(tmp_path / "repo", prepared_engines, linked=tuple(resident), fresh=("tiny_cnn",))
+    budget = sizes["mid_cnn"] + sizes["ocr_cls"] + 64 * MIB
+    assert predicted_bytes(fresh, "tiny_cnn") > budget
+    cache = make_cache(fresh, load_policy="lru", budget_bytes=budget, names=resident + ["tiny_cnn"])
+    rng = np.random.default_rng(11)
+    for name in resident:
+        cache.infer(name, random_inputs(fresh.get(name).config, rng))
+    with pytest.raises(OverBudget) as raised:
+        cache.infer("tiny_cnn", random_inputs(fresh.get("tiny_cnn").config, rng))
+
+    entry = fresh.get("tiny_cnn")
+    measured = footprints.measured_footprint(entry, "onnxruntime")
+    assert measured is not None and measured.total(entry.config.instances) > budget
+    message = raised.value.message
+    assert format_mib(measured.total(entry.config.instances)) in message and format_mib(budget) in message
+    assert not events(cache, "evict") and events(cache, "refused", "tiny_cnn")
+    assert cache.resident() == resident
+    assert all(cache.status()["models"][name]["state"] == "ready" for name in resident)
+    assert all(e["resident_bytes"] <= budget for e in cache.timeline())
+    cache.close()
+
+
+def test_a_model_predicted_over_the_budget_that_fits_once_measured_evicts_only_what_it_needs(
+        prepared_engines: Path, sizes: dict[str, int], tmp_path: Path) -> None:
+    """resnet18's prediction is over the budget, its measured footprint under it: it loads,
+    evicting the least recently used model its real figure needs the room of, not every model."""
+    probe_repo = repository_of(tmp_path / "probe", prepared_engines, fresh=("resnet18",))
+    probe = make_cache(probe_repo, load_policy="lazy", names=["resnet18"])
+    probe.load("resnet18")
+    measured = probe.footprint_bytes("resnet18")
+    probe.close()
+    old, recent = "mid_cnn", "ocr_cls"
+    fresh = repository_of(tmp_path / "repo", prepared_engines, linked=(old, recent), fresh=("resnet18",))
+    predicted = predicted_bytes(fresh, "resnet18")
+    assert measured is not None
+    # over the measured figure beside the recent model, under the prediction
+    budget = (measured + sizes[recent] + predicted) // 2
+    if not measured + sizes[recent] < budget < predicted:
+        pytest.skip(f"resnet18 measured {format_mib(measured)} (+ {recent} {format_mib(sizes[recent])}) is not "
+                    f"under its prediction {format_mib(predicted)} on this machine")
+    if budget - sizes[old] - sizes[recent] >= measured:
+        pytest.skip(f"resnet18 ({format_mib(measured)}) fits beside {old} and {recent} under {format_mib(budget)}")
+    cache = make_cache(fresh, load_policy="lru", budget_bytes=budget, names=[old, recent, "resnet18"])
+    rng = np.random.default_rng(12)
+    for name in (old, recent):
+        cache.infer(name, random_inputs(fresh.get(name).config, rng))
+    assert cache.infer("resnet18", random_inputs(fresh.get("resnet18").config, rng))
+
+    assert [e["model"] for e in events(cache, "evict")] == [old]
+    status = cache.status()["models"]
+    assert status[recent]["state"] == "ready" and status["resnet18"]["state"] == "ready"
+    assert status["resnet18"]["footprint_source"] == "measured"
+    assert all(e["resident_bytes"] <= budget for e in cache.timeline())
     cache.close()

@@ -206,8 +206,8 @@ class FakeControlClient:
         return self.control.desired()
 
     async def control_set(self, name: str, loaded: bool, placement: str, read: dict[str, Any] | None = None,
-                          kept: dict[str, Any] | None = None):
-        return self.control.set(name, loaded, placement, read, kept)
+                          kept: dict[str, Any] | None = None, reason: str | None = None):
+        return self.control.set(name, loaded, placement, read, kept, reason)
 
     async def control_applied(self, name: str, placement: str, state: dict[str, Any]):
         await self.poll()
@@ -857,6 +857,45 @@ def test_a_router_describes_and_labels_the_version_and_config_another_router_loa
     assert a.post("/v2/repository/models/simple/load").status_code == 200
     asyncio.run(b.follow_desired(fake.control.desired()))
     assert http_b.get("/v2/models/simple/config").json()["max_batch_size"] == 4
+
+
+def test_a_load_refused_for_its_model_file_gives_the_failure_as_its_reason_on_every_router(root):
+    """A load answered 400 before any replica tried it (a model file that is not ONNX) left the
+    model listed as "not loaded: POST .../load loads it", unlike a load a replica failed. Now
+    the failure is its reason, on the router that refused it and on the other, for a model new
+    to them and for one unloaded before; a model that serves keeps serving when a load of it is
+    refused."""
+    repo = ModelRepository(root)
+    fake = FakeControlClient(repo, initial_state({"simple": "pool"}, {"simple"}))
+    options = RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5)
+    routers = [RouterApp(ModelRepository(root), fake, options, initial=fake.initial) for _ in range(2)]
+    http = [TestClient(router.build_app(), raise_server_exceptions=False) for router in routers]
+    add_model(root, "late")
+    add_model(root, "spare")
+    assert http[0].post("/v2/repository/models/spare/load").status_code == 200
+    assert http[0].post("/v2/repository/models/spare/unload").status_code == 200
+    for name in ("late", "spare"):  # a config completed from the model file: read by the router
+        (root / name / "config.yaml").write_text("max_batch_size: 8\n")
+        (root / name / "1" / "model.onnx").write_bytes(b"not an onnx model")
+        r = http[0].post(f"/v2/repository/models/{name}/load")
+        assert r.status_code == 400, r.text
+        prefix = f"failed to load '{name}': "
+        error = r.json()["error"]
+        assert error.startswith(f"{prefix}model '{name}': its model file "), error
+        reason = f"failed to load: {error.removeprefix(prefix)}"
+        assert (fake.desired[name]["loaded"], fake.desired[name]["reason"]) == (False, reason)
+        asyncio.run(fake.poll())
+        for router, client in zip(routers, http):
+            asyncio.run(router.follow_desired(fake.control.desired()))
+            (item,) = [i for i in client.post("/v2/repository/index").json() if i["name"] == name]
+            assert (item["state"], item["reason"]) == ("UNAVAILABLE", reason), item
+
+    edit_config(root, "simple", max_batch_sise=4)
+    r = http[0].post("/v2/repository/models/simple/load")
+    assert r.status_code == 400, r.text
+    assert fake.desired["simple"]["loaded"] and "reason" not in fake.desired["simple"]
+    r = http[0].post("/v2/models/simple/infer", json=INFER_SIMPLE)
+    assert r.status_code == 200, r.text
 
 
 def test_a_router_that_reads_the_folder_otherwise_than_the_load_did_does_not_claim_it(root):

@@ -34,15 +34,20 @@ Footprint of a model = ``engine_bytes + instances x context_bytes`` (``backends.
 a model's first load the cache reserves the best figure it has: one measured earlier in this
 process (``footprints.measured_footprint``), one passed in ``footprints``, one another replica
 measured (``prefetch``'s bytes: ``reported``), one recorded beside the model
-(``footprints.read_record``), else the graph prediction (``predict.predict``), capped at the
-budget; on a GPU the prediction is raised by what earlier first loads here measured over theirs,
-and the first of all makes room for the whole budget (``_gpu_first_reservation``). The load then measures the real one (``footprints.load_and_measure``: exact on TensorRT,
-RSS growth on ONNX Runtime); when it is larger than the reservation, the extra is reserved at
-once, under the load lock, by evicting unheld models; if that is not enough the model is unloaded
-before any other load starts and its load starts over with the real figure, waiting for room
-(``OverBudget`` after the wait). So the real bytes of the loaded models stay within the budget,
-except while a model whose figure was too low is being loaded and measured (one model's error,
-never two). Reloads use the measured figure.
+(``footprints.read_record``), else the graph prediction (``predict.predict``); on a GPU the
+prediction is raised by what earlier first loads here measured over theirs, and the first of
+all makes room for the whole budget (``_gpu_first_reservation``). A prediction alone over the
+budget is not trusted enough to refuse on, nor to evict for: that load reserves only the room
+free now and evicts nothing up front. The load then measures the real one
+(``footprints.load_and_measure``: exact on TensorRT, RSS growth on ONNX Runtime); when it is
+larger than the reservation, the extra is reserved at once, under the load lock, by evicting
+unheld models; if that is not enough the model is unloaded before any other load starts and its
+load starts over with the real figure, waiting for room (``OverBudget`` after the wait); a real
+figure alone over the budget is refused (``OverBudget``), so a model predicted and measured not
+to fit leaves every model that was loaded in place. So the real bytes of the loaded models stay
+within the budget, except while a model whose figure was too low (or predicted over the budget)
+is being loaded and measured: then its own bytes can pass the budget (one model's error, never
+two). Reloads use the measured figure.
 
 On a GPU the budget also counts this process's GPU growth that no model's footprint covers
 (``gpu_growth_bytes``): after an eviction, NVML's per-process reading over the baseline less the
@@ -631,7 +636,12 @@ class ModelCache:
         reservation, the extra is reserved at once, still under the load lock (evicting unheld
         models), so no other load starts beside an under-reserved model; when it does not fit
         now, the model is unloaded again and its load starts over with the real figure, waiting
-        for room like any load (until ``deadline``)."""
+        for room like any load (until ``deadline``).
+
+        A model never measured whose prediction (on a GPU, ``_gpu_first_reservation``) alone is
+        over the budget reserves only the room free now, evicting nothing: it is measured
+        there, refused (``OverBudget``) if its real figure is over the budget too, else grows
+        its reservation as above."""
         instances = slot.host.config.instances
         estimate, source = self._estimate(slot)
         while True:
@@ -639,11 +649,13 @@ class ModelCache:
                 self._refuse_if_alone_over_budget(slot, estimate, source)
             need = estimate.total(instances)
             if source == "predicted" and slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
-                need = self._gpu_first_reservation(slot, need)
-                if need <= 0:
+                if self.budget_bytes - self._growth_for(slot) <= 0:
                     self._refuse_if_alone_over_budget(slot, estimate, source)
-            reserved = min(need, self.budget_bytes) if self.budget_bytes is not None else need
-            self._reserve(slot, reserved, deadline, adds_model=True)
+                need = self._gpu_first_reservation(slot, need)
+            # predicted not to fit at all: measured in the room free now, evicting nothing
+            unfit = (source == "predicted" and self.budget_bytes is not None
+                     and need + self._growth_for(slot) > self.budget_bytes)
+            reserved = self._reserve(slot, None if unfit else need, deadline, adds_model=True)
             try:
                 with _LOAD_LOCK:
                     self._evict_marked()
@@ -711,17 +723,19 @@ class ModelCache:
         cuBLAS handles and workspaces, the arena's rounding) and a load overshooting its
         reservation takes the replica over its budget until the evictions after it (seen on
         the H200: +10 MB). Before any model is measured here: the whole budget less the GPU
-        growth (everything else is evicted). After: the prediction scaled by the largest ratio
-        of GPU bytes to prediction seen on this replica, or raised by the largest excess,
-        whichever is more (a small model's fixed per-context cost makes its ratio the larger,
-        a large one's activations its excess); capped by the whole budget."""
+        growth (everything else is evicted), or the prediction where that is more. After: the
+        prediction scaled by the largest ratio of GPU bytes to prediction seen on this replica,
+        or raised by the largest excess, whichever is more (a small model's fixed per-context
+        cost makes its ratio the larger, a large one's activations its excess). Not capped: a
+        figure over the whole budget says the model is not expected to fit, and ``_load`` then
+        evicts nothing to measure it."""
         whole = self.budget_bytes - self._growth_for(slot)
         with self._cond:
             fit = self._gpu_fit
         if fit is None:
-            return whole
+            return max(whole, predicted)
         ratio, excess = fit
-        return min(whole, max(int(predicted * ratio), predicted + excess))
+        return max(int(predicted * ratio), predicted + excess)
 
     def _learn_gpu_fit(self, predicted: int, actual: int) -> None:
         """Keep the largest ratio and excess of a first load's ``actual`` GPU bytes over its graph
@@ -768,32 +782,38 @@ class ModelCache:
             self._record("refused", slot, 0.0, detail=message, model_bytes=need)
         raise OverBudget(message)
 
-    def _reserve(self, slot: _Slot, need: int, deadline: float, adds_model: bool) -> None:
+    def _reserve(self, slot: _Slot, need: int | None, deadline: float, adds_model: bool) -> int:
         """Reserve ``need`` bytes for ``slot``: mark least-recently-used unheld models for
         eviction when that makes it fit (``lru``), else wait (``lru``, until ``deadline``) or
-        refuse. The marked models are unloaded by the next holder of the load lock."""
+        refuse. The marked models are unloaded by the next holder of the load lock. ``need``
+        None: only the bytes free now under the budget, evicting nothing for bytes (the count
+        cap still applies). Returns the bytes reserved."""
         with self._cond:
             while True:
-                victims = self._plan(slot, need, adds_model)
+                if need is None:
+                    assert self.budget_bytes is not None
+                    amount = max(0, self.budget_bytes - self._used_bytes(slot))
+                else:
+                    amount = need
+                victims = self._plan(slot, amount, adds_model)
                 if victims is not None:
                     for victim in victims:
                         victim.state = _EVICTING
-                    self._reserved_bytes += need
+                    self._reserved_bytes += amount
                     if adds_model and slot.flight is not None:
                         slot.flight.counted = True
-                    return
+                    return amount
                 remaining = deadline - time.monotonic()
                 if self.load_policy != "lru" or remaining <= 0:
-                    message = self._no_room_message(slot, need, waited=self.load_policy == "lru")
-                    self._record("refused", slot, 0.0, detail=message, model_bytes=need)
+                    message = self._no_room_message(slot, amount, waited=self.load_policy == "lru")
+                    self._record("refused", slot, 0.0, detail=message, model_bytes=amount)
                     raise OverBudget(message)
                 self._cond.wait(remaining)
 
     def _plan(self, slot: _Slot, need: int, adds_model: bool) -> list[_Slot] | None:
         """Models to evict so that ``need`` more bytes (and one more model) fit; [] when it fits
         now, None when even evicting every unheld model (``lru``) is not enough."""
-        pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
-        used = self._resident_bytes - pending + self._reserved_bytes + self._growth_for(slot)
+        used = self._used_bytes(slot)
         # Loads still waiting for room hold no place yet: counting them would make a burst of
         # first requests for more models than the cap wait on each other.
         count = sum(1 for s in self._slots.values() if s is not slot and (
@@ -818,6 +838,12 @@ class ModelCache:
             if fits():
                 return victims
         return None
+
+    def _used_bytes(self, slot: _Slot) -> int:
+        """The bytes counted against the budget for a load of ``slot`` (``self._cond`` is
+        held): resident models not marked for eviction, loads' reservations, the GPU growth."""
+        pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
+        return self._resident_bytes - pending + self._reserved_bytes + self._growth_for(slot)
 
     def _no_room_message(self, slot: _Slot, need: int, waited: bool) -> str:
         held = [s for s in self._slots.values() if s.state == _READY and s.refcount]
