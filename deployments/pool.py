@@ -136,9 +136,11 @@ class PoolDeployment:
             resident = set(self.cache.resident())
             footprints = {n: b for n in served if (b := self.cache.footprint_bytes(n)) is not None}
             estimates = {n: b for n in served if n not in footprints and (b := self.cache.estimated_bytes(n)) is not None}
+            cached = {key: {"state": m["state"], "evictions": m["evictions"]} for key, m in self.models().items()
+                      if self.keys.get(key, ("",))[0] in served and (m["state"] != "absent" or m["evictions"])}
             return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
                               sorted(n for n in served if n in resident), footprints, self.rates.rates(served),
-                              estimates)
+                              estimates, cached)
 
         follower = PlacementFollower(handle(router_app, "placement"), replica_id.unique_id, report,
                                      self.cache.prefetch, self.cache.release)
