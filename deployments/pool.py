@@ -125,6 +125,10 @@ class PoolDeployment:
         await first_sync(self.routes.follower)  # routed only once it serves the current state
         self.rates = RateMeter()
         self.placement = None if placement != "bytes" else self._follow_placement(router_app, options)
+        if self.placement is not None and self.routes.follower is not None:
+            # a load or unload answers once the placement deployment has this replica's cache
+            # after it (the repository index reads it there: READY at once after a load's 200)
+            self.routes.follower.before_report = self.placement.sync
 
     def _follow_placement(self, router_app: str, options: CacheOptions) -> PlacementFollower:
         """Start following the router application's placement deployment (``placement: bytes``)."""
