@@ -63,6 +63,7 @@ POLL_S = 0.25  # how often a replica reads the desired state
 # past it (the control replica unreachable) the replica serves, answering 503 for its models
 # until it has synced.
 FIRST_SYNC_S = 15.0
+BEFORE_REPORT_S = 6.0  # the longest a replica's report of a change waits for ``Follower.before_report``
 REPORT_FRESH_S = 5.0  # reports older than this are a replica's that stopped: not counted
 KV_NAMESPACE = "trt_serve_control"  # the GCS key-value namespace of the desired states
 
@@ -313,6 +314,10 @@ class Follower:
         self.outcomes: dict[str, dict[str, Any]] = {}
         self.apply = apply
         self.task: asyncio.Task | None = None  # ``run``, started by ``follow``
+        # awaited after a change is applied, before it is reported: what must know of it before
+        # its load or unload answers (a pool replica's report to the placement deployment,
+        # which the repository index reads); set by the replica, None: nothing
+        self.before_report: Callable[[], Awaitable[Any]] | None = None
         self._read = asyncio.Event()  # set once the desired state has been read
         self._first = asyncio.Event()  # set once the desired state has been applied
 
@@ -337,9 +342,20 @@ class Follower:
                     if "reason" in changed[name] and previous is not None and previous["error"] is not None:
                         continue  # the rollback of this replica's own failed load: its report keeps why
                     self.outcomes[name] = line
+                await self._before_report()
             self.applied, self.state = dict(desired["models"]), state
         self._first.set()
         await self.control.report.remote(self.replica, self.deployment, self.state, self.outcomes)
+
+    async def _before_report(self) -> None:
+        """``before_report``, within ``BEFORE_REPORT_S``; its failure is logged, and the change
+        is reported all the same (what it tells then follows within its own next round)."""
+        if self.before_report is None:
+            return
+        try:
+            await asyncio.wait_for(self.before_report(), BEFORE_REPORT_S)
+        except Exception as e:
+            logger.warning("model control: before reporting a change applied: %r", e)
 
     async def first_sync(self, timeout_s: float = FIRST_SYNC_S) -> None:
         """Wait until this replica has applied the desired state once: at most ``timeout_s``

@@ -60,7 +60,11 @@ class PoolReport:
     unloaded); ``resident``: those loaded now; ``footprints``: model -> bytes its loads
     measured (a model refused as alone over the budget too: it was measured); ``rates``: model
     -> requests per second it answered; ``estimates``: model -> the bytes its first load would
-    reserve (``ModelCache.estimated_bytes``), for the models not in ``footprints``."""
+    reserve (``ModelCache.estimated_bytes``), for the models not in ``footprints``; ``cached``:
+    cache key (``ModelEntry.key``: every served version) -> ``{"state", "evictions"}`` in its
+    cache (``ModelCache.status``: ``loading``, ``ready``, ``evicting``, or ``absent`` once evicted),
+    for the keys not absent and never evicted left out (what the repository index reads:
+    ``pool_cache``)."""
 
     server: str
     budget_bytes: int | None
@@ -70,6 +74,30 @@ class PoolReport:
     footprints: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)
     estimates: dict[str, int] = field(default_factory=dict)
+    cached: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# A cache state across the pool: the first any replica has, in this order.
+_POOL_ORDER = ("ready", "loading", "evicting", "absent")
+
+
+def pool_cache(reports: dict[str, PoolReport]) -> dict[str, dict[str, Any]]:
+    """Each cache key's state across the whole pool, from the replicas' latest ``reports``
+    (replica id -> ``PoolReport``): ``state`` ``ready`` when any replica holds it resident, else
+    ``loading`` when one loads it, else ``evicting`` when one is evicting it, else ``absent``;
+    ``evictions`` (summed over the replicas), ``resident`` and ``loading`` (the replica ids that
+    hold it, or load it). A key no report names is absent and never evicted: not in the result."""
+    out: dict[str, dict[str, Any]] = {}
+    for replica, report in sorted(reports.items()):
+        for key, cached in report.cached.items():
+            pooled = out.setdefault(key, {"state": "absent", "evictions": 0, "resident": [], "loading": []})
+            pooled["evictions"] += cached["evictions"]
+            state = cached["state"]
+            if _POOL_ORDER.index(state) < _POOL_ORDER.index(pooled["state"]):
+                pooled["state"] = state
+            if state in ("ready", "loading"):
+                pooled["resident" if state == "ready" else "loading"].append(replica)
+    return out
 
 
 def haproxy_server_name(replica_id: Any) -> str:
@@ -271,7 +299,9 @@ class PlacementDeployment:
         return self.decider.state()
 
     def decision(self) -> dict[str, Any]:
-        return self.decider.state()
+        """The decision (``Decider.state``) with ``cache``: each cache key's state across the
+        pool, from every replica's latest report (``pool_cache``), for the repository index."""
+        return {**self.decider.state(), "cache": pool_cache(self.decider.fresh())}
 
 
 class PlacementFollower:

@@ -125,6 +125,10 @@ class PoolDeployment:
         await first_sync(self.routes.follower)  # routed only once it serves the current state
         self.rates = RateMeter()
         self.placement = None if placement != "bytes" else self._follow_placement(router_app, options)
+        if self.placement is not None and self.routes.follower is not None:
+            # a load or unload answers once the placement deployment has this replica's cache
+            # after it (the repository index reads it there: READY at once after a load's 200)
+            self.routes.follower.before_report = self.placement.sync
 
     def _follow_placement(self, router_app: str, options: CacheOptions) -> PlacementFollower:
         """Start following the router application's placement deployment (``placement: bytes``)."""
@@ -136,9 +140,11 @@ class PoolDeployment:
             resident = set(self.cache.resident())
             footprints = {n: b for n in served if (b := self.cache.footprint_bytes(n)) is not None}
             estimates = {n: b for n in served if n not in footprints and (b := self.cache.estimated_bytes(n)) is not None}
+            cached = {key: {"state": m["state"], "evictions": m["evictions"]} for key, m in self.models().items()
+                      if self.keys.get(key, ("",))[0] in served and (m["state"] != "absent" or m["evictions"])}
             return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
                               sorted(n for n in served if n in resident), footprints, self.rates.rates(served),
-                              estimates)
+                              estimates, cached)
 
         follower = PlacementFollower(handle(router_app, "placement"), replica_id.unique_id, report,
                                      self.cache.prefetch, self.cache.release)

@@ -30,6 +30,12 @@ _POOL_STATES = {"ready": ("READY", "resident in the pool replica's cache"),
                 "loading": ("LOADING", "loading into the pool replica's cache"),
                 "evicting": ("UNLOADING", "being evicted from the pool replica's cache"),
                 "absent": ("UNAVAILABLE", "not loaded yet; loads on first request")}
+# The same across the pool (``placement: bytes``: ``placement.pool_cache``); READY names how many hold it.
+_POOL_WIDE_STATES = {"ready": ("READY", "resident in the cache of {held} of {replicas} pool replica(s)"),
+                     "loading": ("LOADING", "loading into a pool replica's cache; none holds it yet"),
+                     "evicting": ("UNLOADING", "being evicted from a pool replica's cache; none other holds it"),
+                     "absent": _POOL_STATES["absent"]}
+_NEVER_CACHED = {"state": "absent", "evictions": 0}  # a pool model no replica reports (``PoolReport.cached``)
 
 
 class RepositoryRoutes(V2Routes):
@@ -59,9 +65,14 @@ class RepositoryRoutes(V2Routes):
     @answers_errors
     async def repository_index(self, request: Request) -> JSONResponse:
         """Triton's repository index: every model with its served version and state. A dedicated
-        model READY once a replica loaded it (LOADING before); a pool model as one pool replica's
-        cache holds it (READY resident, UNAVAILABLE not loaded or evicted, LOADING, UNLOADING;
-        ``reason`` says which). With explicit model control, also every model folder on disk
+        model READY once a replica loaded it (LOADING before); a pool model as the pool holds it:
+        with ``placement: bytes`` from every pool replica's latest report to the placement
+        deployment (``placement.pool_cache``: READY when any replica holds it resident, else
+        LOADING when one loads it, else UNLOADING when one evicts it, else UNAVAILABLE, not loaded
+        yet or evicted), so every call answers alike whichever router or pool replica answers;
+        with ``placement: hash`` (or while the placement deployment does not answer) as one pool
+        replica's cache holds it (the replica the hash sends it to holds it, the one asked may
+        not); ``reason`` says which. With explicit model control, also every model folder on disk
         not loaded yet, models unloaded through the API (UNAVAILABLE, reason "unloaded") and
         models whose last load failed (UNAVAILABLE, reason "failed to load: ..."); a load still
         going on after its request answered 504 is LOADING (``follow_desired``). A remote
@@ -75,13 +86,17 @@ class RepositoryRoutes(V2Routes):
         only_ready = (await self._json_body(request, "index")).get("ready", False)
         if not isinstance(only_ready, bool):
             raise InvalidInput(f"repository index: 'ready' must be true or false, not {json.dumps(only_ready)[:40]}")
-        pool = await self._pool_models()
         by_bytes = getattr(self.client, "placement", None) is not None
         decision = await self._placement_decision() if by_bytes else None
+        pool_wide = decision is not None and "cache" in decision
+        pool = decision["cache"] if pool_wide else await self._pool_models()
         index = []
         for entry in self.repo.entries():
             for version in self._served(entry):
-                item = self._index_item(entry, version, pool.get(entry.key(version)))
+                cached = pool.get(entry.key(version))
+                if pool_wide and entry.name in self.client.pool_models:
+                    cached = {**(cached or _NEVER_CACHED), "replicas": len(decision["replicas"])}
+                item = self._index_item(entry, version, cached)
                 if by_bytes and entry.name in self.client.pool_models and entry.key(version) == entry.name:
                     item["placement"] = index_placement(decision, entry.name,
                                                         self.states.get(entry.name).status in LOADED)
@@ -114,14 +129,19 @@ class RepositoryRoutes(V2Routes):
         return {"name": name, "state": "UNAVAILABLE", "reason": self.states.get(name).index_reason}
 
     def _index_item(self, entry: ModelEntry, version: int, cached: dict[str, Any] | None) -> dict[str, Any]:
-        """One version's index line; ``cached``: its pool cache state (None: not a pool model)."""
+        """One version's index line; ``cached``: its pool cache state (None: not a pool model),
+        one pool replica's (``PoolDeployment.models``) or, with ``replicas`` (how many report),
+        the whole pool's (``placement.pool_cache``)."""
         state = self.states.get(entry.name)
         item = {"name": entry.name, "version": str(version),
                 "state": "READY" if state.status is Status.READY else "LOADING"}
         if cached is not None and state.status is not Status.READY:  # as its requests: 503 until one runs
             item["state"], item["reason"] = "UNAVAILABLE", "the pool has no running replica; retry shortly"
         elif cached is not None:
-            item["state"], item["reason"] = _POOL_STATES[cached["state"]]
+            state_reason = (_POOL_WIDE_STATES if "replicas" in cached else _POOL_STATES)[cached["state"]]
+            item["state"], item["reason"] = state_reason
+            if "replicas" in cached and cached["state"] == "ready":
+                item["reason"] = state_reason[1].format(held=len(cached["resident"]), replicas=cached["replicas"])
             if cached["state"] == "absent" and cached["evictions"]:
                 item["reason"] = "evicted from the pool replica's cache; loads on next request"
         if entry.name in self.changing:

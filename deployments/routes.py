@@ -297,23 +297,43 @@ class V2Routes:
         if self.follower is not None and not self.follower.synced:
             return ModelNotReady(f"model '{entry.name}' is not ready: this replica is reading the model "
                                  "control state (a load or unload made since it started); retry shortly")
-        state = self.states.get(entry.name)
-        if state.status not in LOADED:
-            if state.status is Status.UNLOADED:
-                return unloaded_model(entry.name, state.reason)
-            return unknown_model(entry.name, f"it is in the repository but not loaded: "
-                                 f"POST /v2/repository/models/{entry.name}/load loads it")
+        if (error := self._not_loaded(entry)) is not None:
+            return error
         if (error := self._not_served(entry)) is not None:
             return error
         if down := self._unloaded_steps(entry):
             return ModelNotReady(f"model '{entry.name}' is not ready: its step model(s) {down} are not loaded; "
                                  f"POST /v2/repository/models/{down[0]}/load loads it")
-        if state.status is Status.READY:
+        if self.states.is_ready(entry.name):
             return None
         return ModelNotReady(
             f"model '{entry.name}' is not ready: its deployment is starting, stopping or has no "
             "running replica; retry shortly (GET /v2/models/{name}/ready tells when)".replace(
                 "{name}", entry.name))
+
+    def _not_loaded(self, entry: ModelEntry) -> ServingError | None:
+        """The error for a model with no version loaded (explicit model control), as its
+        requests, ready, metadata and config routes all answer it: 503 ``unloaded_model`` for
+        one unloaded or whose load failed, 404 for one never loaded; None for a loaded one."""
+        state = self.states.get(entry.name)
+        if state.status in LOADED:
+            return None
+        if state.status is Status.UNLOADED:
+            return unloaded_model(entry.name, state.reason)
+        return unknown_model(entry.name, f"it is in the repository but not loaded: "
+                             f"POST /v2/repository/models/{entry.name}/load loads it")
+
+    def _loaded_entry(self, request: Request) -> ModelEntry:
+        """``_entry`` of a model that has a version loaded (metadata, config).
+
+        Raises:
+            ModelNotFound: as ``_entry``, or a model never loaded.
+            ModelNotReady: a model unloaded, or whose load failed (``_not_loaded``).
+        """
+        entry = self._entry(request)
+        if (error := self._not_loaded(entry)) is not None:
+            raise error
+        return entry
 
     def _unloaded_steps(self, entry: ModelEntry) -> list[str]:
         """A pipeline's step models (``steps``, else its config's ``parameters.steps``) that are
@@ -397,14 +417,17 @@ class V2Routes:
 
     @answers_errors
     async def metadata(self, request: Request) -> JSONResponse:
-        entry = self._entry(request)
+        """The model's metadata; a model with no version loaded answers as its requests do
+        (``_not_loaded``: Triton answers an error for it too, not a description)."""
+        entry = self._loaded_entry(request)
         backend = await self._backend(entry)
         return JSONResponse(model_metadata(entry.config, self._served(entry), platform_of(backend), backend or None))
 
     @answers_errors
     async def model_config(self, request: Request) -> JSONResponse:
-        """Triton's model configuration (``protocol.triton.model_configuration``)."""
-        entry = self._entry(request)
+        """Triton's model configuration (``protocol.triton.model_configuration``); a model with
+        no version loaded answers as its metadata does (``_loaded_entry``)."""
+        entry = self._loaded_entry(request)
         return JSONResponse(model_configuration(entry.config, await self._backend(entry)))
 
     @answers_errors

@@ -275,6 +275,60 @@ def test_a_model_file_that_is_not_onnx_is_400_and_listed_with_the_failure_as_its
     assert r.status_code == 200, r.text
 
 
+def test_unloaded_and_failed_models_answer_metadata_and_config_as_their_infer_does_and_again_once_loaded(control):
+    """Metadata and config of a pool model and of a dedicated model after an unload answer what
+    their infer answers (503 "has no available versions", gRPC UNAVAILABLE; tritonclient's
+    get_model_metadata / get_model_config raise it), as do those of a model whose load failed;
+    once loaded again they answer 200 with the model's metadata and config as before."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    from .test_grpc import error_of
+
+    url, root = control
+    copy_model(root, "tiny_cnn", "described_cnn")
+    assert requests.post(f"{url}/v2/repository/models/described_cnn/load").status_code == 200
+    bodies = {"described_cnn": cnn_body(X[:1]), "simple_dedicated": simple_body()}
+    metadata = {m: requests.get(f"{url}/v2/models/{m}") for m in bodies}
+    configs = {m: requests.get(f"{url}/v2/models/{m}/config") for m in bodies}
+    for model in bodies:
+        assert metadata[model].status_code == configs[model].status_code == 200, (metadata[model].text, configs[model].text)
+        assert metadata[model].json()["name"] == configs[model].json()["name"] == model
+        assert metadata[model].json()["platform"] == "onnxruntime_onnx", metadata[model].text
+    http = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=120)
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}") as grpc_client:
+        for model, body in bodies.items():
+            assert requests.post(f"{url}/v2/repository/models/{model}/unload").status_code == 200
+            refused = requests.post(f"{url}/v2/models/{model}/infer", json=body)
+            assert refused.status_code == 503, refused.text
+            for route in ("", "/config", "/versions/1", "/versions/1/config"):
+                r = requests.get(f"{url}/v2/models/{model}{route}")
+                assert (r.status_code, r.json()) == (503, refused.json()), (route, r.text)
+            for call in (http.get_model_metadata, http.get_model_config):
+                with pytest.raises(InferenceServerException, match="has no available versions; it is unloaded") as e:
+                    call(model)
+                assert e.value.status() == "503"
+            for call in (grpc_client.get_model_metadata, grpc_client.get_model_config):
+                status, message = error_of(lambda: call(model))
+                assert status == "StatusCode.UNAVAILABLE" and "has no available versions" in message, message
+            assert requests.post(f"{url}/v2/repository/models/{model}/load").status_code == 200
+            assert requests.get(f"{url}/v2/models/{model}").json() == metadata[model].json()
+            assert requests.get(f"{url}/v2/models/{model}/config").json() == configs[model].json()
+            assert grpc_client.get_model_metadata(model).name == model
+            assert grpc_client.get_model_config(model).config.name == model
+            assert requests.post(f"{url}/v2/models/{model}/infer", json=body).status_code == 200
+
+    copy_model(root, "tiny_cnn", "broken_cnn")
+    (root / "broken_cnn" / "1" / "model.onnx").write_bytes(b"not an onnx model")
+    assert requests.post(f"{url}/v2/repository/models/broken_cnn/load").status_code >= 400
+    refused = requests.post(f"{url}/v2/models/broken_cnn/infer", json=cnn_body(X[:1]))
+    assert refused.status_code in (404, 503), refused.text
+    for route in ("", "/config"):
+        r = requests.get(f"{url}/v2/models/broken_cnn{route}")
+        assert (r.status_code, r.json()) == (refused.status_code, refused.json()), (route, r.text)
+
+
 def pool_replicas() -> list[dict]:
     """The control application's pool replicas as the Serve controller reports them."""
     from ray.serve.context import _get_global_client

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """(base URL, node metrics URL) of the module's runner."""
+    """(base URL, node metrics URL, gRPC port) of the module's runner."""
     with placement_server(tmp_path_factory.mktemp("placement_visible"), model_control_mode="explicit",
                           startup_models=["*"]) as (_, url, path):
-        port = yaml.safe_load(path.read_text())["applications"][0]["args"]["metrics"]["port"]
-        yield url, f"http://127.0.0.1:{port}/metrics"
+        args = yaml.safe_load(path.read_text())["applications"][0]["args"]
+        yield url, f"http://127.0.0.1:{args['metrics']['port']}/metrics", args["grpc_port"]
 
 
 def index(url: str) -> dict[str, dict]:
@@ -72,7 +72,7 @@ def _bytes_reported(url: str) -> bool:
 
 
 def test_the_index_and_the_metrics_show_each_pool_model_where_v2_memory_places_it(server):
-    url, node_metrics = server
+    url, node_metrics, _ = server
     # Settled, and the decision made after every replica reported its measured footprints (a
     # decision every 2 s, reports every second: its bytes can lag a load by one recompute).
     until(lambda: _settled(url) and _bytes_reported(url), "a settled placement with the measured bytes", 120)
@@ -121,7 +121,7 @@ def test_the_index_and_the_metrics_show_each_pool_model_where_v2_memory_places_i
 
 
 def test_an_unloaded_pool_model_is_placed_nowhere_until_loaded_and_a_load_answers_once_placed_replicas_have_it(server):
-    url, _ = server
+    url, _, _ = server
     model = MODELS[-1]  # no request yet: one copy (a hot one would have one on every replica)
     until(lambda: _settled(url), "a settled placement", 120)
     r = requests.post(f"{url}/v2/repository/models/{model}/unload", json={}, timeout=60)
@@ -162,3 +162,32 @@ def test_an_unloaded_pool_model_is_placed_nowhere_until_loaded_and_a_load_answer
     line = index(url)[model]
     assert line["placement"]["replicas"] == shown["models"][model]["replicas"]
     assert answer(url, model) is not None
+
+
+def test_a_pool_model_resident_on_one_of_two_replicas_is_ready_in_every_index_over_http_and_grpc(server):
+    """The index gives a pool model's state from the whole pool (every replica's latest report
+    to the placement deployment), not from whichever pool replica answers: a model resident on
+    exactly one of the two replicas is READY in every read, listed by ``{"ready": true}`` every
+    time, and gRPC's RepositoryIndex says the same."""
+    import tritonclient.grpc as triton_grpc
+    from tritonclient.grpc import service_pb2
+
+    url, _, grpc_port = server
+    until(lambda: _settled(url), "a settled placement", 120)
+    caches = pool_replicas(url)
+    holders = {m: [r for r, pool in caches.items() if pool["models"][m]["state"] == "ready"] for m in MODELS}
+    model = next((m for m in MODELS if len(holders[m]) == 1), None)
+    assert model is not None, holders  # one copy each (no request yet): each on one replica
+    for _ in range(8):
+        line = index(url)[model]
+        assert line["state"] == "READY", line
+        assert line["reason"].startswith("resident in the cache of "), line
+        r = requests.post(f"{url}/v2/repository/index", json={"ready": True}, timeout=30)
+        assert r.status_code == 200 and model in {item["name"] for item in r.json()}, r.text
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+        until(lambda: client.is_server_live(client_timeout=5), "the router's gRPC server", 60)
+        for _ in range(8):  # tritonclient's call sends ready false; the stub's sends true
+            states = {m.name: m.state for m in client.get_model_repository_index().models}
+            assert states[model] == "READY", states
+            only_ready = client._client_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=30)
+            assert model in {m.name for m in only_ready.models}, only_ready

@@ -266,6 +266,33 @@ def test_explicit_index_lists_folders_on_disk_and_follows_load_and_unload(root):
     assert late == [{"name": "late", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}]
 
 
+def test_an_unloaded_models_metadata_and_config_answer_as_its_ready_does_until_it_is_loaded_again(root):
+    """Metadata and config of an unloaded model answered 200 while its ready and infer answered
+    503 "unloaded"; they answer the same 503 now, and 200 again once it is loaded."""
+    repo = ModelRepository(root)
+    client = router(repo, explicit=True)
+    assert client.post("/v2/repository/models/simple/load").status_code == 200
+    described = {route: client.get(f"/v2/models/simple{route}") for route in ("", "/config")}
+    assert [r.status_code for r in described.values()] == [200, 200]
+    assert client.post("/v2/repository/models/simple/unload").status_code == 200
+    ready = client.get("/v2/models/simple/ready")
+    assert ready.status_code == 503 and "has no available versions; it is unloaded" in ready.json()["error"]
+    for route in ("", "/config", "/versions/1", "/versions/1/config"):
+        r = client.get(f"/v2/models/simple{route}")
+        assert (r.status_code, r.json()) == (503, ready.json()), route
+    assert client.post("/v2/repository/models/simple/load").status_code == 200
+    for route, before in described.items():
+        r = client.get(f"/v2/models/simple{route}")
+        assert (r.status_code, r.json()) == (200, before.json()), route
+
+
+def test_a_never_loaded_models_metadata_is_404_as_its_requests_are(root):
+    client = router(ModelRepository(root), explicit=True)
+    for route in ("", "/config", "/ready"):
+        r = client.get(f"/v2/models/simple{route}")
+        assert r.status_code == 404 and "it is in the repository but not loaded" in r.json()["error"], route
+
+
 def test_a_load_and_an_unload_at_once_end_in_the_state_the_replicas_keep(root):
     """The newcomer's race: load and unload of one model sent together both answer 200; the
     router's readiness then matches the desired state the replicas apply (it answered ready

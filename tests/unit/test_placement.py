@@ -512,3 +512,24 @@ def test_the_follower_prefetches_a_model_by_the_bytes_another_replica_measured_o
                          "revision": 1, "replicas": ["r0"]}
     waiting = follower.visible()["not_prefetched"]
     assert list(waiting) == ["big"] and waiting["big"].startswith("does not fit beside what this replica holds: needs 300.0 MiB")
+
+
+from deployments.placement import pool_cache  # noqa: E402
+
+
+def _cached_report(cached: dict) -> PoolReport:
+    return PoolReport("s", None, None, sorted(cached), [k for k, c in cached.items() if c["state"] == "ready"],
+                      cached=cached)
+
+
+def test_a_key_resident_on_any_replica_is_ready_across_the_pool_whichever_replica_lacks_it():
+    reports = {"r1": _cached_report({"m": {"state": "ready", "evictions": 0},
+                                     "n": {"state": "absent", "evictions": 2}}),
+               "r2": _cached_report({"m": {"state": "absent", "evictions": 1},
+                                     "n": {"state": "loading", "evictions": 0},
+                                     "o": {"state": "evicting", "evictions": 0}})}
+    assert pool_cache(reports) == {
+        "m": {"state": "ready", "evictions": 1, "resident": ["r1"], "loading": []},
+        "n": {"state": "loading", "evictions": 2, "resident": [], "loading": ["r2"]},
+        "o": {"state": "evicting", "evictions": 0, "resident": [], "loading": []}}
+    assert pool_cache({"r1": _cached_report({"m": {"state": "absent", "evictions": 3}})})["m"]["state"] == "absent"
