@@ -82,7 +82,7 @@ case "$1" in
   dashboard) cd /tmp/w && timeout 300 python3 -m bench.dashboard --gpu-fraction 0.1 --concurrency 16 --phase-s 15 \
       --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -8 ;;
   placement) cd /tmp/w && timeout 580 python3 -m bench.placement --policies ${POLICIES:-hash,bytes} --clients 16,64 \
-      ${SHIFT_KILL:---no-shift-kill} --models 48 --warmup-s 20 --duration-s ${DURATION_S:-30} --gpu-fraction 0.2 \
+      ${SHIFT_KILL:---no-shift-kill} --models 48 --warmup-s ${WARMUP_S:-20} --duration-s ${DURATION_S:-30} --gpu-fraction 0.2 \
       --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
