@@ -67,6 +67,9 @@ def parse_json(body: bytes | memoryview) -> Any:
         if "integer string conversion" in str(e):  # Python's own advice names a function only it can call
             raise InvalidInput(f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
                                "digits; no tensor datatype holds one that long") from None
+        if isinstance(e, UnicodeDecodeError):  # json's guess of the encoding names a codec the client never chose
+            raise InvalidInput(f"request body is not valid JSON: byte {e.start} cannot be decoded as text "
+                               "(JSON bodies are UTF-8, UTF-16 or UTF-32 text)") from None
         raise InvalidInput(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidInput("request body is not valid JSON: nested too deeply") from None

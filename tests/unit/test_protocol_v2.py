@@ -148,6 +148,15 @@ def test_strict_json_parsing(body):
         parse_json(body)
 
 
+@pytest.mark.parametrize("body, at", [(b'{"a": "\xff"}', 7), (b'{\x00"\x00a', 4)])  # UTF-8; UTF-16 cut short
+def test_a_body_that_is_not_text_names_the_byte_and_the_encodings_json_takes(body, at):
+    """Not json's guess of a codec ("'utf-16-le' codec can't decode...", a codec the client never chose)."""
+    with pytest.raises(InvalidInput) as e:
+        parse_json(body)
+    assert e.value.message == (f"request body is not valid JSON: byte {at} cannot be decoded as text "
+                               "(JSON bodies are UTF-8, UTF-16 or UTF-32 text)")
+
+
 def test_an_integer_over_pythons_digit_limit_is_named_without_pythons_advice():
     with pytest.raises(InvalidInput, match="an integer of more than 4300 digits") as caught:
         parse_json(b'{"a": ' + b"9" * 5000 + b"}")
