@@ -75,6 +75,40 @@ def test_a_model_that_refuses_the_measuring_zeros_loads_once_on_the_graph_predic
         cache.close()
 
 
+def test_a_model_that_refuses_the_measuring_zeros_and_is_predicted_over_the_budget_is_refused_once(tmp_path):
+    """Its footprint stays the prediction (it cannot be measured), over the budget: the load
+    measured it in the room free, found no room, unloaded it and loaded it again, forever (the
+    request's thread never came back). Now it is refused naming the prediction and the budget."""
+    import threading
+
+    from deployments.runtime.contract.errors import OverBudget
+    from deployments.runtime.residency.predict import predict
+
+    write_model(tmp_path, "nc_div")
+    repo = ModelRepository(tmp_path, ["nc_div"])
+    predicted = predict(repo.get("nc_div")).footprint().total(repo.get("nc_div").config.instances)
+    cache = ModelCache(repo, ["nc_div"], CacheOptions(load_policy="lru", memory_budget_mib=predicted / 2 / 2**20),
+                       backend="onnxruntime")
+    outcome_of: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            cache.infer("nc_div", {"A": A, "B": B})
+        except BaseException as e:  # what the request's caller gets
+            outcome_of.append(e)
+
+    try:
+        thread = threading.Thread(target=request, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the load is still going round"
+        [error] = outcome_of
+        assert isinstance(error, OverBudget) and "predicted" in error.message and "memory budget" in error.message, error
+        assert cache.status()["models"]["nc_div"]["state"] == "absent"
+    finally:
+        cache.close()
+
+
 def test_a_warmup_the_config_asks_for_that_fails_is_400_naming_the_warmup(tmp_path):
     write_model(tmp_path, "nc_div")
     (tmp_path / "nc_div" / "config.yaml").write_text(yaml.safe_dump({"warmup": {"batch_sizes": [1], "data": "zeros"}}))

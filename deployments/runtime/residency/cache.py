@@ -684,6 +684,8 @@ class ModelCache:
                         "unloaded, loading again with its real figure", slot.name, format_mib(actual), format_mib(reserved))
             self._give_back(slot, reserved)
             estimate = footprint
+            if source == "predicted":  # its measuring runs failed: the prediction is all there is to go by
+                self._refuse_if_alone_over_budget(slot, footprint, source)
             if source == "measured" and self._measure_again(slot, footprint):
                 estimate, source = predict(slot.host.entry).footprint(), "predicted"
         with self._cond:
