@@ -125,6 +125,17 @@ def _wait_serving(url: str, body: dict[str, Any], timeout_s: float) -> float | N
     return None
 
 
+def _cache_state(base_url: str, model: str) -> str | None:
+    """``model``'s state in the cache of the pool replica that answers ``/v2/memory`` (live:
+    the index takes the pool's states from the replicas' reports, once a second, and can miss
+    a load shorter than that)."""
+    try:
+        pool = requests.get(f"{base_url}/v2/memory", timeout=10).json().get("pool") or {}
+    except (requests.RequestException, ValueError):
+        return None
+    return (pool.get("models", {}).get(model) or {}).get("state")
+
+
 def _state(base_url: str, model: str) -> str | None:
     try:
         index = requests.post(f"{base_url}/v2/repository/index", timeout=10).json()
@@ -147,8 +158,9 @@ def _cold_model(base_url: str) -> str | None:
 
 def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s: float = 90.0,
                        attempts: int = 3) -> FaultResult:
-    """Kill the pool replica while a cold pool CNN (``_cold_model``) loads for a request. A load
-    can finish before the index is seen ``LOADING``: then its answer is recorded and a cold model
+    """Kill the pool replica while a cold pool CNN (``_cold_model``) loads for a request (its
+    cache's state ``loading`` in ``/v2/memory``: the campaign's pool has one replica). A load
+    can finish before it is seen loading: then its answer is recorded and a cold model
     is tried again, ``attempts`` times in all."""
     result = FaultResult("kill a pool replica in the middle of a model load")
     body = tensor_body()
@@ -166,13 +178,13 @@ def pool_kill_mid_load(base_url: str, session: int, app: str, recover_timeout_s:
         deadline = time.monotonic() + 60
         killed = False
         while not killed:
-            state = _state(base_url, model)
-            if state == "LOADING":
+            state = _cache_state(base_url, model)
+            if state == "loading":
                 pid = kill_replica(session, app, "pool")
                 result.detail = f"killed pool replica pid {pid} while '{model}' was LOADING (attempt {attempt})"
                 killed = True
             elif time.monotonic() > deadline or not sender.is_alive():
-                result.detail = f"never saw '{model}' LOADING (state {state}) in {attempt} attempts"
+                result.detail = f"never saw '{model}' loading (state {state}) in {attempt} attempts"
                 break
             else:
                 time.sleep(0.02)

@@ -51,6 +51,20 @@ WILDCARD_SECTIONS = ("listen stats", "frontend prometheus")
 # after its own health check fails. Health checks put a server marked down by mistake back
 # after two passing checks (250 ms apart).
 HAPROXY_HEALTH_ENV = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "6", "RAY_SERVE_HAPROXY_OBSERVE_ERROR_LIMIT": "1"}
+# Ray's HAProxy files (ray.serve._private.constants), all in /tmp/haproxy-serve by default: two
+# servers on one host shared its config, admin socket and state (one's reload read the other's
+# config; a test saw B's HAProxy send B's request to A's replica). ``loopback.local_env`` gives
+# each run a folder of its own, ``haproxy_folder``; the file each variable names in it:
+HAPROXY_FILES = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock"}
+
+
+def haproxy_folder(pid: int) -> str:
+    """The HAProxy folder of the run in process ``pid`` (short: a socket path holds at most 107 bytes)."""
+    return f"/tmp/haproxy-serve-{pid}"
+
+
 # Ray's defaults for their ports (RAY_SERVE_HAPROXY_STATS_PORT / _METRICS_PORT).
 HAPROXY_DEFAULT_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
 # The variable that sets the port of each section of ``WILDCARD_SECTIONS``, and what it serves.

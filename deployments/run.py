@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -39,6 +40,7 @@ from typing import Sequence
 import yaml
 
 from . import check, loopback
+from .haproxy import haproxy_folder
 
 STATUS_POLL_S = 1.0  # seconds between checks for DEPLOY_FAILED while the applications start
 # Serve's controller ends its own shutdown with ``ray.kill`` on itself while ``serve.shutdown()``
@@ -338,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     finally:
         stop_ray()
+        if wrapped and os.environ.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE") == haproxy_folder(os.getpid()):
+            shutil.rmtree(haproxy_folder(os.getpid()), ignore_errors=True)  # this run's own (loopback.local_env)
     return 1 if failures else 0
 
 

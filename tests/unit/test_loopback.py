@@ -31,6 +31,21 @@ def test_local_env_with_haproxy_wraps_the_binary_ray_would_run_and_keeps_the_use
     assert "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL" not in users  # the user's value stands
 
 
+def test_each_run_gets_haproxy_files_of_its_own_unless_the_user_chose_them():
+    """Two servers on one host shared Ray's /tmp/haproxy-serve: its config, admin socket and
+    state (one HAProxy's reload read the other's config)."""
+    env = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    folder = haproxy.haproxy_folder(os.getpid())
+    assert {name: env[name] for name in haproxy.HAPROXY_FILES} == {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{folder}/haproxy.cfg", "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{folder}/admin.sock",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder, "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{folder}/server-state",
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{folder}/metrics.sock"}
+    assert len(env["RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"].encode()) < 100  # a socket path's limit is 107 bytes
+    users = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_SOCKET_PATH": "/run/mine.sock"})
+    assert not set(haproxy.HAPROXY_FILES) & set(users)  # the user's files stand, all of Ray's defaults with them
+    assert not set(haproxy.HAPROXY_FILES) & set(loopback.local_env({}))  # no HAProxy, no files
+
+
 def test_a_port_held_on_any_interface_gives_way_to_a_free_one():
     with socket.socket() as held:
         held.bind(("0.0.0.0", 0))
