@@ -3,6 +3,8 @@ report the backend in use and the pool cache's real state (the shared ``server``
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 from google.protobuf import json_format
@@ -54,7 +56,12 @@ def test_repository_index_states_follow_the_pool_cache(server):
     for name in POOL:  # three models through a cache of two: one is evicted
         infer(server, name)
     cached = requests.get(f"{server}/v2/memory").json()["pool"]["models"]
-    index = {item["name"]: item for item in requests.post(f"{server}/v2/repository/index").json()}
+    deadline = time.monotonic() + 10  # the index follows the pool replicas' reports, sent each second
+    while True:
+        index = {item["name"]: item for item in requests.post(f"{server}/v2/repository/index").json()}
+        if all(index[name]["state"] == INDEX_STATE[cached[name]["state"]] for name in POOL) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for name in POOL:
         assert index[name]["state"] == INDEX_STATE[cached[name]["state"]], (name, cached[name], index[name])
     assert sum(index[name]["state"] == "READY" for name in POOL) == 2
