@@ -623,6 +623,14 @@ def test_a_prefetch_loads_a_model_measured_elsewhere_at_those_bytes_without_meas
     model = cache.status()["models"]["mid_cnn"]
     assert (model["footprint_source"], model["bytes"], cache.resident_bytes) == ("reported", reported, reported)
     assert [(e["event"], e["model_bytes"]) for e in cache.timeline()] == [("load", reported)]
+    # a new reading of the model (another file: model control's load of a changed folder) is
+    # measured, not counted at the figure another replica took of the file it replaces
+    shutil.copytree(prepared_engines / "mid_cnn", tmp_path / "again" / "mid_cnn")
+    cache.unload("mid_cnn")
+    cache.add(ModelRepository(tmp_path / "again", ["mid_cnn"]).get("mid_cnn"), enabled=False)
+    cache.load("mid_cnn")
+    model = cache.status()["models"]["mid_cnn"]
+    assert model["footprint_source"] == "measured" and model["bytes"] != reported, model
     cache.close()
 
 

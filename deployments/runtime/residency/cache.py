@@ -251,6 +251,7 @@ class ModelCache:
                     self._slots[key] = _Slot(key, host, enabled=enabled)
                 elif slot.state == _ABSENT and not slot.refcount and not slot.enabled:
                     slot.host, slot.backend, slot.footprint, slot.footprint_source = host, "", None, ""
+                    self._reported.pop(key, None)  # another replica's figure was of the file it replaces
 
     def load(self, name: str) -> None:
         """Serve ``name`` (again, after ``unload``) and load it now, as a first request would
