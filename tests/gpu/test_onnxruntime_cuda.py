@@ -154,8 +154,9 @@ def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
     """An LRU churn over three pool models under a budget that holds tiny_cnn and mid_cnn
     together only if the process's GPU growth outside the footprints (kernel modules, library
     workspaces: ``ModelCache`` ``gpu_growth_bytes``) is counted: the cache's accounting stays in
-    the budget, so does this process's NVML reading over its baseline after every event, and
-    every eviction lowers the reading."""
+    the budget, so does this process's NVML reading over its baseline after every event and
+    after the cache's growth check (which its own thread runs each second), and every eviction
+    lowers the reading."""
     names = ["tiny_cnn", "resnet18", "mid_cnn"]
     onnxruntime_cuda.prime()
     base = gpu_memory.baseline.bytes
@@ -180,6 +181,7 @@ def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
         peak = 0
         for name in names * 3:
             cache.infer(name, x)
+            cache.check_gpu_growth()  # a request's first run at a shape may load kernels: counted here
             peak = max(peak, process_gpu_bytes().bytes - base)
             assert cache.resident_bytes <= cache.budget_bytes
         events = cache.timeline()
@@ -281,5 +283,57 @@ def test_a_first_load_makes_room_for_its_learned_figure_not_the_whole_budget(pre
               f"peak GPU over base {peak / MB:.0f} MB; events {events}")
         assert events == [("load", n, "measured") for n in names]
         assert peak <= cache.budget_bytes
+    finally:
+        cache.close()
+
+
+def test_gpu_growth_past_the_budget_evicts_the_least_recently_used_model(model_repository):
+    """GPU memory this process takes outside every footprint while models are resident (here a
+    64 MB ``cudaMalloc`` of its own, standing for kernels loaded at a request or a library's
+    workspace) is found by the cache's growth check: it counts it as ``gpu_growth_bytes`` and,
+    the accounting being past the budget, evicts the least recently used unheld model, so that
+    NVML's reading over the baseline is back within the budget; the model evicted answers again
+    (reloaded), matching the CPU provider."""
+    from deployments.runtime.backends import cuda
+
+    names = ["tiny_cnn", "mid_cnn"]
+    onnxruntime_cuda.prime()
+    base = gpu_memory.baseline.bytes
+    x = {"input": np.random.default_rng(5).random((2, 3, 224, 224), dtype=np.float32)}
+    cache = ModelCache(model_repository, names, CacheOptions(load_policy="lru", max_num_models_per_replica=2),
+                       backend="onnxruntime_cuda").start()
+    try:
+        for name in names:
+            cache.infer(name, x)
+        used = process_gpu_bytes().bytes - base
+        tiny = cache.status()["models"]["tiny_cnn"]["bytes"]
+    finally:
+        cache.close()
+    size = max(tiny, 8 << 20)  # the growth below: evicting tiny_cnn makes room for it
+    budget = used + size // 2  # both fit, with less room than that growth
+    cache = ModelCache(model_repository, names, CacheOptions(load_policy="lru", memory_budget_mib=budget / (1 << 20),
+                                                             max_num_models_per_replica=2),
+                       backend="onnxruntime_cuda").start()
+    try:
+        for name in names:  # tiny_cnn is the least recently used
+            cache.infer(name, x)
+        assert sorted(cache.resident()) == sorted(names)
+        before = cache.status()["gpu_growth_bytes"]
+        extra = cuda.DeviceBuffer(size)
+        try:
+            assert cache.check_gpu_growth()
+            growth = cache.status()["gpu_growth_bytes"]
+            reading = process_gpu_bytes().bytes - base
+            print(f"budget {budget / MB:.1f} MB, growth {before / MB:.1f} -> {growth / MB:.1f} MB, "
+                  f"reading over base {reading / MB:.1f} MB, resident {cache.resident()}")
+            assert growth - before >= size
+            assert cache.resident() == ["mid_cnn"]
+            assert [(e["event"], e["model"]) for e in cache.timeline()][-1] == ("evict", "tiny_cnn")
+            assert reading <= cache.budget_bytes
+            assert cache.resident_bytes + growth <= cache.budget_bytes
+        finally:
+            extra.close()
+        assert_close(cache.infer("tiny_cnn", x), cpu_reference(model_repository.get("tiny_cnn"), x),
+                     onnxruntime_cuda.TOLERANCE[True])
     finally:
         cache.close()

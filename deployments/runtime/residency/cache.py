@@ -50,17 +50,23 @@ is being loaded and measured: then its own bytes can pass the budget (one model'
 two). Reloads use the measured figure.
 
 On a GPU the budget also counts this process's GPU growth that no model's footprint covers
-(``gpu_growth_bytes``): after an eviction, NVML's per-process reading over the baseline less the
-footprints still resident. Unloading every session does not give back the kernel modules that
+(``gpu_growth_bytes``): NVML's per-process reading over the baseline less the footprints
+resident, read after every eviction, before and after every load (under the load lock), and
+once a second while the cache is idle (``check_gpu_growth``, from a thread started with the
+cache when it holds GPU models under a budget). Where a reading takes the accounting past the
+budget (a new shape's kernels loaded lazily at a request, a reload's contexts larger than
+measured), the least recently used unheld models are evicted until it fits again: before a
+load adds a model, before a loaded one is published, or within a second of the growth while
+serving. Unloading every session does not give back the kernel modules that
 CUDA loads on first use (lazy loading) or the libraries' workspaces: seen on the H200, 20 MiB
 stayed after the pool's three CNNs were all evicted, and the next two loads took the reading
 8.4 MB over a 1,600.1 MB budget while the footprints summed within it (docs/lab-notes.md,
 "Fractional GPUs"). Device-wide readings (``source: device``) include other processes and are
 not used, so there (and before ``onnxruntime_cuda.prime`` sets the baseline) the growth stays 0.
 The growth is everything on the GPU in this process that no resident footprint covers: one
-cache per process (the pool replica's) is assumed. It is taken only when no model's memory
-is outside the accounting (no loaded model awaiting publication); it only grows in practice
-(loaded kernel modules stay), and between evictions it keeps its last value.
+cache per process (the pool replica's) is assumed. It is taken only when every loaded model's
+bytes are in the accounting (a loaded model awaiting publication counts its measured figure);
+it only grows in practice (loaded kernel modules stay).
 
 Loads and evictions run one at a time in the process (a process-wide lock), outside the cache's
 bookkeeping lock, so requests on resident models never wait for a load. The RSS measurement is
@@ -110,6 +116,10 @@ MAX_MEASUREMENTS = 2
 
 # One load or eviction at a time in the process: RSS readings are process-wide.
 _LOAD_LOCK = threading.Lock()
+
+# How often an idle cache holding GPU models under a budget re-reads its GPU growth
+# (``ModelCache.check_gpu_growth``).
+GPU_GROWTH_CHECK_S = 1.0
 
 
 @dataclass
@@ -214,6 +224,7 @@ class ModelCache:
         self._events: deque[dict[str, Any]] = deque(maxlen=timeline_size)
         self._started = time.monotonic()
         self._closed = False
+        self._stop = threading.Event()  # ends the GPU growth check's thread (``close``)
         self._executor = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="model-cache")
 
     # ---------------------------------------------------------------------------- public API
@@ -368,7 +379,27 @@ class ModelCache:
                     continue
                 with self.acquire(name):
                     pass
+        if self.budget_bytes is not None and any(s.backend in GPU_BACKENDS for s in self._slots.values()):
+            threading.Thread(target=self._check_gpu_growth_every, name="model-cache-gpu-growth", daemon=True).start()
         return self
+
+    def check_gpu_growth(self) -> bool:
+        """Read this process's GPU growth now (NVML) and, where it takes the accounting past the
+        budget, evict least recently used unheld models until it fits (module docstring). Skipped
+        while a load or eviction runs (that one reads it). Returns whether a reading was taken."""
+        if not _LOAD_LOCK.acquire(blocking=False):
+            return False
+        try:
+            return self._settle_gpu_growth()
+        finally:
+            _LOAD_LOCK.release()
+
+    def _check_gpu_growth_every(self) -> None:
+        while not self._stop.wait(GPU_GROWTH_CHECK_S):
+            try:
+                self.check_gpu_growth()
+            except Exception:  # a failed reading or unload is logged; the next second tries again
+                logger.exception("model cache: GPU growth check failed")
 
     def acquire(self, name: str) -> "Lease":
         """Hold model ``name`` for one request: ``with cache.acquire(name) as host:`` or
@@ -508,6 +539,7 @@ class ModelCache:
 
     def close(self) -> None:
         """Refuse new requests, wait for held models to be released, unload everything."""
+        self._stop.set()
         with self._cond:
             self._closed = True
             self._cond.wait_for(lambda: all(s.refcount == 0 and s.state != _LOADING for s in self._slots.values()))
@@ -660,6 +692,7 @@ class ModelCache:
             try:
                 with _LOAD_LOCK:
                     self._evict_marked()
+                    self._settle_gpu_growth(slot)  # growth since the last reading, before this model adds to it
                     start = time.perf_counter()
                     predicted = estimate.total(instances) if source == "predicted" else 0
                     footprint, source = self._load_host(slot, estimate, source)
@@ -671,6 +704,7 @@ class ModelCache:
                     if fits:
                         reserved = max(reserved, actual)
                         self._evict_marked()
+                        self._settle_gpu_growth(slot, actual)  # what the load grew beyond its figure
                     else:
                         slot.host.unload()
             except BaseException:
@@ -813,7 +847,7 @@ class ModelCache:
                     raise OverBudget(message)
                 self._cond.wait(remaining)
 
-    def _plan(self, slot: _Slot, need: int, adds_model: bool) -> list[_Slot] | None:
+    def _plan(self, slot: _Slot | None, need: int, adds_model: bool) -> list[_Slot] | None:
         """Models to evict so that ``need`` more bytes (and one more model) fit; [] when it fits
         now, None when even evicting every unheld model (``lru``) is not enough."""
         used = self._used_bytes(slot)
@@ -842,7 +876,7 @@ class ModelCache:
                 return victims
         return None
 
-    def _used_bytes(self, slot: _Slot) -> int:
+    def _used_bytes(self, slot: _Slot | None) -> int:
         """The bytes counted against the budget for a load of ``slot`` (``self._cond`` is
         held): resident models not marked for eviction, loads' reservations, the GPU growth."""
         pending = sum(s.bytes for s in self._slots.values() if s.state == _EVICTING)
@@ -915,26 +949,59 @@ class ModelCache:
             logger.info("model cache: %s %s in %.1f ms%s (%s); resident %s of %s: %s", event, slot.name, ms, warmup,
                         format_mib(model_bytes), format_mib(self._resident_bytes), budget, ", ".join(resident))
 
-    def _growth_for(self, slot: _Slot) -> int:
+    def _growth_for(self, slot: _Slot | None) -> int:
         """The GPU growth a load of ``slot`` must leave room for: ``gpu_growth_bytes`` for a
-        model on a GPU backend, 0 for one on the CPU (its footprint is host memory)."""
-        return self._gpu_growth_bytes if slot.backend in GPU_BACKENDS else 0
+        model on a GPU backend (or ``slot`` None: the cache as a whole), 0 for one on the CPU
+        (its footprint is host memory)."""
+        return self._gpu_growth_bytes if slot is None or slot.backend in GPU_BACKENDS else 0
 
-    def _note_gpu_growth(self, reading: GpuReading) -> None:
-        """Set ``gpu_growth_bytes`` from ``reading`` (taken after an unload; ``self._cond`` and
-        the load lock are held, so no other load or unload runs): the reading over the baseline
-        less the footprints of the GPU models still resident or not yet unloaded. Per-process
-        readings only. Skipped while a loaded model awaits publication (an eviction made room
-        for it under the same lock: its bytes are on the GPU but in no footprint yet), so that
-        it is not counted as growth."""
+    def _note_gpu_growth(self, reading: GpuReading, loading: _Slot | None = None, loaded_bytes: int = 0) -> bool:
+        """Set ``gpu_growth_bytes`` from ``reading`` (``self._cond`` and the load lock are held,
+        so no other load or unload runs): the reading over the baseline less the footprints of
+        the GPU models resident or not yet unloaded, and ``loaded_bytes`` for ``loading`` (a
+        model loaded and measured by the caller, not yet published). Per-process readings only.
+        Skipped while another loaded model awaits publication (its bytes are on the GPU but in
+        no footprint yet), so that they are not counted as growth. Returns whether it was set."""
         baseline = gpu_memory.baseline
         if baseline is None or reading.source != "nvml-process" or baseline.source != "nvml-process":
-            return
-        if any(s.state == _LOADING and s.host.ready for s in self._slots.values()):
-            return
+            return False
+        if any(s.state == _LOADING and s.host.ready and s is not loading for s in self._slots.values()):
+            return False
         counted = sum(s.bytes for s in self._slots.values()
                       if s.backend in GPU_BACKENDS and s.state in (_READY, _EVICTING))
+        if loading is not None and loading.host.ready:
+            counted += loaded_bytes
         self._gpu_growth_bytes = max(0, reading.bytes - baseline.bytes - counted)
+        return True
+
+    def _settle_gpu_growth(self, loading: _Slot | None = None, loaded_bytes: int = 0) -> bool:
+        """Read the GPU growth now (the load lock is held; ``loading``: the model this thread is
+        loading, ``loaded_bytes`` its figure once loaded) and, when the accounting is then past
+        the budget, evict least recently used unheld models until it fits (never ``loading``;
+        where every other model is held it stays over and the next reading tries again).
+        Nothing to do without a budget or a GPU model. Returns whether a reading was taken."""
+        if self.budget_bytes is None or gpu_memory.baseline is None:
+            return False
+        if loading is not None and loading.backend not in GPU_BACKENDS:
+            return False
+        if loading is None and not any(s.backend in GPU_BACKENDS and s.state == _READY for s in self._slots.values()):
+            return False
+        reading = process_gpu_bytes()
+        with self._cond:
+            if not self._note_gpu_growth(reading, loading, loaded_bytes):
+                return False
+            over = self._used_bytes(loading) - self.budget_bytes
+            if over <= 0:
+                return True
+            victims = self._plan(loading, 0, adds_model=False)
+            if victims is None:  # every other model is held: evict what is free, the rest waits
+                victims = [s for s in self._slots.values() if s is not loading and s.state == _READY and not s.refcount]
+            logger.warning("model cache: GPU growth %s takes the accounting %s past the budget; evicting %s",
+                           format_mib(self._gpu_growth_bytes), format_mib(over), [v.name for v in victims] or "nothing (all held)")
+            for victim in victims:
+                victim.state = _EVICTING
+        self._evict_marked()
+        return True
 
 
 def _shared_error(error: BaseException, name: str) -> BaseException:
