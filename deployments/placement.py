@@ -75,6 +75,14 @@ class PoolReport:
     rates: dict[str, float] = field(default_factory=dict)
     estimates: dict[str, int] = field(default_factory=dict)
     cached: dict[str, dict[str, Any]] = field(default_factory=dict)
+    growth_bytes: int = 0  # the cache's GPU growth no model accounts for (``ModelCache.gpu_growth_bytes``)
+
+    @property
+    def room_bytes(self) -> int | None:
+        """The bytes this replica's models can have: its budget less its GPU growth (which its
+        cache counts against the budget: placing models by the whole budget overfills a
+        replica whose process holds memory no footprint covers); None: no byte limit."""
+        return None if self.budget_bytes is None else max(0, self.budget_bytes - self.growth_bytes)
 
 
 # A cache state across the pool: the first any replica has, in this order.
@@ -122,7 +130,7 @@ def demands(reports: Iterable[PoolReport]) -> dict[str, ModelDemand]:
             measured[model] = max(measured.get(model, 0), nbytes)
         for model, nbytes in report.estimates.items():
             estimated[model] = max(estimated.get(model, 0), nbytes)
-    budgets = [r.budget_bytes for r in reports]
+    budgets = [r.room_bytes for r in reports]
     largest = None if not budgets or None in budgets else max(b for b in budgets if b is not None)
     fitting = [b for b in measured.values() if largest is None or b <= largest]
     guess = int(sum(fitting) / len(fitting)) if fitting else 0
@@ -212,7 +220,7 @@ class Decider:
         changed (a new revision; published when the routes changed)."""
         self.recomputes += 1
         reports = self.fresh()
-        views = {r: ReplicaView(rep.budget_bytes, rep.max_models, frozenset(rep.resident)) for r, rep in reports.items()}
+        views = {r: ReplicaView(rep.room_bytes, rep.max_models, frozenset(rep.resident)) for r, rep in reports.items()}
         before = self.target.replicas
         previous = Placement({m: tuple(r for r in where if r in reports) for m, where in before.items()})
         self.target = place(demands(reports.values()), views, previous, self.options)
@@ -386,13 +394,13 @@ class PlacementFollower:
             sizes = report.footprints
             need = sizes.get(model) or self._bytes(model, decision) or max(sizes.values(), default=0)
             used = sum(sizes.get(m, 0) for m in resident)
-            fits = ((report.budget_bytes is None or used + need <= report.budget_bytes)
+            fits = ((report.room_bytes is None or used + need <= report.room_bytes)
                     and (report.max_models is None or len(resident) + 1 <= report.max_models))
             if fits:
                 return None
             if not self.left:
                 return (f"does not fit beside what this replica holds: needs {format_mib(need)}, "
-                        f"{format_mib(used)} of {format_mib(report.budget_bytes)} held by {sorted(resident)} "
+                        f"{format_mib(used)} of {format_mib(report.room_bytes)} held by {sorted(resident)} "
                         f"(a prefetch never evicts; its first request here loads it)")
             coldest = min(self.left, key=lambda m: ((decision["why"].get(m) or {}).get("rate_per_s", 0.0), m))
             self.left.discard(coldest)

@@ -144,7 +144,7 @@ class PoolDeployment:
                       if self.keys.get(key, ("",))[0] in served and (m["state"] != "absent" or m["evictions"])}
             return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
                               sorted(n for n in served if n in resident), footprints, self.rates.rates(served),
-                              estimates, cached)
+                              estimates, cached, self.cache.gpu_growth_bytes)
 
         follower = PlacementFollower(handle(router_app, "placement"), replica_id.unique_id, report,
                                      self.cache.prefetch, self.cache.release)

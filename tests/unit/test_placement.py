@@ -325,6 +325,21 @@ def test_a_replica_that_stops_reporting_is_gone_and_only_its_models_move():
     assert all("r2" not in where and where for where in after["target"].values())
 
 
+def test_a_replica_gpu_growth_leaves_its_models_only_the_rest_of_its_budget():
+    """A replica whose cache counts GPU growth against its budget (memory its process holds that
+    no footprint covers) gets placed models that fit its budget less that growth: the 30 MiB
+    models fill r0's 100 MiB to 90, r1's 100 MiB less 50 MiB of growth to 30."""
+    decider = Decider(clock=lambda: 0.0)
+    models = [f"m{k}" for k in range(4)]
+    decider.report("r0", report("srv-0", models))
+    decider.report("r1", replace(report("srv-1", models), growth_bytes=50 * MIB))
+    decider.recompute()
+    target = decider.state()["target"]
+    on = {r: [m for m, where in target.items() if r in where] for r in ("r0", "r1")}
+    assert len(on["r0"]) == 3 and len(on["r1"]) == 1, target
+    assert replace(report("srv-1", models), growth_bytes=50 * MIB).room_bytes == 50 * MIB
+
+
 def test_demands_sum_rates_and_guess_the_bytes_of_a_model_never_loaded():
     got = demands([PoolReport("a", None, None, ["x", "y"], [], {"x": 10}, {"x": 1.0}),
                    PoolReport("b", None, None, ["x", "y", "z"], [], {"x": 12, "z": 20}, {"x": 2.0, "y": 0.5})])

@@ -52,8 +52,8 @@ two). Reloads use the measured figure.
 On a GPU the budget also counts this process's GPU growth that no model's footprint covers
 (``gpu_growth_bytes``): NVML's per-process reading over the baseline less the footprints
 resident, read after every eviction, before and after every load (under the load lock), and
-once a second while the cache is idle (``check_gpu_growth``, from a thread started with the
-cache when it holds GPU models under a budget). Where a reading takes the accounting past the
+once a second while the cache is idle (``check_gpu_growth``, from a thread started at the
+first model found to run on a GPU under a budget). Where a reading takes the accounting past the
 budget (a new shape's kernels loaded lazily at a request, a reload's contexts larger than
 measured), the least recently used unheld models are evicted until it fits again: before a
 load adds a model, before a loaded one is published, or within a second of the growth while
@@ -225,6 +225,7 @@ class ModelCache:
         self._started = time.monotonic()
         self._closed = False
         self._stop = threading.Event()  # ends the GPU growth check's thread (``close``)
+        self._growth_thread: threading.Thread | None = None  # started at the first GPU model
         self._executor = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="model-cache")
 
     # ---------------------------------------------------------------------------- public API
@@ -366,6 +367,12 @@ class ModelCache:
         """Sum of the footprints of the loaded models (bytes)."""
         return self._resident_bytes
 
+    @property
+    def gpu_growth_bytes(self) -> int:
+        """This process's GPU bytes that no resident model's footprint covers, counted against the
+        budget (module docstring); 0 on the CPU."""
+        return self._gpu_growth_bytes
+
     def start(self) -> "ModelCache":
         """``eager``: load every model now, in name order; other policies: nothing. Returns self.
 
@@ -379,8 +386,6 @@ class ModelCache:
                     continue
                 with self.acquire(name):
                     pass
-        if self.budget_bytes is not None and any(s.backend in GPU_BACKENDS for s in self._slots.values()):
-            threading.Thread(target=self._check_gpu_growth_every, name="model-cache-gpu-growth", daemon=True).start()
         return self
 
     def check_gpu_growth(self) -> bool:
@@ -393,6 +398,15 @@ class ModelCache:
             return self._settle_gpu_growth()
         finally:
             _LOAD_LOCK.release()
+
+    def _start_gpu_growth_check(self) -> None:
+        """Start the thread of ``check_gpu_growth`` once, at the first model found to run on a GPU."""
+        with self._cond:
+            if self._growth_thread is not None or self._closed:
+                return
+            self._growth_thread = threading.Thread(target=self._check_gpu_growth_every,
+                                                   name="model-cache-gpu-growth", daemon=True)
+        self._growth_thread.start()
 
     def _check_gpu_growth_every(self) -> None:
         while not self._stop.wait(GPU_GROWTH_CHECK_S):
@@ -636,6 +650,8 @@ class ModelCache:
         entry = slot.host.entry
         if not slot.backend:
             slot.backend = resolve_backend(requested_backend(entry.config, self._backend_request))
+            if slot.backend in GPU_BACKENDS and self.budget_bytes is not None:
+                self._start_gpu_growth_check()
         backend = slot.backend
         known = footprints.measured_footprint(entry, backend)
         if known is not None:
