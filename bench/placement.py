@@ -100,6 +100,7 @@ BASE = "ocr_cls"
 PORT_ATTEMPTS = 3  # server starts per policy when a port it was given was taken first
 MAX_BATCHES = (4, 8, 16, 32)  # the copies' max batch in turn: footprints about 4x apart
 POLICIES = ("hash", "bytes", "multiplexed")
+ERROR_BODIES = 5  # the bodies kept of each error status (the row's ``error_bodies``), for a cause
 SAMPLE_S = 0.5  # how often /v2/memory and /metrics are read
 BUCKET_S = 10.0  # the cold-load rate after a shift, per this many seconds
 SAMPLE_EVERY = 16  # one answer in this many per client has its values compared
@@ -605,6 +606,7 @@ class Load:
     shares: dict[str, float]
     seed: int = 0
     answers: list[Answer] = field(default_factory=list)
+    error_bodies: dict[str, list[str]] = field(default_factory=dict)  # status -> its first bodies (300 chars)
 
     def set_shares(self, shares: dict[str, float]) -> None:
         for sampler in self._samplers:
@@ -631,6 +633,8 @@ class Load:
                                         headers=self.headers) as response:
                     body = await response.read()
                     status = str(response.status)
+                    if status != "200" and len(kept := self.error_bodies.setdefault(status, [])) < ERROR_BODIES:
+                        kept.append(f"{time.strftime('%H:%M:%S')} {model}: {body[:300].decode(errors='replace')}")
                     if status == "200":
                         problem = self.expected.problem(body, response.headers, count % SAMPLE_EVERY == 0)
                         status = status if problem is None else f"wrong answer: {problem}"
@@ -761,8 +765,12 @@ class Bench:
             extra["load_average_1m"] = round(os.getloadavg()[0], 1)  # the machine is shared: its noise
             extra["resident_bytes_by_replica"] = {  # the replicas seen in the window (not one killed before)
                 r: m.get("resident_bytes") for r, m in sorted(watch.memory.items()) if m["seen_s"] >= start}
+            extra["gpu_growth_bytes_by_replica"] = {  # what each cache counts beside the footprints (GPU)
+                r: m.get("gpu_growth_bytes") for r, m in sorted(watch.memory.items()) if m["seen_s"] >= start}
             extra["replica_cpu_s"] = sorted((round(cpu_seconds(p) - t, 2) for p, t in cpu.items()), reverse=True)
             steady = window_stats(load.answers, start, stop_s)
+            if load.error_bodies:
+                extra["error_bodies"] = {k: list(v) for k, v in load.error_bodies.items()}
             if watch.revisions:  # the steady window's loads, sorted as after the shift
                 extra["steady_loads"] = watch.loads_between(start_unix, time.time())
             extra["replica_cache_events"] = {  # loads + reloads (prefetches included), evictions (releases included)

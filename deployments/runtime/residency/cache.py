@@ -35,8 +35,9 @@ a model's first load the cache reserves the best figure it has: one measured ear
 process (``footprints.measured_footprint``), one passed in ``footprints``, one another replica
 measured (``prefetch``'s bytes: ``reported``), one recorded beside the model
 (``footprints.read_record``), else the graph prediction (``predict.predict``); on a GPU the
-prediction is raised by what earlier first loads here measured over theirs, and the first of
-all makes room for the whole budget (``_gpu_first_reservation``). A prediction alone over the
+prediction is raised by what earlier loads here measured over their predictions, and a load
+before any such reading makes room for the whole budget (``_gpu_first_reservation``), or for
+the room left by the GPU growth read since, whichever is less. A prediction alone over the
 budget is not trusted enough to refuse on, nor to evict for: that load reserves only the room
 free now and evicts nothing up front. The load then measures the real one
 (``footprints.load_and_measure``: exact on TensorRT, RSS growth on ONNX Runtime); when it is
@@ -704,13 +705,21 @@ class ModelCache:
             # predicted not to fit at all: measured in the room free now, evicting nothing
             unfit = (source == "predicted" and self.budget_bytes is not None
                      and need + self._growth_for(slot) > self.budget_bytes)
-            reserved = self._reserve(slot, None if unfit else need, deadline, adds_model=True)
+            reserved = self._reserve(slot, None if unfit else need, deadline, adds_model=True,
+                                     predicted=source == "predicted")
             try:
                 with _LOAD_LOCK:
                     self._evict_marked()
                     self._settle_gpu_growth(slot)  # growth since the last reading, before this model adds to it
                     start = time.perf_counter()
                     predicted = estimate.total(instances) if source == "predicted" else 0
+                    if not predicted and self._gpu_fit is None and slot.backend in GPU_BACKENDS:
+                        # loads by a known figure (a prefetch's reported bytes, a measured reload)
+                        # teach the fit too: else the first predicted load after them reserves the whole budget
+                        try:
+                            predicted = predict(slot.host.entry).footprint().total(instances)
+                        except Exception:  # a graph the prediction cannot read: nothing learned
+                            predicted = 0
                     footprint, source = self._load_host(slot, estimate, source)
                     load_ms = (time.perf_counter() - start) * 1e3
                     actual = footprint.total(instances)
@@ -835,14 +844,21 @@ class ModelCache:
             self._record("refused", slot, 0.0, detail=message, model_bytes=need)
         raise OverBudget(message)
 
-    def _reserve(self, slot: _Slot, need: int | None, deadline: float, adds_model: bool) -> int:
+    def _reserve(self, slot: _Slot, need: int | None, deadline: float, adds_model: bool,
+                 predicted: bool = False) -> int:
         """Reserve ``need`` bytes for ``slot``: mark least-recently-used unheld models for
         eviction when that makes it fit (``lru``), else wait (``lru``, until ``deadline``) or
         refuse. The marked models are unloaded by the next holder of the load lock. ``need``
         None: only the bytes free now under the budget, evicting nothing for bytes (the count
-        cap still applies). Returns the bytes reserved."""
+        cap still applies). ``predicted``: ``need`` is a prediction, which becomes None once it
+        and the GPU growth (read again meanwhile) no longer fit the budget together: a whole-budget
+        first reservation made before the growth rose would otherwise wait for room no eviction
+        can make. Returns the bytes reserved."""
         with self._cond:
             while True:
+                if (predicted and need is not None and self.budget_bytes is not None
+                        and need + self._growth_for(slot) > self.budget_bytes):
+                    need = None
                 if need is None:
                     assert self.budget_bytes is not None
                     amount = max(0, self.budget_bytes - self._used_bytes(slot))
