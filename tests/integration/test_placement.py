@@ -251,4 +251,6 @@ def test_requests_go_where_each_model_is_placed_and_no_model_reloads_while_the_s
     for m in MID:
         grew = {r for r in after if after[r]["models"][m]["loads"] > before[r]["models"][m]["loads"]}
         allowed = {r for d in decided for r in (*d[m]["routed"], *d[m]["replicas"])}
-        assert grew <= allowed, (m, grew, [{k: d[m][k] for k in ("routed", "replicas", "reason")} for d in decided])
+        assert grew <= allowed, (m, grew, [{k: d[m][k] for k in ("routed", "replicas", "reason")} for d in decided],
+                                 [(r, e["event"], e["unix_time"], e["detail"]) for r in grew - allowed
+                                  for e in after[r].get("events", ()) if e["model"] == m])
