@@ -32,13 +32,18 @@ from deployments.runtime.residency.host import ModelHost
 MB = 1 << 20
 
 
-def run(root: Path, model: str, cycles: int, threads: int, copies: bool, batches: list[int]) -> list[float]:
-    base = gpu_memory.baseline.bytes
+def requests_at(root: Path, model: str, batches: list[int]) -> list[dict[str, np.ndarray]]:
+    """Random inputs for ``model`` at each of ``batches`` (its max profile's other dims)."""
     rng = np.random.default_rng(0)
     config = ModelRepository(root, [model]).get(model).config
     shapes = max_profile_shapes(config)
-    xs = [{spec.name: rng.random((b, *shapes[spec.name][1:])).astype(NUMPY_BY_DATATYPE[spec.datatype])
-           for spec in config.inputs} for b in batches]
+    return [{spec.name: rng.random((b, *shapes[spec.name][1:])).astype(NUMPY_BY_DATATYPE[spec.datatype])
+             for spec in config.inputs} for b in batches]
+
+
+def run(root: Path, model: str, cycles: int, threads: int, copies: bool, batches: list[int]) -> list[float]:
+    base = gpu_memory.baseline.bytes
+    xs = requests_at(root, model, batches)
     left = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(threads) as pool:
         for cycle in range(cycles):
@@ -72,11 +77,7 @@ def resident(root: Path, model: str, count: int, threads: int, batches: list[int
     from deployments.runtime.residency.cache import ModelCache
 
     base = gpu_memory.baseline.bytes
-    rng = np.random.default_rng(0)
-    config = ModelRepository(root, [model]).get(model).config
-    shapes = max_profile_shapes(config)
-    xs = [{spec.name: rng.random((b, *shapes[spec.name][1:])).astype(NUMPY_BY_DATATYPE[spec.datatype])
-           for spec in config.inputs} for b in batches]
+    xs = requests_at(root, model, batches)
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"{model}_{k}" for k in range(count)]
         for name in names:
