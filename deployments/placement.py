@@ -61,10 +61,10 @@ class PoolReport:
     measured (a model refused as alone over the budget too: it was measured); ``rates``: model
     -> requests per second it answered; ``estimates``: model -> the bytes its first load would
     reserve (``ModelCache.estimated_bytes``), for the models not in ``footprints``; ``cached``:
-    cache key (``ModelEntry.key``: every served version) -> ``{"state", "evictions"}`` in its
-    cache (``ModelCache.status``: ``loading``, ``ready``, ``evicting``, or ``absent`` once evicted),
-    for the keys not absent and never evicted left out (what the repository index reads:
-    ``pool_cache``)."""
+    cache key (``ModelEntry.key``: every served version) -> ``{"state", "evictions", "load_error"}``
+    in its cache (``ModelCache.status``: ``loading``, ``ready``, ``evicting``, or ``absent`` once
+    evicted), for the keys not absent, never evicted and never failed left out (what the
+    repository index and the ready route read: ``pool_cache``)."""
 
     server: str
     budget_bytes: int | None
@@ -94,17 +94,24 @@ def pool_cache(reports: dict[str, PoolReport]) -> dict[str, dict[str, Any]]:
     (replica id -> ``PoolReport``): ``state`` ``ready`` when any replica holds it resident, else
     ``loading`` when one loads it, else ``evicting`` when one is evicting it, else ``absent``;
     ``evictions`` (summed over the replicas), ``resident`` and ``loading`` (the replica ids that
-    hold it, or load it). A key no report names is absent and never evicted: not in the result."""
+    hold it, or load it), ``load_error`` (why a replica's last load of it failed where another
+    would fail alike; "" when none did or it is resident anywhere). A key no report names is
+    absent, never evicted and never failed: not in the result."""
     out: dict[str, dict[str, Any]] = {}
     for replica, report in sorted(reports.items()):
         for key, cached in report.cached.items():
-            pooled = out.setdefault(key, {"state": "absent", "evictions": 0, "resident": [], "loading": []})
+            pooled = out.setdefault(key, {"state": "absent", "evictions": 0, "resident": [], "loading": [],
+                                          "load_error": ""})
             pooled["evictions"] += cached["evictions"]
+            pooled["load_error"] = pooled["load_error"] or cached.get("load_error", "")
             state = cached["state"]
             if _POOL_ORDER.index(state) < _POOL_ORDER.index(pooled["state"]):
                 pooled["state"] = state
             if state in ("ready", "loading"):
                 pooled["resident" if state == "ready" else "loading"].append(replica)
+    for pooled in out.values():
+        if pooled["resident"]:  # a replica serves it: readiness does not depend on another's failure
+            pooled["load_error"] = ""
     return out
 
 

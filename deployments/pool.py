@@ -140,8 +140,9 @@ class PoolDeployment:
             resident = set(self.cache.resident())
             footprints = {n: b for n in served if (b := self.cache.footprint_bytes(n)) is not None}
             estimates = {n: b for n in served if n not in footprints and (b := self.cache.estimated_bytes(n)) is not None}
-            cached = {key: {"state": m["state"], "evictions": m["evictions"]} for key, m in self.models().items()
-                      if self.keys.get(key, ("",))[0] in served and (m["state"] != "absent" or m["evictions"])}
+            cached = {key: {"state": m["state"], "evictions": m["evictions"], "load_error": m["load_error"]}
+                      for key, m in self.models().items() if self.keys.get(key, ("",))[0] in served
+                      and (m["state"] != "absent" or m["evictions"] or m["load_error"])}
             return PoolReport(server, options.budget_bytes, options.max_num_models_per_replica, served,
                               sorted(n for n in served if n in resident), footprints, self.rates.rates(served),
                               estimates, cached, self.cache.gpu_growth_bytes)

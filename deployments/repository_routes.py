@@ -111,16 +111,6 @@ class RepositoryRoutes(V2Routes):
             index.sort(key=lambda item: item["name"])
         return JSONResponse([item for item in index if item["state"] == "READY" or not only_ready])
 
-    async def _placement_decision(self) -> dict[str, Any] | None:
-        """The pool's placement decision (``placement: bytes``: ``placement.Decider.state``);
-        None when the placement deployment did not answer within ``request_timeout_s`` (logged:
-        the index answers without it)."""
-        try:
-            return await asyncio.wait_for(self.client.placement_decision(), self.request_timeout_s)
-        except Exception as e:
-            logger.warning("repository index: the placement decision is unavailable: %r", e)
-            return None
-
     def _unread_item(self, name: str) -> dict[str, Any]:
         """The index line of a model folder this router has not taken (yet): LOADING while a
         load of it goes on, else UNAVAILABLE with why."""

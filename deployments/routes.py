@@ -236,15 +236,30 @@ class V2Routes:
         except asyncio.TimeoutError:
             raise InferenceTimeout(f"the pool did not answer within {self.request_timeout_s:g} s") from None
 
+    async def _placement_decision(self) -> dict[str, Any] | None:
+        """The pool's placement decision (``placement: bytes``: ``placement.Decider.state``);
+        None when the placement deployment did not answer within ``request_timeout_s`` (logged:
+        the caller answers without it)."""
+        try:
+            return await asyncio.wait_for(self.client.placement_decision(), self.request_timeout_s)
+        except Exception as e:
+            logger.warning("the placement decision is unavailable: %r", e)
+            return None
+
     async def _load_failed(self, entry: ModelEntry) -> ServingError | None:
         """For a pool model loaded on first use: ``ModelNotReady`` while its last load failed in
-        a way the next would repeat (``ModelCache`` status ``load_error``, as one pool replica
-        reports it), so readiness never says ready for a model whose every load fails; None
-        otherwise, or when the pool does not answer (readiness then stands as it is)."""
+        a way the next would repeat (``ModelCache`` status ``load_error``), so readiness never
+        says ready for a model whose every load fails; None otherwise, or when the pool does not
+        answer (readiness then stands as it is). With ``placement: bytes`` from every pool
+        replica's report (``placement.pool_cache``: failed on one, resident on none), as the
+        repository index reads it, so every call answers alike whichever replica is asked; with
+        ``placement: hash`` as one pool replica reports it."""
         if entry.name not in self.client.pool_models:
             return None
         try:
-            failed = (await self._pool_models()).get(entry.key(), {}).get("load_error")
+            decision = await self._placement_decision() if getattr(self.client, "placement", None) is not None else None
+            pool = decision["cache"] if decision is not None and "cache" in decision else await self._pool_models()
+            failed = pool.get(entry.key(), {}).get("load_error")
         except Exception:  # the pool is busy or restarting: its own readiness says so
             return None
         if not failed:

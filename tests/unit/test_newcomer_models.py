@@ -250,3 +250,30 @@ def test_a_pool_model_whose_last_load_failed_is_not_ready(model_repository, monk
         "model 'tiny_cnn' is not ready: its last load failed: model 'tiny_cnn': its model file tiny_cnn/1/model.onnx "
         "is empty, not an ONNX model; the next request tries again")})
     assert router.get("/v2/models/mid_cnn/ready").status_code == 200
+
+
+def test_under_placement_a_pool_models_readiness_reads_every_replicas_report(model_repository, monkeypatch):
+    """With ``placement: bytes`` the ready route reads ``load_error`` across the pool (the
+    placement's ``pool_cache``, as the repository index does), not from whichever pool replica
+    answers: here the replica asked knows of no failure, another one's report does."""
+    from tests.unit.test_router_routes import FakeModelClient, make_router
+
+    error = "model 'tiny_cnn': its model file tiny_cnn/1/model.onnx is empty, not an ONNX model"
+
+    async def pool_states(self):
+        return {name: {"state": "absent", "evictions": 0, "backend": "onnxruntime", "load_error": ""}
+                for name in self.pool_models}
+
+    async def placement_decision(self):
+        return {"replicas": ["r1", "r2"], "cache": {
+            "tiny_cnn": {"state": "absent", "evictions": 0, "resident": [], "loading": [], "load_error": error}}}
+
+    monkeypatch.setattr(FakeModelClient, "pool_states", pool_states)
+    monkeypatch.setattr(FakeModelClient, "placement_decision", placement_decision, raising=False)
+    monkeypatch.setattr(FakeModelClient, "placement", object(), raising=False)
+    router, _ = make_router(model_repository)
+    for _ in range(3):
+        r = router.get("/v2/models/tiny_cnn/ready")
+        assert (r.status_code, r.json()) == (503, {"error": (
+            f"model 'tiny_cnn' is not ready: its last load failed: {error}; the next request tries again")})
+    assert router.get("/v2/models/mid_cnn/ready").status_code == 200

@@ -544,7 +544,17 @@ def test_a_key_resident_on_any_replica_is_ready_across_the_pool_whichever_replic
                                      "n": {"state": "loading", "evictions": 0},
                                      "o": {"state": "evicting", "evictions": 0}})}
     assert pool_cache(reports) == {
-        "m": {"state": "ready", "evictions": 1, "resident": ["r1"], "loading": []},
-        "n": {"state": "loading", "evictions": 2, "resident": [], "loading": ["r2"]},
-        "o": {"state": "evicting", "evictions": 0, "resident": [], "loading": []}}
+        "m": {"state": "ready", "evictions": 1, "resident": ["r1"], "loading": [], "load_error": ""},
+        "n": {"state": "loading", "evictions": 2, "resident": [], "loading": ["r2"], "load_error": ""},
+        "o": {"state": "evicting", "evictions": 0, "resident": [], "loading": [], "load_error": ""}}
     assert pool_cache({"r1": _cached_report({"m": {"state": "absent", "evictions": 3}})})["m"]["state"] == "absent"
+
+
+def test_a_load_failed_on_any_replica_is_the_pools_until_one_holds_the_model():
+    """The ready route reads ``load_error`` across the pool: a failure one replica reports
+    stands whichever replica the route would have asked, unless another holds it resident."""
+    failed = {"state": "absent", "evictions": 0, "load_error": "model file is not ONNX"}
+    reports = {"r1": _cached_report({"m": failed}), "r2": _cached_report({})}
+    assert pool_cache(reports)["m"]["load_error"] == "model file is not ONNX"
+    reports["r2"] = _cached_report({"m": {"state": "ready", "evictions": 0, "load_error": ""}})
+    assert pool_cache(reports)["m"]["load_error"] == ""
