@@ -177,7 +177,11 @@ def test_when_a_pool_replica_goes_only_its_models_move_and_every_model_answers(p
             w["replicas"] and gone not in w["replicas"] for w in now["models"].values()) else None
 
     after = until(moved, "a placement without the killed replica", 120)
-    assert all(set(kept[m]) <= set(after["models"][m]["replicas"]) for m in kept), (kept, after["models"])
+    # the kept models stay where they were; Serve's replacement for the killed replica may have
+    # reported already, and a replica that comes takes models (balance): only to it may one move
+    joined = set(after["replicas"]) - set(placement["replicas"])
+    assert all(set(after["models"][m]["replicas"]) <= set(kept[m]) | joined for m in kept), (
+        kept, joined, {m: after["models"][m] for m in kept})
 
     for model in MODELS:
         until(lambda: answer(url, model), f"{model} answering", 60)
@@ -215,7 +219,9 @@ def test_a_model_larger_than_every_budget_is_placed_nowhere_by_its_measured_byte
     assert big["reason"].startswith("larger than every replica's budget (") and "MiB measured" in big["reason"]
     index = requests.post(f"{url}/v2/repository/index", timeout=30).json()
     [line] = [line for line in index if line["name"] == "big"]
-    assert line["placement"]["replicas"] == [] and line["placement"]["bytes"] == big["bytes"]
+    # the decision's bytes are the largest measurement the replicas report now: a replica that
+    # measures it again (RSS, refused anew at each request) may report another figure meanwhile
+    assert line["placement"]["replicas"] == [] and line["placement"]["bytes"] > BUDGET_MIB * MIB, line
 
 
 def test_requests_go_where_each_model_is_placed_and_no_model_reloads_while_the_set_fits(sized):
