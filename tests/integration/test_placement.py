@@ -133,6 +133,13 @@ def _settled(url: str) -> bool:
     return all(routed[m] <= ready[m] <= routed[m] | left[m] for m in MODELS)
 
 
+def _request_loads(status: dict, model: str, since: float) -> list[dict]:
+    """The loads of ``model`` a request made (not a placement's prefetch: detail ``prefetch``)
+    in one pool replica's ``/v2/memory`` ``status`` at or after unix time ``since``."""
+    return [e for e in status.get("events", ()) if e["model"] == model and e["event"] in ("load", "reload")
+            and e["unix_time"] >= since and e["detail"] != "prefetch"]
+
+
 def _revision(url: str) -> int:
     return next(iter(pool_replicas(url).values()))["placement"]["revision"]
 
@@ -147,18 +154,21 @@ def test_a_pool_models_requests_reach_only_the_replicas_its_placement_names(plac
     routed = {m: set(w["routed"]) for m, w in next(iter(replicas.values()))["placement"]["models"].items()}
     assert all(len(where) == 1 for where in routed.values()), routed  # no load yet: one copy each
     assert len(set().union(*routed.values())) == 2, routed  # both replicas hold some
+    start = time.time()
     for _ in range(4):
         for model in MODELS:
             assert answer(url, model) is not None
     after = pool_replicas(url)
-    loaded = {m: {r for r in after if after[r]["models"][m]["loads"] > replicas[r]["models"][m]["loads"]}
-              for m in MODELS}
     # The decision may move a model while the requests run (its rate rose): a replica it names
-    # after them loads it as well (prefetch), which is placement, not hashing.
+    # then loads it (prefetch), which is placement, not hashing; only a request's own load
+    # says a request reached a replica that did not hold its model.
     routed_after = {m: set(w["routed"]) for m, w in next(iter(after.values()))["placement"]["models"].items()}
-    placed_at_some_point = {m: routed[m] | routed_after[m] for m in MODELS}
+    by_request = {m: {r for r in after if _request_loads(after[r], m, start)} - routed[m] - routed_after[m]
+                  for m in MODELS}
     # hashing by name would have sent some models to the replica that does not hold them, which loads them too
-    assert all(loaded[m] <= placed_at_some_point[m] for m in MODELS), (loaded, routed, routed_after)
+    assert all(not where for where in by_request.values()), (
+        by_request, routed, routed_after, {m: [_request_loads(after[r], m, start) for r in where]
+                                           for m, where in by_request.items() if where})
     until(lambda: _settled(url), "every model ready where it is placed, elsewhere only where it was left", 30)
 
 
@@ -241,6 +251,7 @@ def test_requests_go_where_each_model_is_placed_and_no_model_reloads_while_the_s
     placed = {r: sum(placement["models"][m]["bytes"] for m in MID if r in placement["models"][m]["replicas"])
               for r in before}
     assert all(b <= BUDGET_MIB * MIB for b in placed.values()), placed
+    start = time.time()
     for _ in range(3):
         for model in MID:
             r = requests.post(f"{url}/v2/models/{model}/infer", json=IMAGE, timeout=120)
@@ -250,13 +261,12 @@ def test_requests_go_where_each_model_is_placed_and_no_model_reloads_while_the_s
         for m in MID:
             loads, evictions = after[r]["models"][m]["loads"], after[r]["models"][m]["evictions"]
             assert loads <= 2 and evictions <= 1, (r, m, loads, evictions)  # no thrash: the set fits
-    # the requests were answered where the decision routed them: no replica loaded a model it
-    # was neither routed nor placed (the hash would have sent some to the replica that does not
-    # hold them; a replica a new decision places a model on prefetches it before it is routed there)
+    # the requests were answered where the decision routed them: no request loaded a model on a
+    # replica (the hash would have sent some to the replica that does not hold them; a replica
+    # a new decision places a model on prefetches it before it is routed there)
     decided = [next(iter(after.values()))["placement"]["models"], placement["models"]]
     for m in MID:
-        grew = {r for r in after if after[r]["models"][m]["loads"] > before[r]["models"][m]["loads"]}
         allowed = {r for d in decided for r in (*d[m]["routed"], *d[m]["replicas"])}
-        assert grew <= allowed, (m, grew, [{k: d[m][k] for k in ("routed", "replicas", "reason")} for d in decided],
-                                 [(r, e["event"], e["unix_time"], e["detail"]) for r in grew - allowed
-                                  for e in after[r].get("events", ()) if e["model"] == m])
+        by_request = {r: _request_loads(after[r], m, start) for r in set(after) - allowed}
+        assert not any(by_request.values()), (
+            m, by_request, [{k: d[m][k] for k in ("routed", "replicas", "reason")} for d in decided])

@@ -588,11 +588,15 @@ def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
     status = cache.status()["models"]["tiny_cnn"]
     assert status["state"] == "ready" and status["in_use"] == 0
     assert cache.footprint_bytes("tiny_cnn") == sizes["tiny_cnn"]
+    assert [e["detail"] for e in events(cache, "load", "tiny_cnn")] == ["prefetch"]  # the timeline says why
     with cache.acquire("tiny_cnn"):
         assert cache.release("tiny_cnn") is False  # held: not evicted
         assert cache.status()["models"]["tiny_cnn"]["state"] == "ready"
     cache.prefetch("mid_cnn")
     cache.infer("mid_cnn", random_inputs(repo.get("mid_cnn").config, np.random.default_rng(1)))
+    assert cache.release("mid_cnn") is True
+    cache.infer("mid_cnn", random_inputs(repo.get("mid_cnn").config, np.random.default_rng(1)))
+    assert [e["detail"] for e in events(cache, "reload", "mid_cnn")] == [""]  # a request's load
     assert cache.release("mid_cnn") is True
     assert cache.status()["models"]["mid_cnn"]["state"] == "absent"
     assert events(cache, "evict", "mid_cnn")[-1]["resident_bytes"] == cache.resident_bytes

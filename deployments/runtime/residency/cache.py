@@ -74,7 +74,8 @@ bookkeeping lock, so requests on resident models never wait for a load. The RSS 
 process-wide, so serializing loads also keeps one load's measurement free of another's.
 
 Timeline: every load, reload, evict and refusal is logged (logger ``deployments.runtime.residency.cache``)
-and kept (the last ``timeline_size``) for ``timeline()``.
+and kept (the last ``timeline_size``) for ``timeline()``; a load's ``detail`` is ``prefetch`` when
+``prefetch`` made it (a placement put the model here), empty when a request did.
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ MAX_MEASUREMENTS = 2
 
 # One load or eviction at a time in the process: RSS readings are process-wide.
 _LOAD_LOCK = threading.Lock()
+
+# Why a load runs, for its timeline event's ``detail``: "" for a request's, "prefetch" for
+# ``ModelCache.prefetch``'s (a placement put the model here before its requests come).
+_LOAD_CAUSE: contextvars.ContextVar[str] = contextvars.ContextVar("model_cache_load_cause", default="")
 
 # How often an idle cache holding GPU models under a budget re-reads its GPU growth
 # (``ModelCache.check_gpu_growth``).
@@ -316,8 +321,12 @@ class ModelCache:
                 return False
             if slot.footprint is None and nbytes:
                 self._reported[slot.name] = nbytes  # the load reserves what the fit was checked at
-        with self.acquire(name):
-            return True
+        cause = _LOAD_CAUSE.set("prefetch")
+        try:
+            with self.acquire(name):
+                return True
+        finally:
+            _LOAD_CAUSE.reset(cause)
 
     def release(self, name: str) -> bool:
         """Give back ``name``'s memory (a replica that lost it to another: ``placement: bytes``),
@@ -758,7 +767,8 @@ class ModelCache:
             slot.loads += 1
             flight.done = True
             warmup_ms = slot.host.warmup_ms
-            self._record("reload" if slot.evictions else "load", slot, load_ms - warmup_ms, warmup_ms=warmup_ms)
+            self._record("reload" if slot.evictions else "load", slot, load_ms - warmup_ms, detail=_LOAD_CAUSE.get(),
+                         warmup_ms=warmup_ms)
             self._cond.notify_all()
 
     def _load_host(self, slot: _Slot, estimate: Footprint, source: str) -> tuple[Footprint, str]:
