@@ -328,7 +328,8 @@ def test_gpu_growth_past_the_budget_evicts_the_least_recently_used_model(model_r
                   f"reading over base {reading / MB:.1f} MB, resident {cache.resident()}")
             assert growth - before >= size
             assert cache.resident() == ["mid_cnn"]
-            assert [(e["event"], e["model"]) for e in cache.timeline()][-1] == ("evict", "tiny_cnn")
+            last = cache.timeline()[-1]
+            assert (last["event"], last["model"]) == ("evict", "tiny_cnn") and last["detail"].startswith("GPU growth")
             assert reading <= cache.budget_bytes
             assert cache.resident_bytes + growth <= cache.budget_bytes
         finally:

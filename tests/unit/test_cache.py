@@ -598,6 +598,7 @@ def test_prefetch_loads_a_model_unheld_and_release_never_evicts_a_held_one(
     cache.infer("mid_cnn", random_inputs(repo.get("mid_cnn").config, np.random.default_rng(1)))
     assert [e["detail"] for e in events(cache, "reload", "mid_cnn")] == [""]  # a request's load
     assert cache.release("mid_cnn") is True
+    assert events(cache, "evict", "mid_cnn")[-1]["detail"] == "released"
     assert cache.status()["models"]["mid_cnn"]["state"] == "absent"
     assert events(cache, "evict", "mid_cnn")[-1]["resident_bytes"] == cache.resident_bytes
     assert cache.footprint_bytes("mid_cnn") == sizes["mid_cnn"]  # kept after the eviction

@@ -155,6 +155,7 @@ class _Slot:
     evictions: int = 0
     load_error: str = ""  # why the last load failed, when it did and nothing loaded it since
     enabled: bool = True  # False after ``unload``: requests get ModelNotReady until ``load``
+    evict_detail: str = ""  # why it is marked for eviction, when not for room: its evict event's detail
 
 
 def _fails_every_load(error: BaseException) -> bool:
@@ -339,7 +340,7 @@ class ModelCache:
             slot.last_used = 0
             if slot.refcount or slot.state != _READY:
                 return False
-            slot.state = _EVICTING
+            slot.state, slot.evict_detail = _EVICTING, "released"
         with _LOAD_LOCK:
             self._evict_marked()
         return True
@@ -954,7 +955,8 @@ class ModelCache:
                 model_bytes, slot.bytes = slot.bytes, 0
                 slot.state = _ABSENT
                 slot.evictions += slot.enabled  # an unload is asked for, not an eviction
-                self._record("evict" if slot.enabled else "unload", slot, ms, model_bytes=model_bytes)
+                detail, slot.evict_detail = slot.evict_detail, ""
+                self._record("evict" if slot.enabled else "unload", slot, ms, detail=detail, model_bytes=model_bytes)
                 self._cond.notify_all()
 
     # ---------------------------------------------------------------------------- timeline
@@ -1041,7 +1043,7 @@ class ModelCache:
             logger.warning("model cache: GPU growth %s takes the accounting %s past the budget; evicting %s",
                            format_mib(self._gpu_growth_bytes), format_mib(over), [v.name for v in victims] or "nothing (all held)")
             for victim in victims:
-                victim.state = _EVICTING
+                victim.state, victim.evict_detail = _EVICTING, f"GPU growth {format_mib(self._gpu_growth_bytes)}"
         self._evict_marked()
         return True
 
