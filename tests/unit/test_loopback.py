@@ -66,4 +66,34 @@ def test_the_direct_ingress_ports_start_at_a_free_one():
         assert loopback.first_free_port(taken, taken + 1) == taken  # none free: Ray's own start
     env = loopback.local_env({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "31500"})
     assert "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT" not in env  # the user's value stands
-    assert 40000 <= int(env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) < 40500
+    assert 40000 <= int(env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) < 41000
+    # Serve's fallback proxy on the last port of the run's gRPC block (not 9500, one per host)
+    assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) == int(env["RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"])
+    assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) % 200 == 199
+
+
+def test_servers_started_at_once_claim_separate_blocks_of_the_ingress_range(tmp_path):
+    """Two servers started at once both found 30000 free and began there: one's replica took the
+    port the other's HAProxy listed (its first requests 421). Each process now claims a block of
+    the range with a lock held for its life; another process gets the next block, and a block
+    comes free when its process is gone."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "locks")
+    claim = (f"import sys, time; from deployments import loopback; "
+             f"print(loopback.claim_ingress_block(36000, 1000, 200, {folder!r}), flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "(36000, 36200)"  # the first block, held by the other process
+        mine = loopback.claim_ingress_block(36000, 1000, 200, folder)
+        assert mine == (36200, 36400)  # the next block: no port of the other's
+        assert loopback.claim_ingress_block(36000, 1000, 200, folder) == mine  # this process's own, again
+    finally:
+        other.communicate("")
+    loopback._CLAIMS.pop(36200)  # forget this process's claim (a new process's view) to read the first block
+    assert loopback.claim_ingress_block(36000, 1000, 200, folder) == (36000, 36200)  # free once the other went
+    with socket.socket() as held:  # a port taken inside a block: the block starts after it
+        held.bind(("127.0.0.1", 36400))
+        held.listen()
+        assert loopback.claim_ingress_block(36400, 400, 200, folder)[0] > 36400
