@@ -395,7 +395,7 @@ class FrontDoors:
         models = [MODEL] * ("unbatched" in a.variants) + [MODEL + PADDED_SUFFIX] * ("padded" in a.variants)
         grpc_port = free_port()
         server = Server("ray", repository, "fast", replicas=replicas, models=models or [MODEL], backend=a.backend,
-                        echo="echo" in a.variants, grpc_port=grpc_port)
+                        echo="echo" in a.variants, grpc_port=grpc_port, grpc_front=a.grpc_front)
         if models and "grpc" in a.protocols:
             wait_grpc_ready(f"127.0.0.1:{grpc_port}", models)
         return server, grpc_port
@@ -564,6 +564,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, help="warm-up before each window (default 1)")
     p.add_argument("--processes", type=int, help="load generator processes (default 4; quick 1)")
     p.add_argument("--backend", default="auto", help="auto | onnxruntime | onnxruntime_cuda (servers and in-process)")
+    p.add_argument("--grpc-front", choices=("haproxy", "router"), default="haproxy",
+                   help="haproxy: as make serve (HAProxy sends each ModelInfer to the model's replica); router: "
+                        "each router replica's own gRPC server, the body through HAProxy's HTTP frontend")
     p.add_argument("--gpu-fraction", type=float, default=0.0, help="num_gpus of each model replica (0: none)")
     p.add_argument("--tolerance", type=float, help="rtol and atol of the value checks (default 1e-4 CPU, 1e-2 GPU)")
     p.add_argument("--check-every", type=int, default=16, help="compare the values of every Nth answer per client")

@@ -8,7 +8,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   tests | embed | frontdoors | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
+#   tests | embed | frontdoors | fronts | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -45,6 +45,9 @@ case "$1" in
   frontdoors) cd /tmp/w && python3 -m bench.frontdoors --gpu-fraction ${GPU_FRACTION:-0.04} --replicas ${REPLICAS:-1,8} \
       --clients ${CLIENTS:-1,16,64,256} --variants ${VARIANTS:-unbatched,padded,echo} --protocols ${PROTOCOLS:-http,grpc,shm} \
       $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -90 ;;
+  fronts) cd /tmp/w && for f in ${FRONTS:-router haproxy}; do python3 -m bench.frontdoors --grpc-front $f \
+      --gpu-fraction ${GPU_FRACTION:-0.04} --replicas ${REPLICAS:-8} --clients ${CLIENTS:-1,16,64} --variants unbatched \
+      --protocols http,grpc $HTTP --out "$OUT/$f${TAG:-}" 2>&1 | grep -a "^| [0-9]\|added over"; done ;;
   firstclient) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18,tiny_cnn \
       --batched resnet18,tiny_cnn --padded --preferred-batch-size 8 --batch-levels 1,16,64 --gpu-fraction 0.1 \
       $HTTP --out "$OUT" 2>&1 | grep -av "^INFO\|^\s*$" | tail -40 ;;

@@ -191,7 +191,11 @@ def ray_env(config: str, scratch: Path) -> dict[str, str]:
     clusters on the machine). With HAProxy, the rest of what ``make serve`` sets
     (``deployments.loopback.local_env``): the cluster on 127.0.0.1, and HAProxy run through the
     wrapper that keeps it there and makes it retry or answer a request whose ingress replica
-    dies."""
+    dies, and its buffer sized as ``make serve`` sizes it for the default ``retry_body_mib``."""
+    from deployments.app import AppArgs
+    from deployments.haproxy import BUFSIZE_ENV, buffer_env
+    from deployments.runtime.contract.units import mib_to_bytes
+
     if config not in RAY_CONFIGS:
         raise ValueError(f"unknown Ray config {config!r}; one of {RAY_CONFIGS}")
     env: dict[str, str] = {}
@@ -215,6 +219,9 @@ def ray_env(config: str, scratch: Path) -> dict[str, str]:
         env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"] = str(2**31 - 1)
     if config != "proxy":
         env.update(loopback.local_env({**os.environ, **env}))
+        if BUFSIZE_ENV not in os.environ:  # as make serve sizes it (deployments.run.retry_buffer_env)
+            env.update((name, value) for name, value in buffer_env(
+                mib_to_bytes(AppArgs.model_fields["retry_body_mib"].default)).items() if name not in os.environ)
     return env
 
 
@@ -230,13 +237,16 @@ def _serve_ray(args: argparse.Namespace) -> None:
     from ray import serve
 
     from deployments.app import run_applications
+    from deployments.grpc_service import SERVE_SERVICER
 
     hooks = {"worker_process_setup_hook": "bench.batch_trace.install"} if (
         os.environ.get(batch_trace.ENV) or os.environ.get(gpu_standin.ENV) or os.environ.get(stage_cpu.ENV)) else None
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
              runtime_env=hooks)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve_grpc = args.grpc_port and args.grpc_front == "haproxy" and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, grpc_options={  # as deployments.run
+            "port": args.grpc_port, "grpc_servicer_functions": [SERVE_SERVICER]} if serve_grpc else None)
         router = {"num_replicas": args.replicas, "num_cpus": 0.1, "max_ongoing_requests": 1024}
         app_args = json.loads(args.app_args) if args.app_args else {"repository": args.repository, "router": router}
         app_args.setdefault("backend", args.backend)
@@ -340,13 +350,16 @@ class Server:
     def __init__(self, kind: str, repository: Path, ray_config: str = "fast", replicas: int = 1,
                  models: Sequence[str] = (), direct: Sequence[str] = (),
                  app_args: dict[str, Any] | None = None, backend: str = "auto", echo: bool = False,
-                 one_hop: bool = True, grpc_port: int | None = None) -> None:
+                 one_hop: bool = True, grpc_port: int | None = None, grpc_front: str = "haproxy") -> None:
         """``app_args``: the Ray application's args as they stand (e.g. ``serve_config.yaml``'s),
         instead of ``repository`` with ``replicas`` router replicas. ``echo``: also serve the
         echo ceiling at ``/echo`` with ``replicas`` replicas (Ray only). ``one_hop`` False: the
         dedicated models' applications get no route prefix, so the router answers their routes
         and calls them through its handles (the path before one hop; Ray only). ``grpc_port``:
-        the port of the router replicas' gRPC front door (Ray only; default the app's, 8001)."""
+        the port of the KServe v2 gRPC front door (Ray only; default the app's, 8001);
+        ``grpc_front``: ``haproxy``, as ``make serve`` serves it (Serve's gRPC, HAProxy reading
+        each ModelInfer's model name, where ``ray_config`` runs HAProxy), or ``router`` (each
+        router replica's own gRPC server, the body through HAProxy's HTTP frontend)."""
         self.kind, self.ray_config = kind, ray_config
         self.echo = echo and kind == "ray"
         self.port = free_port()
@@ -360,7 +373,7 @@ class Server:
             cmd += ["--app-args", json.dumps(app_args)] if app_args else []
             cmd += ["--echo"] if echo else []
             cmd += [] if one_hop else ["--two-hop"]
-            cmd += ["--grpc-port", str(grpc_port)] if grpc_port else []
+            cmd += ["--grpc-port", str(grpc_port), "--grpc-front", grpc_front] if grpc_port else []
             # The cluster's environment set before the server's Python starts, as ``make serve``
             # does: Ray Serve reads some of it once, when imported (the transport of the handles
             # the server process makes).
@@ -998,6 +1011,7 @@ def main(argv: Sequence[str]) -> None:
         p.add_argument("--port", type=int)
         p.add_argument("--replicas", type=int, default=1)
         p.add_argument("--grpc-port", type=int)
+        p.add_argument("--grpc-front", choices=("haproxy", "router"), default="haproxy")
         p.add_argument("--echo", action="store_true")
         p.add_argument("--two-hop", action="store_true")
         _serve_ray(p.parse_args(argv[1:]))

@@ -1,27 +1,30 @@
-"""The KServe v2 gRPC front door: Triton's ``inference.GRPCInferenceService`` served by every
-router replica, on the router's own routes.
+"""The KServe v2 gRPC front door: Triton's ``inference.GRPCInferenceService``, answered through a
+replica's own HTTP routes (``InferenceService``).
 
 Every gRPC call shares one path (``/inference.GRPCInferenceService/ModelInfer``) with the model
-name inside the message, and Ray Serve 2.60's gRPC proxy routes by ``application`` metadata that
-``tritonclient.grpc`` does not send, so neither it nor HAProxy can pick a model's replica. Each
-router replica instead runs a ``grpc.aio`` server on its own event loop (``start``: the port of
-``grpc_port`` in the application args, shared by the node's router replicas through
-SO_REUSEPORT, on 127.0.0.1 where the Ray node's IP is loopback), and answers each call through
-the router's HTTP route for it (``InferenceService``): ``ModelInfer`` becomes the body a
-``tritonclient.http`` binary request would send (``protocol.grpc.infer_body``) and runs through
-``V2Routes.infer``, so model lookup, versions, readiness, the one hop to the model's replica
-(a dedicated model's or pipeline's through its handle, a pool model's body to the pool replica),
-the body limit, timeouts, metrics, statistics and request logs are the HTTP path's own, and an
-error has the same text, with the gRPC code of its HTTP status (``protocol.errors.grpc_code``).
-Where HAProxy is the HTTP ingress (Ray Serve's HAProxy mode, ``make serve``), that body goes
-instead to the node's HAProxy frontend over kept-alive HTTP/1.1 connections (``IngressForward``),
-so a ModelInfer takes an HTTP request's own path: one hop to the model's replica, its routing,
-retries, admission and counting. docs/architecture.md, "The gRPC front door", says why this
-design and what it costs.
+name inside the message, and Ray Serve 2.60's gRPC routes by ``application`` metadata that
+``tritonclient.grpc`` does not send. docs/architecture.md, "The gRPC front door", says what each
+front costs and why; the two:
 
-The shared-memory RPCs go through the router's shared-memory routes (``shared_memory_routes``),
-and an infer's ``shared_memory_*`` parameters reach the replica as over HTTP. Trace and log
-settings answer UNIMPLEMENTED.
+- With HAProxy (``make serve``): Serve serves gRPC in every ingress replica (``deployments.run``
+  names ``add_kserve_v2_service`` in ``grpc_options``), HAProxy reads each ModelInfer's model
+  name and sends the call to that model's replicas, every other call to the router's
+  (``haproxy.route_grpc_models``), and the replica's method of the RPC's name answers it
+  (``ServeGrpcMethods``, which every ingress deployment inherits): one hop, as over HTTP.
+- Behind Serve's Python proxy: each router replica runs a ``grpc.aio`` server on its own event
+  loop (``start``: the port of ``grpc_port`` in the application args, shared by the node's
+  router replicas through SO_REUSEPORT, on 127.0.0.1 where the Ray node's IP is loopback).
+  ``ModelInfer`` runs through ``V2Routes.infer``, the router's HTTP route (model lookup,
+  versions, readiness, the one hop to the model's replica through its handle); where HAProxy is
+  the HTTP ingress but Serve serves no gRPC, its body goes to HAProxy's HTTP frontend over
+  kept-alive HTTP/1.1 connections (``IngressForward``) and takes an HTTP request's path.
+
+Either way a ModelInfer becomes the body a ``tritonclient.http`` binary request would send
+(``protocol.grpc.infer_body``), so the body limit, timeouts, metrics, statistics and request logs
+are the HTTP path's own, and an error has the same text, with the gRPC code of its HTTP status
+(``protocol.errors.grpc_code``). The shared-memory RPCs go through the shared-memory routes
+(``shared_memory_routes``), and an infer's ``shared_memory_*`` parameters reach the replica as
+over HTTP. Trace and log settings answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -41,14 +44,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from tritonclient.grpc import model_config_pb2, service_pb2 as pb, service_pb2_grpc as pb_grpc
 
-from .haproxy import ERROR_ANSWERS
+from .haproxy import CLUSTER_HEADER, ERROR_ANSWERS
 from .protocol.binary import HEADER_LENGTH
 from .protocol.errors import grpc_code
 from .protocol.grpc import (cuda_register_body, infer_body, infer_response, json_message, region_statuses,
                             repository_body, system_register_body)
 from .protocol.answer import timeout_error
-from .routes import EDGE_HEADER_BYTES, POOL_TIMEOUT_GRACE_S, V2Routes, error_response
-from .runtime.contract.errors import InvalidInput, ModelNotFound
+from .routes import EDGE_HEADER_BYTES, POOL_TIMEOUT_GRACE_S, V2Routes, error_response, misdirected
+from .runtime.contract.errors import InvalidInput, ModelNotFound, PayloadTooLarge
 
 logger = logging.getLogger("ray.serve")
 
@@ -634,3 +637,140 @@ async def start(routes: V2Routes, port: int, host: str, max_message_bytes: int, 
         raise RuntimeError(f"another server listens on port {port} too, and would answer some of its calls: "
                            + ", ".join(others))
     return server
+
+
+# Where HAProxy is the ingress (``make serve``), Ray Serve serves gRPC itself: ``deployments.run``
+# gives the Serve config ``grpc_options`` naming this function, each ingress replica (the
+# router's, a dedicated model's, a pipeline's, a pool replica) runs Serve's gRPC server on a
+# port of its own, and HAProxy's gRPC frontend sends a ModelInfer to the replicas of the model
+# its message names (``haproxy.route_grpc_models``) and every other call to the router's: one
+# hop, as over HTTP. Serve's server calls the deployment's method of the RPC's name
+# (``ServeGrpcMethods``).
+SERVE_SERVICER = "deployments.grpc_service.add_kserve_v2_service"
+_CLUSTER_METADATA = CLUSTER_HEADER.lower()
+
+
+def add_kserve_v2_service(servicer: Any, server: Any) -> None:
+    """The servicer function of Serve's ``grpc_options`` (``SERVE_SERVICER``): every method of
+    ``inference.GRPCInferenceService`` on ``server`` (Serve's gRPC server, which sends each call
+    to the deployment's method of the same name), taking the message's raw bytes, so that the
+    method parses it itself: a message that is not protobuf ends INVALID_ARGUMENT, and one over
+    ``max_body_mib`` RESOURCE_EXHAUSTED naming the limit (Serve's server takes up to 2 GiB).
+    ``servicer`` is Serve's stand-in, unused."""
+    capture = _HandlerCapture()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(pb_grpc.GRPCInferenceServiceServicer(), capture)
+    (generated,) = capture.generic
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, {
+        method.name: generated.service(_Call(f"/{service.full_name}/{method.name}"))._replace(request_deserializer=None)
+        for method in service.methods}),))
+
+
+def serves_kserve_grpc(options: Any) -> bool:
+    """Whether Serve's ``gRPCOptions`` (``options``; None: none) serve KServe v2 gRPC
+    (``SERVE_SERVICER`` among its servicer functions)."""
+    return options is not None and SERVE_SERVICER in (options.grpc_servicer_functions or ())
+
+
+class _ServeCall:
+    """The part of grpc.aio's call context ``InferenceService`` uses, over the context Ray Serve
+    gives a deployment's gRPC method (``RayServegRPCContext``): ``abort`` sets its code and
+    details and ends the method with grpc.aio's ``AbortError``, which the method answers with an
+    empty message (Serve then sends the code and details it was given)."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.context.set_trailing_metadata(list(metadata))
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.context.set_code(code)
+        self.context.set_details(details)
+        raise grpc.aio.AbortError()
+
+
+async def _parse(method: str, message_type: Any, raw: bytes, call: _ServeCall) -> Any:
+    """``raw`` as a ``message_type``; one that is not ends the call INVALID_ARGUMENT, in the
+    words of ``_parsed_in_the_call``."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as e:
+        await call.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the {method} request is not a valid protobuf message of its type ({e})")
+
+
+async def _check_cluster(service: InferenceService, grpc_context: Any, call: _ServeCall, method: str) -> None:
+    """Ends the call UNAVAILABLE (421's text, ``routes.misdirected``) where HAProxy stamped it
+    with another Ray cluster's id (``haproxy.CLUSTER_HEADER``, as an HTTP request's header): it
+    came from another server's HAProxy on this host through a port this replica holds now."""
+    sent = dict(grpc_context.invocation_metadata()).get(_CLUSTER_METADATA)
+    error = misdirected(service.routes.cluster, sent, method)
+    if error is not None:
+        await _abort(call, error_response(error, log=False))
+
+
+def _serve_method(method: Any) -> Callable[..., Any]:
+    """The deployment method that answers RPC ``method`` (a method descriptor of the service)
+    when Serve's gRPC server calls it: the raw message parsed, then ``InferenceService``'s
+    method of the same name over the deployment's routes (``ServeGrpcMethods``)."""
+    name, request_type = method.name, getattr(pb, method.input_type.name)
+    empty = getattr(pb, method.output_type.name)
+
+    if method.client_streaming:
+        async def stream(self: Any, requests: AsyncIterator[bytes], grpc_context: Any) -> AsyncIterator[Any]:
+            call = _ServeCall(grpc_context)
+
+            async def parsed() -> AsyncIterator[Any]:
+                async for raw in requests:
+                    yield await _parse(name, request_type, raw, call)
+
+            service = self.kserve_service()
+            try:
+                await _check_cluster(service, grpc_context, call, name)
+                async for answer in getattr(service, name)(parsed(), call):
+                    yield answer
+            except grpc.aio.AbortError:
+                return
+
+        stream.__name__ = name
+        return stream
+
+    async def unary(self: Any, raw: bytes, grpc_context: Any) -> Any:
+        call = _ServeCall(grpc_context)
+        service = self.kserve_service()
+        try:
+            await _check_cluster(service, grpc_context, call, name)
+            if len(raw) > service.routes.max_body_bytes:
+                await _abort(call, error_response(PayloadTooLarge(
+                    f"the {name} message is {len(raw)} bytes; the limit is {service.routes.max_body_bytes} bytes")))
+            return await getattr(service, name)(await _parse(name, request_type, raw, call), call)
+        except grpc.aio.AbortError:
+            return empty()
+
+    unary.__name__ = name
+    return unary
+
+
+class ServeGrpcMethods:
+    """A method per RPC of ``inference.GRPCInferenceService``, each answering as the router's
+    gRPC server does (``InferenceService``) over the deployment's own routes
+    (``kserve_routes``), for Serve's gRPC server (``add_kserve_v2_service``): an ingress
+    deployment (the router, a dedicated model, a pipeline, the pool) inherits it, and HAProxy
+    sends it the calls it serves (``haproxy.route_grpc_models``)."""
+
+    def kserve_routes(self) -> V2Routes:
+        """The routes the methods answer through: a model replica's ``routes``."""
+        return self.routes  # type: ignore[attr-defined, no-any-return]
+
+    def kserve_service(self) -> InferenceService:
+        """The ``InferenceService`` over ``kserve_routes``, made at the first call: a ModelInfer
+        that reached this replica runs here (no hop through the HTTP ingress)."""
+        service = self.__dict__.get("_kserve_service")
+        if service is None:
+            service = self.__dict__["_kserve_service"] = InferenceService(self.kserve_routes())
+        return service
+
+
+for _method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+    setattr(ServeGrpcMethods, _method.name, _serve_method(_method))

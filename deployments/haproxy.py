@@ -238,6 +238,26 @@ def retry_bufsize(retry_body_bytes: int) -> int:
     return int(retry_body_bytes) + RETRY_HEADER_ROOM_BYTES
 
 
+# HTTP/2 (the gRPC frontend): Ray's template announces 16 KiB frames and a 64 KiB window to
+# clients, so a 602 KB ModelInfer crossed HAProxy in 38 frames and about ten window updates, each
+# a round trip of wake-ups before HAProxy had the message whole (``route_grpc_models`` waits for
+# it): on the H200 gRPC added 3.5 ms over HTTP at one client, 0.5-0.7 ms with frames as large as
+# the buffer's body room and an 8 MiB window (docs/performance.md, "The front doors side by
+# side"). The frame size HAProxy takes is at most what its buffer holds.
+H2_FRAME_ENV = "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE"
+H2_WINDOW_ENV = "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE"
+H2_WINDOW_BYTES = 8 << 20
+_H2_FRAME_BYTES = (1 << 14, (1 << 24) - 1)  # HTTP/2's bounds on SETTINGS_MAX_FRAME_SIZE
+
+
+def buffer_env(retry_body_bytes: int) -> dict[str, str]:
+    """Ray's HAProxy variables for requests of up to ``retry_body_bytes`` of body held whole:
+    its buffer (``retry_bufsize``), and HTTP/2 frames of up to that body with an
+    ``H2_WINDOW_BYTES`` window (the comment above)."""
+    frame = min(max(int(retry_body_bytes), _H2_FRAME_BYTES[0]), _H2_FRAME_BYTES[1])
+    return {BUFSIZE_ENV: str(retry_bufsize(retry_body_bytes)), H2_FRAME_ENV: str(frame), H2_WINDOW_ENV: str(H2_WINDOW_BYTES)}
+
+
 SERVER_CONNECTION_REUSE = "never"
 _REUSE = re.compile(r"^(?P<indent>\s+)http-reuse\s+\S+\s*$")
 RETRY_AFTER_S = 1
@@ -538,6 +558,13 @@ def hash_pool_models(config: str) -> str:
         return config
     lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
     prefixes = {m["name"]: m["prefix"] for line in lines if (m := _PATH_BEG.match(line.rstrip("\n")))}
+    keys = {}  # hashed pool backend -> the sample its requests are hashed by
+    for name, prefix in prefixes.items():
+        if name.endswith(".pool") and prefix.endswith("/v2/models/"):
+            field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
+            keys[name] = f"path,field({field},/)"
+            if name.startswith(HTTP_BACKEND):  # its gRPC twin: by the model its ModelInfer names
+                keys[GRPC_BACKEND + name[len(HTTP_BACKEND):]] = f"var({GRPC_MODEL_VAR})"
     out: list[str] = []
     taken: set[int] | None = None  # in a hashed pool backend: the ids its servers have so far
     for line in lines:
@@ -549,13 +576,11 @@ def hash_pool_models(config: str) -> str:
             taken.add(server_id)
             line = line.rstrip("\n") + f" id {server_id}\n"
         out.append(line)
-        name = _backend_name(line) if _SECTION.match(line) else None
-        prefix = prefixes.get(name) if name is not None and name.endswith(".pool") else None
-        if prefix is None or not prefix.endswith("/v2/models/"):
+        key = keys.get(_backend_name(line) or "") if _SECTION.match(line) else None
+        if key is None:
             continue
         taken = set()
-        field = prefix.rstrip("/").count("/") + 2  # "/v2/models/m/infer": "", "v2", "models", "m" -> 4
-        out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash path,field({field},/)\n",
+        out += [f"    {POOL_HASH_MARKER}\n", f"    balance hash {key}\n",
                 "    hash-type consistent\n", f"    hash-balance-factor {POOL_HASH_BALANCE_FACTOR}\n"]
     return "".join(out)
 
@@ -580,15 +605,15 @@ def hash_pool_models(config: str) -> str:
 PLACEMENT_MARKER = "# trt-serve: a placed pool model's requests go to its least loaded replica (deployments/haproxy.py)"
 PLACEMENT_MAP_SUFFIX = ".placement.map"
 PLACEMENT_MAX_COPIES = 8  # copies of one model HAProxy compares (the first ones the map lists)
-_BALANCE_HASH = re.compile(r"^\s+balance hash path,field\((?P<field>\d+),/\)$")
+_BALANCE_HASH = re.compile(r"^\s+balance hash (?P<key>path,field\(\d+,/\)|var\(txn\.\w+\))$")
 
 
-def _least_loaded_copy(backend: str, servers: Sequence[str], field: str, map_file: str) -> list[str]:
+def _least_loaded_copy(backend: str, servers: Sequence[str], key: str, map_file: str) -> list[str]:
     """The rules (config lines) that send a request to the least loaded of its model's copies in
-    ``map_file``, among ``servers`` of ``backend`` (the comment above)."""
+    ``map_file``, among ``servers`` of ``backend``, the model's name read by sample ``key`` (the
+    comment above)."""
     copies = min(len(servers), PLACEMENT_MAX_COPIES)
-    rules = ["http-request set-var(txn.trt_placed) path,field({field},/),map({map_file})".format(
-        field=field, map_file=map_file)]
+    rules = [f"http-request set-var(txn.trt_placed) {key},map({map_file})"]
     rules += [f"http-request set-var(txn.trt_copy{i}) var(txn.trt_placed),field({i},+) "
               "if { var(txn.trt_placed) -m found }" for i in range(1, copies + 1)]
     rules += [f"http-request set-var(txn.trt_load{i}) srv_conn({backend}/{server}) "
@@ -622,7 +647,85 @@ def place_pool_models(config: str, map_file: str) -> str:
         closed = next((k for k in range(index + 1, len(lines)) if _SECTION.match(lines[k])), len(lines))
         servers = [m["name"] for k in range(opened, closed) if (m := _SERVER.match(lines[k].rstrip("\n")))]
         out += [f"    {PLACEMENT_MARKER}\n",
-                *_least_loaded_copy(_backend_name(lines[opened]) or "", servers, balance["field"], map_file)]
+                *_least_loaded_copy(_backend_name(lines[opened]) or "", servers, balance["key"], map_file)]
+    return "".join(out)
+
+
+# Ray's gRPC frontend (where Serve serves gRPC: ``deployments.run`` gives it ``grpc_options``) sends a
+# call to an application's replicas by the ``application`` metadata of the call, which
+# tritonclient never sends, and every other call to a backend answering NOT_FOUND. KServe v2
+# names the model inside the ModelInfer message (field 1, ``model_name``, the first field every
+# protobuf library writes), so HAProxy reads it there: it waits for the message (``wait-for-body``,
+# what ``option http-buffer-request`` does for an HTTP request, so that a call whose replica dies
+# can be sent again: ``answer_replica_deaths``; up to one buffer, ``retry_bufsize``), reads field 1
+# past the 5-byte gRPC prefix (``protobuf(1)``, on the part a buffer holds where the message is
+# larger: ``ungrpc`` needs the whole message) into ``GRPC_MODEL_VAR``, and sends the call to
+# the backend of that model's application (the model's replicas), any other named model to the
+# pool's (as an HTTP request's path does: its hash or placement picks the replica,
+# ``hash_pool_models``), and every call with no model name it could read (the other RPCs, a
+# compressed message: its prefix's first byte is not 0) to the router's, which answers it all
+# (an infer through the model's handle). A call with ``application`` metadata still goes where it names.
+# The option itself is off in the gRPC frontend and backends: it would hold a ModelStreamInfer
+# (a stream of messages that ends when the client ends it) for ``HTTP_REQUEST_TIMEOUT_S`` twice
+# before its first message reached the router.
+GRPC_MODEL_MARKER = "# trt-serve: a ModelInfer goes to the replicas of the model its message names (deployments/haproxy.py)"
+GRPC_FRONTEND = "frontend grpc_frontend"
+GRPC_MODEL_VAR = "txn.trt_model"
+HTTP_BACKEND, GRPC_BACKEND = "http-", "grpc-"
+_MODEL_PREFIX = re.compile(r"/v2/models/(?P<model>[^/]+)/$")
+
+
+def route_grpc_models(config: str) -> str:
+    """``config`` with Ray's gRPC frontend sending each ModelInfer to the backend of the model
+    its message names (the comment above) and the calls no model's backend takes to the
+    router's gRPC backend (where Ray's answers NOT_FOUND). A model's backend is the gRPC twin
+    (``grpc-<app>``) of the HTTP backend whose ACL matches ``/v2/models/<model>/``; the pool's,
+    of the one matching ``/v2/models/``; the router's, the backend ``grpc-<app>`` of which the
+    others are ``grpc-<app>.<name>``. Unchanged without a gRPC frontend. Idempotent (a marker)."""
+    if GRPC_MODEL_MARKER in config or GRPC_FRONTEND not in config:
+        return config
+    lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
+    backends = {name for line in lines if _SECTION.match(line) and (name := _backend_name(line))}
+    models, pools = {}, []
+    for line in lines:
+        acl = _PATH_BEG.match(line.rstrip("\n"))
+        if acl is None or not acl["name"].startswith(HTTP_BACKEND):
+            continue
+        twin = GRPC_BACKEND + acl["name"][len(HTTP_BACKEND):]
+        model = _MODEL_PREFIX.search(acl["prefix"])
+        if twin in backends and model is not None:
+            models[model["model"]] = twin
+        elif twin in backends and acl["prefix"].endswith("/v2/models/"):
+            pools.append(twin)
+    grpc = [name for name in backends if name.startswith(GRPC_BACKEND)]
+    routers = [b for b in grpc if any(other.startswith(b + ".") for other in grpc)]
+    router = min(routers, key=len) if routers else None
+    rules = [f"    {GRPC_MODEL_MARKER}\n",
+             "    acl trt_model_infer path /inference.GRPCInferenceService/ModelInfer\n",
+             "    acl trt_stream path /inference.GRPCInferenceService/ModelStreamInfer\n",
+             "    no option http-buffer-request\n",
+             f"    http-request wait-for-body time {HTTP_REQUEST_TIMEOUT_S}s unless trt_stream\n",
+             f"    http-request set-var({GRPC_MODEL_VAR}) req.body,bytes(5),protobuf(1) "
+             "if trt_model_infer { req.body,bytes(0,1),hex -m str 00 }\n"]
+    routes = [f"    use_backend {backend} if trt_model_infer {{ var({GRPC_MODEL_VAR}) -m str {model} }}\n"
+              for model, backend in sorted(models.items())]
+    routes += [f"    use_backend {pool} if trt_model_infer {{ var({GRPC_MODEL_VAR}) -m found }}\n" for pool in pools[:1]]
+    out: list[str] = []
+    frontend = False
+    for line in lines:
+        words = line.split()[:1]
+        if _SECTION.match(line):
+            frontend = line.strip() == GRPC_FRONTEND
+            if (_backend_name(line) or "").startswith(GRPC_BACKEND):
+                out += [line, f"    {GRPC_MODEL_MARKER}\n", "    no option http-buffer-request\n"]
+                continue
+        elif frontend and rules and words == ["use_backend"]:  # the rules before every backend choice
+            out, rules = out + rules, []
+        elif frontend and words == ["default_backend"]:  # the names after Ray's `application` metadata
+            out += rules + routes
+            rules = []
+            line = line if router is None else f"    default_backend {router}\n"
+        out.append(line)
     return "".join(out)
 
 
@@ -738,10 +841,11 @@ def mark_cluster(config: str, cluster: str) -> str:
 
 def rewrite_config(config: str, map_file: str | None = None, cluster: str | None = None) -> str:
     """What the wrapper does to Ray's HAProxy config: ``bind_loopback``, ``answer_replica_deaths``,
-    ``answer_unrouted``, ``router_backs_up_models``, ``hash_pool_models`` then, given the
+    ``answer_unrouted``, ``router_backs_up_models``, ``hash_pool_models``, ``route_grpc_models`` then, given the
     placement's ``map_file``, ``place_pool_models``, and given this Ray ``cluster``'s id
     (``cluster_id``), ``mark_cluster``."""
     config = hash_pool_models(router_backs_up_models(answer_unrouted(answer_replica_deaths(bind_loopback(config)))))
+    config = route_grpc_models(config)
     config = config if map_file is None else place_pool_models(config, map_file)
     return config if cluster is None else mark_cluster(config, cluster)
 

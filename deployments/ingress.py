@@ -62,8 +62,10 @@ class RouterApp(SharedMemoryRoutes, OpenAIRoutes, RepositoryRoutes, ReadinessWat
 
 @serve.deployment
 @serve.ingress()
-class Router(RouterApp):
-    """The ``RouterApp`` as a Ray Serve ingress deployment, calling models through handles.
+class Router(grpc_service.ServeGrpcMethods, RouterApp):
+    """The ``RouterApp`` as a Ray Serve ingress deployment, calling models through handles; its
+    KServe v2 gRPC: its own ``grpc.aio`` server on ``grpc_port`` behind Serve's Python proxy,
+    Serve's gRPC server behind HAProxy (``_serve_grpc``).
 
     Args:
         repository: model repository root.
@@ -109,10 +111,18 @@ class Router(RouterApp):
         if options.grpc_port is not None:
             self._grpc_start = loop.create_task(self._serve_grpc(options.grpc_port, options.max_body_bytes))
 
+    def kserve_routes(self) -> RouterApp:
+        return self
+
     async def _serve_grpc(self, port: int, max_body_bytes: int) -> None:
         """Serve KServe v2 gRPC on ``port`` (``deployments.grpc_service``); a port this replica
-        cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on."""
+        cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on. Where Serve
+        serves it (its ``grpc_options`` name ``grpc_service.SERVE_SERVICER``: HAProxy binds the
+        port and sends the router the calls no model replica takes), none of its own."""
         host = bind_host()
+        if grpc_service.serves_kserve_grpc(await self._grpc_options()):
+            ready_logger.info("gRPC (KServe v2) on %s:%d, through HAProxy to each model's replicas", host, port)
+            return
         self._forward = await self._ingress_forward()
         try:
             replica = serve.get_replica_context()
@@ -173,6 +183,18 @@ class Router(RouterApp):
         from ray.serve.context import _get_global_client
 
         return await asyncio.to_thread(lambda: _get_global_client().http_config)
+
+    async def _grpc_options(self) -> Any:
+        """Serve's ``gRPCOptions`` (``grpc_options`` of the Serve config), from the controller;
+        None where they cannot be read."""
+        from ray.serve.context import _get_global_client
+
+        import ray
+
+        try:
+            return await asyncio.to_thread(lambda: ray.get(_get_global_client()._controller.get_grpc_config.remote()))
+        except Exception:
+            return None
 
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""

@@ -19,7 +19,8 @@ What listens where, and why each setting (Ray 2.60):
 - The dashboard (and its Jobs API) binds 127.0.0.1:8265 by default (``dashboard_host``).
 - HAProxy's ``listen stats`` and ``frontend prometheus`` bind every interface in Ray's
   template: ``deployments.haproxy.bind_loopback`` rewrites them.
-- Each Serve replica's inter-deployment gRPC server: Ray 2.60 binds ``[::]:0`` whatever the
+- Each Serve replica's inter-deployment gRPC server, and an ingress replica's KServe v2 one where
+  Serve serves gRPC (``make serve``): Ray 2.60 binds ``[::]`` whatever the
   node IP (``serve/_private/replica.py``, ``_on_initialized``); ``replica_grpc_on_loopback``,
   called in every deployment's constructor (which runs before that), binds it to 127.0.0.1 on a
   node whose IP is loopback, where its callers dial it.
@@ -30,31 +31,47 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .haproxy import (HAPROXY_DEFAULT_PORTS, HAPROXY_FILES, HAPROXY_HEALTH_ENV, LOOPBACK, REAL_BINARY_ENV, WRAPPER,
                       haproxy_folder, port_or_free, real_haproxy)
 
 
+# The function every worker of the cluster ``deployments.run`` starts runs as it starts (the job's
+# ``worker_process_setup_hook``): Serve's proxy, which serves gRPC where Serve does, runs no code of
+# this project's before it binds ``[::]``.
+WORKER_SETUP_HOOK = "deployments.loopback.replica_grpc_on_loopback"
+
+
 def replica_grpc_on_loopback() -> None:
     """In a Serve replica on a node whose IP is loopback (``make serve``'s single-machine
-    cluster), make Ray 2.60's replica gRPC server bind 127.0.0.1 instead of ``[::]`` (it is
-    bound after the deployment's constructor, through ``replica.add_port_to_grpc_server``,
-    which this wraps). Elsewhere (a cluster, another process) it does nothing. Idempotent."""
+    cluster), make Ray 2.60's replica gRPC servers bind 127.0.0.1 instead of ``[::]`` (both are
+    bound after the deployment's constructor: the inter-deployment one through
+    ``replica.add_port_to_grpc_server``, an ingress replica's KServe v2 one, where Serve serves
+    gRPC, through ``default_impl.add_grpc_address``; this wraps both; Serve's proxy serving gRPC
+    binds through the latter too, and runs this as ``WORKER_SETUP_HOOK``). Elsewhere (a cluster, another process) it does nothing. Idempotent."""
     import ray
-    from ray.serve._private import replica
+    from ray.serve._private import default_impl, replica
 
-    original = replica.add_port_to_grpc_server
-    if getattr(original, "_on_loopback", False) or ray.util.get_node_ip_address() != LOOPBACK:
+    if ray.util.get_node_ip_address() != LOOPBACK:
         return
+    replica.add_port_to_grpc_server = _on_loopback(replica.add_port_to_grpc_server)
+    default_impl.add_grpc_address = _on_loopback(default_impl.add_grpc_address)
 
-    def add_port(server, address: str):  # type: ignore[no-untyped-def]
+
+def _on_loopback(add: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """``add`` (a function binding a gRPC server to an address) binding 127.0.0.1 where it is
+    given ``[::]``; ``add`` itself where it is already so wrapped."""
+    if getattr(add, "_on_loopback", False):
+        return add
+
+    def on_loopback(server: Any, address: str) -> Any:
         if address.startswith("[::]:"):
             address = f"{LOOPBACK}:{address[len('[::]:'):]}"
-        return original(server, address)
+        return add(server, address)
 
-    add_port._on_loopback = True  # type: ignore[attr-defined]
-    replica.add_port_to_grpc_server = add_port
+    on_loopback._on_loopback = True  # type: ignore[attr-defined]
+    return on_loopback
 
 
 # Where Ray 2.60 starts the ports it hands each ingress replica for HAProxy (direct ingress,

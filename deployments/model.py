@@ -23,6 +23,7 @@ from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
 from .node import node_id
+from .grpc_service import ServeGrpcMethods
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observe_replica_infer, replica_recorder
@@ -41,7 +42,7 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment
 @serve.ingress()
-class ModelDeployment:
+class ModelDeployment(ServeGrpcMethods):
     """A dedicated deployment: every replica loads one model at start (eager).
 
     Args:

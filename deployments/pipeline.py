@@ -19,6 +19,7 @@ from .admission import Admission
 from .replica_routes import own_routes
 from .routes import RouterOptions
 from .node import node_id
+from .grpc_service import ServeGrpcMethods
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .observe.deployment import observed_steps, replica_recorder
@@ -33,7 +34,7 @@ from .runtime.contract.validation import validate_request
 
 @serve.deployment
 @serve.ingress()
-class PipelineDeployment:
+class PipelineDeployment(ServeGrpcMethods):
     """A composed model (like a Triton ensemble) whose steps call other model deployments.
 
     It validates the pipeline model's own request (the steps' replicas validate theirs).

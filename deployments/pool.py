@@ -25,6 +25,7 @@ from .admission import Admission
 from .replica_routes import pool_routes
 from .routes import RouterOptions
 from .node import node_id
+from .grpc_service import ServeGrpcMethods
 from .loopback import replica_grpc_on_loopback
 from .logs import show_on_terminal
 from .placement import PlacementFollower, PoolReport, haproxy_server_name
@@ -53,7 +54,7 @@ def _backend_here(requested: str) -> str:
 
 @serve.deployment
 @serve.ingress()
-class PoolDeployment:
+class PoolDeployment(ServeGrpcMethods):
     """Serves the models not given a dedicated deployment: their HTTP routes (``PoolRoutes``, the
     model named in the path), and calls through handles chosen by multiplexed model id.
 

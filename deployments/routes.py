@@ -106,19 +106,28 @@ class ClusterGuard:
         self._header = CLUSTER_HEADER.lower().encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and self.cluster is not None:
+        if scope["type"] == "http":
             sent = next((value.decode("latin-1") for name, value in scope.get("headers", ()) if name == self._header), None)
-            if sent is not None and sent != self.cluster:
-                logging.getLogger("ray.serve").warning(
-                    "421: a request for %s from the HAProxy of Ray cluster '%s' reached this replica of '%s'",
-                    scope.get("path", "?"), sent, self.cluster)
-                error = MisdirectedRequest(
-                    f"this replica belongs to another Ray cluster ('{self.cluster}', not '{sent}', whose HAProxy "
-                    "sent the request): it reached it through a stale or shared port (another server runs on "
-                    "this host); the request was not run: send it again")
+            error = misdirected(self.cluster, sent, scope.get("path", "?"))
+            if error is not None:
                 await error_response(error, log=False)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def misdirected(cluster: str | None, sent: str | None, what: str) -> MisdirectedRequest | None:
+    """The error (421, logged) for a request (``what``: its path or method) that HAProxy stamped
+    with Ray cluster ``sent`` (its ``CLUSTER_HEADER``; None: none) reaching a replica of
+    ``cluster`` (None: unknown): None where ``sent`` is None, ``cluster`` unknown or both agree
+    (``ClusterGuard``; a gRPC call's metadata, ``grpc_service.ServeGrpcMethods``)."""
+    if sent is None or cluster is None or sent == cluster:
+        return None
+    logging.getLogger("ray.serve").warning(
+        "421: a request for %s from the HAProxy of Ray cluster '%s' reached this replica of '%s'", what, sent, cluster)
+    return MisdirectedRequest(
+        f"this replica belongs to another Ray cluster ('{cluster}', not '{sent}', whose HAProxy "
+        "sent the request): it reached it through a stale or shared port (another server runs on "
+        "this host); the request was not run: send it again")
 
 
 @dataclass(frozen=True)

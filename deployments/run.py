@@ -75,7 +75,7 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
     stderr. ``path`` unchanged where no model application has a prefix."""
     environ = os.environ if environ is None else environ
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        return path
+        return config_for_grpc(path)
     prefixed = {app.name for app in check.model_applications_of(path) if app.route_prefix is not None}
     config = yaml.safe_load(path.read_text())
     models = [app for app in config["applications"] if app["name"] in prefixed]
@@ -88,6 +88,40 @@ def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
                     "applications without route prefixes\n" + yaml.safe_dump(config, sort_keys=False))
     print(f"Serve's Python proxy (no HAProxy): {[a['name'] for a in models]} get no route prefix; the router "
           f"answers their routes (one hop needs HAProxy: make serve without FAST=0). Serving {copy}", file=sys.stderr)
+    return copy
+
+
+def router_grpc_port(config: dict) -> int | None:
+    """The router application's ``grpc_port`` in a Serve config (its default where unset); None
+    for ``null``, or where the config has no one router application."""
+    from .app import AppArgs
+
+    routers = [app for app in config.get("applications") or [] if not (app.get("args") or {}).get("model")]
+    if len(routers) != 1:
+        return None
+    return (routers[0].get("args") or {}).get("grpc_port", AppArgs.model_fields["grpc_port"].default)
+
+
+def config_for_grpc(path: Path) -> Path:
+    """With HAProxy: ``path`` itself where the router application serves no gRPC (``grpc_port:
+    null``), else a copy beside it whose ``grpc_options`` have Serve serve KServe v2 gRPC on
+    ``grpc_port`` (``grpc_service.SERVE_SERVICER``; HAProxy binds the port and sends each
+    ModelInfer to the replicas of the model its message names: docs/architecture.md, "The gRPC
+    front door"). Servicer functions the config's own ``grpc_options`` name are kept."""
+    from .grpc_service import SERVE_SERVICER
+
+    config = yaml.safe_load(path.read_text())
+    port = router_grpc_port(config)
+    if port is None:
+        return path
+    options = dict(config.get("grpc_options") or {})
+    functions = list(options.get("grpc_servicer_functions") or [])
+    config["grpc_options"] = {**options, "port": port,
+                              "grpc_servicer_functions": functions + [SERVE_SERVICER] * (SERVE_SERVICER not in functions)}
+    copy = path.with_name(f".{path.stem}.grpc.yaml")
+    copy.write_text(f"# {path} with Serve's gRPC on grpc_port {port} (KServe v2, through HAProxy), written by "
+                    "`python -m deployments.run`\n" + yaml.safe_dump(config, sort_keys=False))
+    print(f"KServe v2 gRPC on port {port} through HAProxy (Serve's grpc_options added): serving {copy}", file=sys.stderr)
     return copy
 
 
@@ -105,20 +139,24 @@ def _bind_error(host: str, port: int) -> str | None:
 
 def port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
     """The line to print when ``path``'s HTTP port (``http_options``: Ray's defaults 127.0.0.1
-    and 8000) is taken on this machine, else None. Only where this command starts the cluster
-    (no ``RAY_ADDRESS``): Serve on a running cluster holds its own port. Ray would start anyway
-    and its proxy (HAProxy, or Serve's Python proxy) would retry binding forever, with no error
-    on the terminal: a second ``make serve`` hung silently."""
+    and 8000), or with HAProxy its gRPC port (the router's ``grpc_port``, which HAProxy binds:
+    ``config_for_grpc``), is taken on this machine, else None. Only where this command starts
+    the cluster (no ``RAY_ADDRESS``): Serve on a running cluster holds its own port. Ray would
+    start anyway and its proxy (HAProxy, or Serve's Python proxy) would retry binding forever,
+    with no error on the terminal: a second ``make serve`` hung silently."""
     environ = os.environ if environ is None else environ
     if environ.get("RAY_ADDRESS"):
         return None
-    options = (yaml.safe_load(path.read_text()) or {}).get("http_options") or {}
+    config = yaml.safe_load(path.read_text()) or {}
+    options = config.get("http_options") or {}
     host, port = options.get("host") or "127.0.0.1", int(options.get("port") or 8000)
-    error = _bind_error(host, port)
-    if error is None:
-        return None
-    return (f"port {port} on {host} is taken ({error}): another server (an earlier `make serve`?) "
-            f"listens there; stop it, or set another port in {path}'s http_options")
+    grpc_port = router_grpc_port(config) if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else None
+    for port, setting in ((port, "http_options"), (grpc_port, "router application's args, grpc_port")):
+        error = None if port is None else _bind_error(host, port)
+        if error is not None:
+            return (f"port {port} on {host} is taken ({error}): another server (an earlier `make serve`?) "
+                    f"listens there; stop it, or set another port in {path}'s {setting}")
+    return None
 
 
 def metrics_port_taken(path: Path, environ: dict[str, str] | None = None) -> str | None:
@@ -157,18 +195,18 @@ def _stay_on_loopback() -> bool:
 
 
 def retry_buffer_env(path: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """``{RAY_SERVE_HAPROXY_TUNE_BUFSIZE: bytes}`` for the config at ``path``, to set before Ray
-    starts (Ray's HAProxy manager reads it as it starts): a buffer that holds a request of its
-    router applications' ``retry_body_mib`` (at most their ``max_body_mib``; the largest of
-    them) whole, so that HAProxy sends it again when the replica holding it dies
-    (``haproxy.retry_bufsize``). Empty where HAProxy is off or the variable is set already
-    (the user's size stands).
+    """``{RAY_SERVE_HAPROXY_TUNE_BUFSIZE: bytes, ...}`` for the config at ``path``, to set before
+    Ray starts (Ray's HAProxy manager reads it as it starts): a buffer that holds a request of
+    its router applications' ``retry_body_mib`` (at most their ``max_body_mib``; the largest of
+    them) whole, so that HAProxy sends it again when the replica holding it dies, and HTTP/2
+    frames to match (``haproxy.buffer_env``). Empty where HAProxy is off or the buffer's
+    variable is set already (the user's size stands, and so does each variable the user set).
 
     Raises:
         ConfigError: as ``check``'s reading of ``path``.
     """
     from .app import AppArgs
-    from .haproxy import BUFSIZE_ENV, retry_bufsize
+    from .haproxy import BUFSIZE_ENV, buffer_env
     from .runtime.contract.units import mib_to_bytes
 
     environ = os.environ if environ is None else environ
@@ -178,7 +216,7 @@ def retry_buffer_env(path: Path, environ: dict[str, str] | None = None) -> dict[
     if not routers:
         return {}
     body = max(mib_to_bytes(min(args.retry_body_mib, args.max_body_mib)) for args in routers)
-    return {BUFSIZE_ENV: str(retry_bufsize(body))}
+    return {name: value for name, value in buffer_env(body).items() if name not in environ}
 
 
 class HAProxyWatch:
@@ -335,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if wrapped:
         threading.Thread(target=_watch_haproxy, args=(haproxy_watch(), failures), daemon=True).start()
     try:
-        run.main([str(path)], prog_name="serve run", standalone_mode=False)
+        hook = ["--runtime-env-json", json.dumps({"worker_process_setup_hook": loopback.WORKER_SETUP_HOOK})]
+        run.main([str(path), *(hook if wrapped else [])], prog_name="serve run", standalone_mode=False)
     except SystemExit:  # serve run's own exit after its shutdown
         pass
     finally:

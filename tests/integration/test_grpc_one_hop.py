@@ -1,6 +1,7 @@
-"""gRPC as `make serve` runs it (HAProxy ingress): a ModelInfer takes an HTTP request's own path
-from the router's gRPC server, through HAProxy to the model's replica
-(``grpc_service.IngressForward``), and answers, errs, counts and reads shared memory as before.
+"""gRPC as `make serve` runs it (HAProxy ingress, Serve serving gRPC): HAProxy's gRPC frontend
+reads the model's name in each ModelInfer and sends it to that model's replicas in one hop
+(``haproxy.route_grpc_models``; the replica answers it, ``grpc_service.ServeGrpcMethods``), every
+other call to the router's; they answer, err, count and read shared memory as over HTTP.
 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, its
 HAProxy stats page on a known port, on a repository of two pool models (``simple``,
@@ -103,9 +104,9 @@ def backend_requests(stats_port: int) -> dict[str, int]:
 
 
 def counted(served, backend: str, send):
-    """(requests HAProxy's ``backend`` took during ``send()``, what ``send()`` returned); a round
-    during which HAProxy reloaded (a new process, whose counters restart) is sent again, up to
-    five rounds."""
+    """(requests HAProxy's ``backend`` took during ``send()``, what ``send()`` returned, requests
+    every other backend took, by name, where any); a round during which HAProxy reloaded (a new
+    process, whose counters restart) is sent again, up to five rounds."""
     _, _, stats_port, _, session = served
     for _ in range(5):
         pids, before = haproxy_pids(session), backend_requests(stats_port)
@@ -113,7 +114,8 @@ def counted(served, backend: str, send):
         after = backend_requests(stats_port)
         if haproxy_pids(session) == pids:
             break
-    return after[backend] - before[backend], sent, after["http-models"] - before["http-models"]
+    others = {name: after[name] - before.get(name, 0) for name in after if name != backend}
+    return after[backend] - before[backend], sent, {name: n for name, n in others.items() if n}
 
 
 def cnn_inputs() -> list:
@@ -124,18 +126,19 @@ def cnn_inputs() -> list:
     return [tensor]
 
 
-@pytest.mark.parametrize("model, backend", [("solo_cnn", "http-models.solo_cnn"), ("tiny_cnn", "http-models.pool")],
+@pytest.mark.parametrize("model, backend", [("solo_cnn", "grpc-models.solo_cnn"), ("tiny_cnn", "grpc-models.pool")],
                          ids=["dedicated", "pool"])
-def test_model_infer_is_one_request_of_the_models_haproxy_backend_as_over_http(served, client, model, backend):
-    """Each ModelInfer is one request of the model's own HAProxy backend (its replica, in one hop
-    from HAProxy), none of the router's, and answers what ONNX Runtime computes."""
+def test_model_infer_is_one_request_of_the_models_grpc_backend(served, client, model, backend):
+    """Each ModelInfer is one request of the gRPC backend of the model's application (its
+    replica, in one hop from HAProxy), of no other backend (the router's, an HTTP one), and
+    answers what ONNX Runtime computes."""
     root = served[3]
     expected = ort.InferenceSession(str(root / model / "1" / "model.onnx")).run(None, {"input": X})[0]
     output = client.get_model_metadata(model).outputs[0].name
-    taken, answers, by_router = counted(served, backend, lambda: [
+    taken, answers, others = counted(served, backend, lambda: [
         client.infer(model, cnn_inputs(), request_id=f"r{i}") for i in range(3)])
     assert taken == 3
-    assert by_router == 0  # the router's own backend
+    assert others == {}
     for i, answer in enumerate(answers):
         assert answer.get_response().id == f"r{i}"
         np.testing.assert_allclose(answer.as_numpy(output), expected, rtol=1e-4, atol=1e-5)
@@ -174,8 +177,8 @@ def test_statistics_count_each_grpc_request_once(served, client):
 
 
 def test_system_shared_memory_registered_over_grpc_serves_an_infer_through_haproxy(served, client):
-    """Regions registered through the router's gRPC server are read and written by the pool
-    replica HAProxy sends the infer to."""
+    """Regions registered over gRPC (the router's) are read and written by the pool replica
+    HAProxy sends the infer to."""
     import uuid
 
     import tritonclient.grpc as grpcclient
@@ -194,8 +197,8 @@ def test_system_shared_memory_registered_over_grpc_serves_an_infer_through_hapro
         outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT1")]
         outputs[0].set_shared_memory("out", 64)
         outputs[1].set_shared_memory("out", 64, offset=64)
-        taken, result, _ = counted(served, "http-models.pool", lambda: client.infer("simple", inputs, outputs=outputs))
-        assert taken == 1
+        taken, result, others = counted(served, "grpc-models.pool", lambda: client.infer("simple", inputs, outputs=outputs))
+        assert (taken, others) == (1, {})
         assert result.get_output("OUTPUT1").parameters["shared_memory_offset"].int64_param == 64
         assert shm.get_contents_as_numpy(handles["out"], np.int32, [1, 16]).tolist() == (A + B).tolist()
         assert shm.get_contents_as_numpy(handles["out"], np.int32, [1, 16], offset=64).tolist() == (A - B).tolist()
@@ -210,8 +213,8 @@ def test_system_shared_memory_registered_over_grpc_serves_an_infer_through_hapro
 
 
 def test_a_message_of_the_body_limit_passes_and_one_byte_over_is_resource_exhausted(served):
-    """The JSON header the edge adds does not count against the limit: a message of exactly
-    ``max_body_mib`` reaches the model (which refuses its byte count), one byte more does not."""
+    """A message of exactly ``max_body_mib`` reaches the model's replica (which refuses its byte
+    count), one byte more does not, and says the limit."""
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
     limit = 64 * 2**20
@@ -228,3 +231,67 @@ def test_a_message_of_the_body_limit_passes_and_one_byte_over_is_resource_exhaus
             stub.ModelInfer(request, timeout=120)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert str(limit) in info.value.details(), info.value.details()
+
+
+def _raw_call(address: str, method: str, message: bytes, metadata=()):
+    with grpc.insecure_channel(address) as channel:
+        return channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(message, timeout=60, metadata=metadata)
+
+
+@pytest.mark.parametrize("name", ["nope", "n" * 300], ids=["unknown", "long"])
+def test_a_model_no_application_serves_is_not_found_in_the_http_words(served, client, name):
+    """An unknown name goes to the pool's replicas, as its HTTP path does: NOT_FOUND with
+    HTTP's 404 text."""
+    http = requests.post(f"{served[0]}/v2/models/{name}/infer", timeout=60, json={"inputs": [
+        {"name": n, "shape": [1, 16], "datatype": "INT32", "data": [0] * 16} for n in ("INPUT0", "INPUT1")]})
+    status, message = error_of(lambda: client.infer(name, simple_inputs(A, B)))
+    assert status == "StatusCode.NOT_FOUND" and http.status_code == 404
+    assert message == http.json()["error"]
+    a, b = client.infer("simple", simple_inputs(A, B)).as_numpy("OUTPUT0"), A + B  # it serves on
+    assert a.tolist() == b.tolist()
+
+
+def test_a_message_that_is_not_protobuf_is_invalid_argument_and_the_server_serves_on(served, client):
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(served[1], "ModelInfer", b"\x0a\x06simple\xff\xff\xff\xff not a protobuf")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the ModelInfer request is not a valid protobuf message" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        _raw_call(served[1], "ModelMetadata", b"\xff\xff\xff\xff")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.infer("simple", simple_inputs(A, B)).as_numpy("OUTPUT1").tolist() == (A - B).tolist()
+
+
+def test_stream_infer_answers_each_request_and_names_the_one_that_failed(served, client):
+    """ModelStreamInfer (the router's, through Serve's bidirectional streaming): each request
+    answered in order, a failing one by its id and the error text, and the stream goes on."""
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer("simple", simple_inputs(A, B), request_id="ok1")
+        client.async_stream_infer("simple", simple_inputs(A.astype(np.float32), B.astype(np.float32), "FP32"),
+                                  request_id="bad")
+        client.async_stream_infer("simple", simple_inputs(B, A), request_id="ok2")
+        got = [answers.get(timeout=60) for _ in range(3)]
+    finally:
+        client.stop_stream()
+    assert got[0][1] is None and got[0][0].get_response().id == "ok1"
+    assert got[0][0].as_numpy("OUTPUT0").tolist() == (A + B).tolist()
+    body = {"inputs": [{"name": n, "shape": [1, 16], "datatype": "FP32", "data": [0.0] * 16}
+                       for n in ("INPUT0", "INPUT1")]}
+    http = requests.post(f"{served[0]}/v2/models/simple/infer", json=body, timeout=60)
+    assert got[1][0] is None and http.json()["error"] in str(got[1][1])
+    assert got[2][1] is None and got[2][0].as_numpy("OUTPUT1").tolist() == (B - A).tolist()
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_messages_reach_the_models_replica_and_answer_right(served, client, algorithm):
+    """HAProxy cannot read a compressed message's name: the call goes to the router's gRPC
+    backend, which answers it through the model's handle, right."""
+    expected = ort.InferenceSession(str(served[3] / "solo_cnn" / "1" / "model.onnx")).run(None, {"input": X})[0]
+    taken, answer, _ = counted(served, "grpc-models", lambda: client.infer(
+        "solo_cnn", cnn_inputs(), compression_algorithm=algorithm))
+    assert taken == 1
+    np.testing.assert_allclose(answer.as_numpy(answer.get_response().outputs[0].name), expected, rtol=1e-4, atol=1e-5)

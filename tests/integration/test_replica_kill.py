@@ -1,7 +1,7 @@
 """A replica killed with requests in flight loses none of them, as `make serve` runs it (HAProxy
 ingress): HAProxy sends each request the dead replica held again, to another replica of its
-model, when its body fits HAProxy's buffer (``deployments/haproxy.py``, ``retry_bufsize``), and
-the gRPC edge takes the router's path for one it could not (``grpc_service.IngressForward``).
+model, when its body fits HAProxy's buffer (``deployments/haproxy.py``, ``retry_bufsize``), an
+HTTP request and a gRPC call (HAProxy's gRPC frontend, ``route_grpc_models``) alike.
 
 One server for the module: ``python -m deployments.run`` with the Makefile's environment, on a
 repository of ocr_cls's model twice (110,592-byte input: the bodies of bench.placement, past
@@ -145,28 +145,28 @@ def _admin(socket_path: str, command: str) -> str:
     return admin_command(socket_path, command + "\n", timeout_s=5)
 
 
-def _backend(model: str) -> str:
-    return f"http-{APP}.{'pool' if MODELS[model] == 'pool' else model}"
+def _backend(model: str, protocol: str) -> str:
+    return f"{protocol}-{APP}.{'pool' if MODELS[model] == 'pool' else model}"
 
 
-def stats(socket_path: str, model: str) -> list[dict[str, str]]:
+def stats(socket_path: str, model: str, protocol: str = "http") -> list[dict[str, str]]:
     """HAProxy's ``show stat`` rows of ``model``'s backend."""
     rows = csv.DictReader(io.StringIO(_admin(socket_path, "show stat").lstrip("# ")))
-    return [row for row in rows if row["pxname"] == _backend(model)]
+    return [row for row in rows if row["pxname"] == _backend(model, protocol)]
 
 
-def held(socket_path: str, model: str) -> dict[int, int]:
+def held(socket_path: str, model: str, protocol: str) -> dict[int, int]:
     """Requests each replica of ``model`` holds now: {its HAProxy server's port: HAProxy's
     current sessions on it} (``show stat``), the router's backup servers left out."""
-    return {int(row["addr"].rsplit(":", 1)[1]): int(row["scur"]) for row in stats(socket_path, model)
+    return {int(row["addr"].rsplit(":", 1)[1]): int(row["scur"]) for row in stats(socket_path, model, protocol)
             if row["svname"] not in ("FRONTEND", "BACKEND") and row["bck"] == "0" and row["addr"]}
 
 
-def health_checks(socket_path: str, model: str, action: str) -> None:
+def health_checks(socket_path: str, model: str, action: str, protocol: str) -> None:
     """``action`` (``disable`` / ``enable``) HAProxy's health checks of ``model``'s replicas: a
     stopped replica fails them and is marked down within seconds, and HAProxy then sends the
     requests to the router's backup servers instead of holding them on the replicas."""
-    for row in stats(socket_path, model):
+    for row in stats(socket_path, model, protocol):
         if row["svname"] not in ("FRONTEND", "BACKEND") and row["bck"] == "0":
             _admin(socket_path, f"{action} health {row['pxname']}/{row['svname']}")
 
@@ -180,7 +180,7 @@ def listening_pid(pids: list[int], port: int) -> int:
     raise LookupError(f"none of {pids} listens on port {port}")
 
 
-def kill_with_requests_in_flight(served, model: str, send) -> tuple[list, int]:
+def kill_with_requests_in_flight(served, model: str, send, protocol: str) -> tuple[list, int]:
     """``INFLIGHT`` calls of ``send(seed)`` held by ``model``'s replicas when the replica holding
     most of them is killed (module docstring); returns (every call's (seed, answer), how many
     the killed replica held)."""
@@ -190,11 +190,11 @@ def kill_with_requests_in_flight(served, model: str, send) -> tuple[list, int]:
                  f"2 replicas of {deployment}")
     until(lambda: post_binary(url, model, 0)[0] == 200, f"{model} answering")
     # HAProxy sends requests to both (a replica still starting is listed down, or not yet)
-    until(lambda: [(r["status"], r["check_status"]) for r in stats(socket_path, model)
+    until(lambda: [(r["status"], r["check_status"]) for r in stats(socket_path, model, protocol)
                    if r["svname"] not in ("FRONTEND", "BACKEND") and r["bck"] == "0"] == [("UP", "L7OK")] * 2,
-          f"HAProxy sending {model} to 2 replicas", 120, lambda: str(stats(socket_path, model)))
+          f"HAProxy sending {model} to 2 replicas", 120, lambda: str(stats(socket_path, model, protocol)))
     answers: list = []
-    health_checks(socket_path, model, "disable")  # stopped, they would be marked down (docstring there)
+    health_checks(socket_path, model, "disable", protocol)  # stopped, they would be marked down (docstring there)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -202,10 +202,10 @@ def kill_with_requests_in_flight(served, model: str, send) -> tuple[list, int]:
                    for seed in range(1, INFLIGHT + 1)]
         for t in threads:
             t.start()
-        counts = until(lambda: (c := held(socket_path, model)) and sum(c.values()) == INFLIGHT and c,
+        counts = until(lambda: (c := held(socket_path, model, protocol)) and sum(c.values()) == INFLIGHT and c,
                        f"HAProxy holding {INFLIGHT} requests on {deployment}'s replicas", 60,
                        lambda: str([(r["svname"][-24:], r["addr"], r["status"], r["scur"], r["qcur"], r["stot"])
-                                    for r in stats(socket_path, model)]) + f" answers: {answers}")
+                                    for r in stats(socket_path, model, protocol)]) + f" answers: {answers}")
         port = max(counts, key=counts.get)
         victim = listening_pid(pids, port)
         os.kill(victim, signal.SIGKILL)
@@ -214,7 +214,7 @@ def kill_with_requests_in_flight(served, model: str, send) -> tuple[list, int]:
         for pid in pids:
             if pid in psutil.pids():
                 os.kill(pid, signal.SIGCONT)
-        health_checks(socket_path, model, "enable")
+        health_checks(socket_path, model, "enable", protocol)
     for t in threads:
         t.join(150)
     assert not any(t.is_alive() for t in threads)
@@ -234,9 +234,9 @@ def assert_all_right(root: Path, answers: list) -> None:
 @pytest.mark.parametrize("model,protocol", [("cls_pool", "http"), ("cls_pool", "grpc"), ("cls_dedicated", "http")])
 def test_a_replica_killed_with_large_requests_in_flight_answers_every_one(served, model, protocol):
     """HTTP: HAProxy sends each request the killed replica held to the other replica. gRPC
-    (ModelInfer, forwarded by the router's gRPC edge through HAProxy): the same."""
+    (ModelInfer, through HAProxy's gRPC frontend to the model's gRPC backend): the same."""
     url, address, root = served[0], served[1], served[4]
     send = {"http": lambda seed: post_binary(url, model, seed), "grpc": lambda seed: infer_grpc(address, model, seed)}
-    answers, killed_held = kill_with_requests_in_flight(served, model, send[protocol])
+    answers, killed_held = kill_with_requests_in_flight(served, model, send[protocol], protocol)
     assert killed_held >= 1
     assert_all_right(root, answers)

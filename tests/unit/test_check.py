@@ -281,7 +281,7 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
     path = tmp_path / "serve_config.yaml"
     path.write_text((ROOT / "serve_config.yaml").read_text().replace("repository: engines",
                                                                       f"repository: {prepared_engines}"))
-    assert config_for_proxy(path, {"RAY_SERVE_ENABLE_HA_PROXY": "1"}) == path  # make serve: one hop
+    assert config_for_proxy(path, {"RAY_SERVE_ENABLE_HA_PROXY": "1"}).name == ".serve_config.grpc.yaml"  # one hop
     copy = config_for_proxy(path, {})  # make serve FAST=0: Serve's Python proxy
     apps = yaml.safe_load(copy.read_text())["applications"]
     assert [(a["name"], a["route_prefix"]) for a in apps] == [("models", "/")] + [
@@ -290,11 +290,33 @@ def test_without_haproxy_make_serve_gives_the_models_applications_no_route_prefi
     assert run_check(copy).returncode == 0  # still in step: a null prefix is two hops
 
 
+def test_with_haproxy_make_serve_has_serve_serve_kserve_grpc_on_the_routers_grpc_port(prepared_engines, tmp_path):
+    """The copy ``serve run`` gets: ``grpc_options`` on ``grpc_port`` (8001 by default) with the
+    KServe v2 servicer, beside any the config named; none with ``grpc_port: null``."""
+    from deployments.grpc_service import SERVE_SERVICER
+    from deployments.run import config_for_grpc
+
+    path = tmp_path / "serve_config.yaml"
+    shipped = (ROOT / "serve_config.yaml").read_text().replace("repository: engines", f"repository: {prepared_engines}")
+    path.write_text(shipped)
+    copy = config_for_grpc(path)
+    config = yaml.safe_load(copy.read_text())
+    assert config["grpc_options"] == {"port": 8001, "grpc_servicer_functions": [SERVE_SERVICER]}
+    assert config["applications"] == yaml.safe_load(shipped)["applications"]
+    assert run_check(copy).returncode == 0
+    path.write_text(shipped.replace("grpc_port: 8001", "grpc_port: 9123") + "grpc_options:\n  grpc_servicer_functions: [a.b]\n")
+    assert yaml.safe_load(config_for_grpc(path).read_text())["grpc_options"] == {
+        "port": 9123, "grpc_servicer_functions": ["a.b", SERVE_SERVICER]}
+    path.write_text(shipped.replace("grpc_port: 8001", "grpc_port: null"))
+    assert config_for_grpc(path) == path
+
+
 def test_make_serve_sizes_haproxys_buffer_to_send_again_a_body_of_retry_body_mib(prepared_engines, tmp_path):
     """HAProxy's ``tune.bufsize`` from the router's args: ``retry_body_mib`` (1 MiB by default),
-    at most ``max_body_mib``, plus the header room; a size the user set stands; none without
-    HAProxy."""
-    from deployments.haproxy import RETRY_HEADER_ROOM_BYTES
+    at most ``max_body_mib``, plus the header room, and HTTP/2 frames of that body (at most
+    HTTP/2's 16 MiB - 1, at least its 16 KiB) with an 8 MiB window; a value the user set stands;
+    none without HAProxy."""
+    from deployments.haproxy import H2_WINDOW_BYTES, RETRY_HEADER_ROOM_BYTES
     from deployments.run import retry_buffer_env
 
     shipped = (ROOT / "serve_config.yaml").read_text().replace("repository: engines", f"repository: {prepared_engines}")
@@ -305,8 +327,13 @@ def test_make_serve_sizes_haproxys_buffer_to_send_again_a_body_of_retry_body_mib
                  shipped.replace("max_body_mib: 64", "max_body_mib: 0.5\n      retry_body_mib: 4")):
         path.write_text(text)
         sizes.append(retry_buffer_env(path, on))
-    assert sizes == [{"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(int(mib * 2**20) + RETRY_HEADER_ROOM_BYTES)} for mib in (1, 4, 0.5)]
+    assert sizes == [{"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(int(mib * 2**20) + RETRY_HEADER_ROOM_BYTES),
+                      "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": str(int(mib * 2**20)),
+                      "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": str(H2_WINDOW_BYTES)} for mib in (1, 4, 0.5)]
     assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "65536"}) == {}
+    path.write_text(shipped.replace("max_body_mib: 64", "max_body_mib: 64\n      retry_body_mib: 0"))
+    assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "65535"}) == {
+        "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(RETRY_HEADER_ROOM_BYTES), "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "16384"}
     assert retry_buffer_env(path, {}) == {}
 
 
@@ -332,6 +359,30 @@ def test_make_serve_on_a_taken_port_exits_2_naming_the_port_before_ray_starts(pr
     assert line.startswith(f"port {port} on 127.0.0.1 is taken (Address already in use): ")
     assert line.endswith(f"set another port in {path}'s http_options")
     assert "Started a local Ray instance" not in done.stdout + done.stderr  # Ray never started
+
+
+def test_with_haproxy_a_taken_grpc_port_is_named_before_ray_starts(prepared_engines, tmp_path):
+    """HAProxy binds the gRPC port (``config_for_grpc``): one that is taken would keep it from
+    starting, so it is named as a taken HTTP port is; behind Serve's Python proxy (the router's
+    own server, which says so itself) and with ``grpc_port: null`` it is not checked."""
+    import socket
+
+    from deployments.run import port_taken
+
+    shipped = (ROOT / "serve_config.yaml").read_text().replace("repository: engines", f"repository: {prepared_engines}")
+    path = tmp_path / "serve_config.yaml"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        path.write_text(shipped.replace("grpc_port: 8001", f"grpc_port: {port}").replace("port: 8000", "port: 0"))
+        line = port_taken(path, {"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+        assert line == (f"port {port} on 127.0.0.1 is taken (Address already in use): another server (an earlier "
+                        f"`make serve`?) listens there; stop it, or set another port in {path}'s router "
+                        "application's args, grpc_port")
+        assert port_taken(path, {}) is None
+        path.write_text(shipped.replace("grpc_port: 8001", "grpc_port: null").replace("port: 8000", "port: 0"))
+        assert port_taken(path, {"RAY_SERVE_ENABLE_HA_PROXY": "1"}) is None
 
 
 def test_a_taken_metrics_port_is_named_at_start_and_a_free_one_is_not(prepared_engines, tmp_path):
