@@ -371,15 +371,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         knows which request failed), and the stream goes on (as Triton's
         ``stream_infer_handler.cc``)."""
         async for request in request_iterator:
+            answer = None
             try:
                 response = await self.infer(request)
+                if response.status_code == 200:
+                    answer = pb.ModelStreamInferResponse(infer_response=infer_response(bytes(response.body),
+                                                                                       response.headers))
             except Exception as e:
                 response = error_response(e)
-            if response.status_code == 200:
-                yield pb.ModelStreamInferResponse(infer_response=infer_response(bytes(response.body), response.headers))
-            else:
-                yield pb.ModelStreamInferResponse(error_message=_error(response),
-                                                  infer_response=pb.ModelInferResponse(id=request.id))
+            yield answer if answer is not None else pb.ModelStreamInferResponse(
+                error_message=_error(response), infer_response=pb.ModelInferResponse(id=request.id))
 
     @_answers_errors
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -700,6 +701,15 @@ async def _parse(method: str, message_type: Any, raw: bytes, call: _ServeCall) -
                          f"the {method} request is not a valid protobuf message of its type ({e})")
 
 
+async def _within_limit(service: InferenceService, method: str, raw: bytes, call: _ServeCall) -> None:
+    """Ends the call RESOURCE_EXHAUSTED naming the limit where message ``raw`` is over
+    ``max_body_bytes`` (Serve's server takes up to 2 GiB)."""
+    limit = service.routes.max_body_bytes
+    if len(raw) > limit:
+        await _abort(call, error_response(PayloadTooLarge(f"the {method} message is {len(raw)} bytes; the limit is "
+                                                          f"{limit} bytes")))
+
+
 async def _check_cluster(service: InferenceService, grpc_context: Any, call: _ServeCall, method: str) -> None:
     """Ends the call UNAVAILABLE (421's text, ``routes.misdirected``) where HAProxy stamped it
     with another Ray cluster's id (``haproxy.CLUSTER_HEADER``, as an HTTP request's header): it
@@ -721,11 +731,13 @@ def _serve_method(method: Any) -> Callable[..., Any]:
         async def stream(self: Any, requests: AsyncIterator[bytes], grpc_context: Any) -> AsyncIterator[Any]:
             call = _ServeCall(grpc_context)
 
+            service = self.kserve_service()
+
             async def parsed() -> AsyncIterator[Any]:
                 async for raw in requests:
+                    await _within_limit(service, name, raw, call)
                     yield await _parse(name, request_type, raw, call)
 
-            service = self.kserve_service()
             try:
                 await _check_cluster(service, grpc_context, call, name)
                 async for answer in getattr(service, name)(parsed(), call):
@@ -741,9 +753,7 @@ def _serve_method(method: Any) -> Callable[..., Any]:
         service = self.kserve_service()
         try:
             await _check_cluster(service, grpc_context, call, name)
-            if len(raw) > service.routes.max_body_bytes:
-                await _abort(call, error_response(PayloadTooLarge(
-                    f"the {name} message is {len(raw)} bytes; the limit is {service.routes.max_body_bytes} bytes")))
+            await _within_limit(service, name, raw, call)
             return await getattr(service, name)(await _parse(name, request_type, raw, call), call)
         except grpc.aio.AbortError:
             return empty()

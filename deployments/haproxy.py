@@ -471,8 +471,9 @@ _SERVER = re.compile(r"^\s+server\s+(?P<name>\S+)\s+(?P<address>\S+)(?P<options>
 
 def router_backs_up_models(config: str) -> str:
     """``config`` with, in each backend ``B.<model>`` where a backend ``B`` exists (Ray names a
-    backend ``http-<application>``), ``B``'s non-backup servers added as ``backup`` servers
-    before Ray's own backup (the comment above). Idempotent (a marker comment)."""
+    backend ``http-<application>`` or ``grpc-<application>``; ``B`` holds no '.', a model's name
+    may: ``B.ocr.v2`` is backed up by ``B``, not ``B.ocr``), ``B``'s non-backup servers added as
+    ``backup`` servers before Ray's own backup (the comment above). Idempotent (a marker comment)."""
     if ROUTER_BACKUP_MARKER in config:
         return config
     lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
@@ -488,8 +489,8 @@ def router_backs_up_models(config: str) -> str:
             sections[backend].append(i)
     added: dict[int, list[str]] = {}  # line index -> lines to insert before it
     for name, indices in sections.items():
-        router = max((b for b in sections if name.startswith(b + ".")), key=len, default=None)
-        if router is None:
+        router = name.split(".", 1)[0]  # a router application's name holds no '.': a model's may
+        if "." not in name or router not in sections:
             continue
         backups = []
         for i in sections[router]:
@@ -681,7 +682,10 @@ def route_grpc_models(config: str) -> str:
     router's gRPC backend (where Ray's answers NOT_FOUND). A model's backend is the gRPC twin
     (``grpc-<app>``) of the HTTP backend whose ACL matches ``/v2/models/<model>/``; the pool's,
     of the one matching ``/v2/models/``; the router's, the backend ``grpc-<app>`` of which the
-    others are ``grpc-<app>.<name>``. Unchanged without a gRPC frontend. Idempotent (a marker)."""
+    others are ``grpc-<app>.<name>``: while it is not routed (the models' applications are routed
+    first as the server starts, and stay as it stops), the calls it would take answer
+    UNAVAILABLE in the words of HTTP's 503 (``ROUTER_UNROUTED_ANSWER``) instead of Ray's NOT_FOUND.
+    Unchanged without a gRPC frontend. Idempotent (a marker)."""
     if GRPC_MODEL_MARKER in config or GRPC_FRONTEND not in config:
         return config
     lines = [line if line.endswith("\n") else line + "\n" for line in config.splitlines()]
@@ -697,9 +701,9 @@ def route_grpc_models(config: str) -> str:
             models[model["model"]] = twin
         elif twin in backends and acl["prefix"].endswith("/v2/models/"):
             pools.append(twin)
-    grpc = [name for name in backends if name.startswith(GRPC_BACKEND)]
-    routers = [b for b in grpc if any(other.startswith(b + ".") for other in grpc)]
-    router = min(routers, key=len) if routers else None
+    # the router's: ``grpc-R`` of each ``grpc-R.<name>`` (a router application's name holds no '.')
+    routers = sorted({name.split(".", 1)[0] for name in backends if name.startswith(GRPC_BACKEND) and "." in name})
+    router = routers[0] if len(routers) == 1 else None
     rules = [f"    {GRPC_MODEL_MARKER}\n",
              "    acl trt_model_infer path /inference.GRPCInferenceService/ModelInfer\n",
              "    acl trt_stream path /inference.GRPCInferenceService/ModelStreamInfer\n",
@@ -710,6 +714,12 @@ def route_grpc_models(config: str) -> str:
     routes = [f"    use_backend {backend} if trt_model_infer {{ var({GRPC_MODEL_VAR}) -m str {model} }}\n"
               for model, backend in sorted(models.items())]
     routes += [f"    use_backend {pool} if trt_model_infer {{ var({GRPC_MODEL_VAR}) -m found }}\n" for pool in pools[:1]]
+    if router is not None and router not in backends:  # routed models, no router yet (starting, stopping)
+        named = "-m found" if pools else "-m str " + " ".join(sorted(models))
+        text = ROUTER_UNROUTED_ANSWER.format(path="%[path]", apps=f"'{router[len(GRPC_BACKEND):]}'")
+        unless = f" unless trt_model_infer {{ var({GRPC_MODEL_VAR}) {named} }}" if pools or models else ""
+        rules.append(f"    http-request return status 200 content-type application/grpc hdr grpc-status 14 "
+                     f"hdr grpc-message {_haproxy_quoted(text)}{unless}\n")
     out: list[str] = []
     frontend = False
     for line in lines:
@@ -724,7 +734,7 @@ def route_grpc_models(config: str) -> str:
         elif frontend and words == ["default_backend"]:  # the names after Ray's `application` metadata
             out += rules + routes
             rules = []
-            line = line if router is None else f"    default_backend {router}\n"
+            line = line if router not in backends else f"    default_backend {router}\n"
         out.append(line)
     return "".join(out)
 

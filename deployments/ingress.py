@@ -119,9 +119,22 @@ class Router(grpc_service.ServeGrpcMethods, RouterApp):
         cannot bind is logged (to the ``serve run`` terminal) and HTTP serves on. Where Serve
         serves it (its ``grpc_options`` name ``grpc_service.SERVE_SERVICER``: HAProxy binds the
         port and sends the router the calls no model replica takes), none of its own."""
+        from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+
         host = bind_host()
-        if grpc_service.serves_kserve_grpc(await self._grpc_options()):
+        try:
+            served = grpc_service.serves_kserve_grpc(await self._grpc_options())
+        except Exception as e:  # neither the router's server nor Serve's known: none, and say why
+            ready_logger.error("gRPC: Serve's grpc_options could not be read (%s): no gRPC on %s:%d. HTTP serves on.",
+                               e, host, port)
+            return
+        if served and RAY_SERVE_ENABLE_HA_PROXY:
             ready_logger.info("gRPC (KServe v2) on %s:%d, through HAProxy to each model's replicas", host, port)
+            return
+        if served:  # Serve's Python proxy would route by `application` metadata, which tritonclient never sends
+            ready_logger.error("gRPC: this Serve config's grpc_options serve KServe v2 gRPC on port %d, which "
+                               "needs HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1, `make serve`); without it remove "
+                               "grpc_options and the router serves grpc_port itself", port)
             return
         self._forward = await self._ingress_forward()
         try:
@@ -184,17 +197,20 @@ class Router(grpc_service.ServeGrpcMethods, RouterApp):
 
         return await asyncio.to_thread(lambda: _get_global_client().http_config)
 
-    async def _grpc_options(self) -> Any:
-        """Serve's ``gRPCOptions`` (``grpc_options`` of the Serve config), from the controller;
-        None where they cannot be read."""
+    async def _grpc_options(self, attempts: int = 10) -> Any:
+        """Serve's ``gRPCOptions`` (``grpc_options`` of the Serve config), from the controller,
+        asked up to ``attempts`` times a second apart; the last failure is raised."""
+        import ray
         from ray.serve.context import _get_global_client
 
-        import ray
-
-        try:
-            return await asyncio.to_thread(lambda: ray.get(_get_global_client()._controller.get_grpc_config.remote()))
-        except Exception:
-            return None
+        for attempt in range(attempts):
+            try:
+                return await asyncio.to_thread(lambda: ray.get(_get_global_client()._controller.get_grpc_config.remote(),
+                                                               timeout=10))
+            except Exception:
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(1.0)
 
     async def _base_url(self) -> str:
         """``http://host:port`` of Serve's HTTP ingress (``http_options`` of the Serve config)."""

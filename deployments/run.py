@@ -68,8 +68,8 @@ def _delete_then_interrupt(app_names: list[str]):
 
 
 def config_for_proxy(path: Path, environ: dict[str, str] | None = None) -> Path:
-    """The config ``serve run`` gets: ``path`` itself with HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``,
-    ``make serve``); with Serve's Python proxy (``make serve FAST=0``) a copy beside it in which
+    """The config ``serve run`` gets: with HAProxy on (``RAY_SERVE_ENABLE_HA_PROXY=1``, ``make
+    serve``) ``config_for_grpc``'s (``path`` itself, or a copy with Serve's ``grpc_options``); with Serve's Python proxy (``make serve FAST=0``) a copy beside it in which
     the models' applications have no route prefix, so the router answers their routes (two
     hops): one hop needs HAProxy (docs/placement.md, "Where a request goes"), and the copy says why on
     stderr. ``path`` unchanged where no model application has a prefix."""
@@ -199,24 +199,27 @@ def retry_buffer_env(path: Path, environ: dict[str, str] | None = None) -> dict[
     Ray starts (Ray's HAProxy manager reads it as it starts): a buffer that holds a request of
     its router applications' ``retry_body_mib`` (at most their ``max_body_mib``; the largest of
     them) whole, so that HAProxy sends it again when the replica holding it dies, and HTTP/2
-    frames to match (``haproxy.buffer_env``). Empty where HAProxy is off or the buffer's
-    variable is set already (the user's size stands, and so does each variable the user set).
+    frames to match and a larger window (``haproxy.buffer_env``). Empty where HAProxy is off;
+    each variable the user set stands (a buffer of the user's: no frame size either).
 
     Raises:
         ConfigError: as ``check``'s reading of ``path``.
     """
     from .app import AppArgs
-    from .haproxy import BUFSIZE_ENV, buffer_env
+    from .haproxy import BUFSIZE_ENV, H2_FRAME_ENV, buffer_env
     from .runtime.contract.units import mib_to_bytes
 
     environ = os.environ if environ is None else environ
-    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1" or BUFSIZE_ENV in environ:
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
         return {}
     routers = [AppArgs.model_validate(app.args or {}) for app in check.router_applications_of(path)]
     if not routers:
         return {}
     body = max(mib_to_bytes(min(args.retry_body_mib, args.max_body_mib)) for args in routers)
-    return {name: value for name, value in buffer_env(body).items() if name not in environ}
+    env = buffer_env(body)
+    if BUFSIZE_ENV in environ:  # the user's buffer: frames sized for this one might not fit it
+        env.pop(BUFSIZE_ENV), env.pop(H2_FRAME_ENV)
+    return {name: value for name, value in env.items() if name not in environ}
 
 
 class HAProxyWatch:

@@ -330,7 +330,8 @@ def test_make_serve_sizes_haproxys_buffer_to_send_again_a_body_of_retry_body_mib
     assert sizes == [{"RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(int(mib * 2**20) + RETRY_HEADER_ROOM_BYTES),
                       "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": str(int(mib * 2**20)),
                       "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": str(H2_WINDOW_BYTES)} for mib in (1, 4, 0.5)]
-    assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "65536"}) == {}
+    assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "65536"}) == {
+        "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": str(H2_WINDOW_BYTES)}  # no frame size over the user's buffer
     path.write_text(shipped.replace("max_body_mib: 64", "max_body_mib: 64\n      retry_body_mib: 0"))
     assert retry_buffer_env(path, {**on, "RAY_SERVE_HAPROXY_H2_FE_INITIAL_WINDOW_SIZE": "65535"}) == {
         "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": str(RETRY_HEADER_ROOM_BYTES), "RAY_SERVE_HAPROXY_H2_MAX_FRAME_SIZE": "16384"}

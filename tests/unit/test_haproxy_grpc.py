@@ -98,15 +98,18 @@ POOL = ("pool-a", "pool-b", "pool-c")
 
 
 @contextlib.contextmanager
-def _grpc_haproxy(tmp_path: Path, map_file: Path | None = None) -> Iterator[str]:
-    """The real HAProxy on the rewritten config of a router (``router``), a dedicated model
-    (``ocr``) and a pool of three replicas (``POOL``), each a ``_REPLICA`` (with ``map_file``:
-    the pool placed by that map); yields the gRPC frontend's address once every server is up."""
+def _grpc_haproxy(tmp_path: Path, map_file: Path | None = None, router: bool = True) -> Iterator[str]:
+    """The real HAProxy on the rewritten config of a router (``router``; False: not routed, as
+    while the server starts), a dedicated model (``ocr``) and a pool of three replicas
+    (``POOL``), each a ``_REPLICA`` (with ``map_file``: the pool placed by that map); yields the
+    gRPC frontend's address once every server is up."""
     ports = {name: _free_port() for name in ("router", "ocr", *POOL)}
     front, grpc_front, stats, prometheus = (_free_port() for _ in range(4))
-    config = _ray_grpc_config(tmp_path, front, grpc_front, {
-        "models": ("/", {"router": ports["router"]}), "models.ocr": ("/v2/models/ocr", {"ocr": ports["ocr"]}),
-        "models.pool": ("/v2/models", {name: ports[name] for name in POOL})})
+    apps = {"models": ("/", {"router": ports["router"]}), "models.ocr": ("/v2/models/ocr", {"ocr": ports["ocr"]}),
+            "models.pool": ("/v2/models", {name: ports[name] for name in POOL})}
+    if not router:
+        del apps["models"]
+    config = _ray_grpc_config(tmp_path, front, grpc_front, apps)
     config = config if map_file is None else haproxy.place_pool_models(config, str(map_file))
     config = (config.replace("*:8404", f"127.0.0.1:{stats}").replace("127.0.0.1:8404", f"127.0.0.1:{stats}")
               .replace("127.0.0.1:9101", f"127.0.0.1:{prometheus}"))
@@ -185,6 +188,21 @@ def test_a_stream_is_answered_message_by_message_before_the_client_ends_it(tmp_p
             done.set()
 
 
+def test_without_the_router_routed_its_calls_are_unavailable_in_https_words_and_models_answer(tmp_path):
+    """As the server starts (the models' applications routed before the router's): a call the
+    router would take answers UNAVAILABLE with HTTP's 503 text (Ray's template: NOT_FOUND
+    "Application metadata not set"), a named model's ModelInfer reaches its replica."""
+    with _grpc_haproxy(tmp_path, router=False) as address, grpc.insecure_channel(address) as channel:
+        live = channel.unary_unary("/inference.GRPCInferenceService/ServerReady")
+        with pytest.raises(grpc.RpcError) as info:
+            live(b"", timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == haproxy.ROUTER_UNROUTED_ANSWER.format(
+            path="/inference.GRPCInferenceService/ServerReady", apps="'models'")
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        assert _infer(infer, "ocr") == "ocr" and _infer(infer, "m1") in POOL
+
+
 def test_a_placed_pool_model_goes_to_its_replica(tmp_path):
     """With placement, a ModelInfer goes where the map names, as an HTTP request does."""
     placement = tmp_path / "placement.map"
@@ -205,3 +223,16 @@ def test_route_grpc_models_is_idempotent_and_leaves_a_config_without_grpc(tmp_pa
         return
     routed = _ray_grpc_config(tmp_path, _free_port(), _free_port(), {"models": ("/", {"router": 9})})
     assert routed.count(haproxy.GRPC_MODEL_MARKER) == 2 and haproxy.route_grpc_models(routed) == routed
+
+
+def test_a_dotted_models_backends_are_backed_up_by_the_router_not_a_model_whose_name_it_extends(tmp_path):
+    """``models.ocr.v2``'s backends (HTTP and gRPC) get the router's servers as backups, not
+    ``models.ocr``'s (the longest backend name its name began with, before)."""
+    config = _ray_grpc_config(tmp_path, _free_port(), _free_port(), {
+        "models": ("/", {"router": 9}), "models.ocr": ("/v2/models/ocr", {"ocr": 10}),
+        "models.ocr.v2": ("/v2/models/ocr.v2", {"ocr-v2": 11})})
+    for protocol in ("http", "grpc"):
+        section = config.split(f"backend {protocol}-models.ocr.v2\n")[1].split("\nbackend ")[0]
+        backups = [line.split()[1] for line in section.splitlines() if line.strip().startswith("server ")
+                   and "backup" in line.split()]
+        assert "trt-router-router" in backups and "trt-router-ocr" not in backups, (protocol, backups)
