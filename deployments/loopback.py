@@ -83,7 +83,11 @@ def _on_loopback(add: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
 # other's HAProxy listed, whose first requests were refused 421 (``routes.ClusterGuard``). So each
 # run claims a block of each range (``INGRESS_BLOCK`` ports, a lock file in ``INGRESS_LOCKS`` held
 # while the process lives: ``claim_ingress_block``) and starts at its first free port.
-DIRECT_INGRESS_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 30000, "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 40000}
+# gRPC's range (Ray's 40000) lies in Linux's ephemeral ports (32768-60999 by default), which any
+# outgoing connection or bind(0) may take: Serve's fallback proxy, bound to its fixed port, failed
+# to start there once ("Failed to bind to address 127.0.0.1:40199") and `make serve` with it. Both
+# ranges start below them: HTTP's at Ray's 30000, gRPC's at 31000.
+DIRECT_INGRESS_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": 30000, "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": 31000}
 DIRECT_INGRESS_END = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
                       "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"}
 DIRECT_INGRESS_SPAN = 1000
