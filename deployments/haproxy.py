@@ -408,6 +408,14 @@ def routed_backends(config: str) -> set[str]:
     return routed
 
 
+def router_of(name: str) -> str | None:
+    """The router application's backend of a model application's backend ``B.<model>``
+    (``deployments.client.model_application``): ``B``, up to the first '.' (a router
+    application's name holds none, a model's may: ``B.ocr.v2``'s is ``B``); None for a name
+    without '.' (a router application's own)."""
+    return name.split(".", 1)[0] if "." in name else None
+
+
 def missing_routers(routed: set[str]) -> list[str] | None:
     """The router applications' backends that ``routed`` (``routed_backends``) lacks, sorted:
     ``R`` for each routed ``R.<model>`` (a dedicated model's application; a router application's
@@ -415,7 +423,7 @@ def missing_routers(routed: set[str]) -> list[str] | None:
     ``None`` when nothing is routed at all (no application known by name)."""
     if not routed:
         return None
-    return sorted({name.split(".", 1)[0] for name in routed if "." in name} - routed)
+    return sorted({router for name in routed if (router := router_of(name))} - routed)
 
 
 def _default_backend_answer(missing: list[str] | None) -> str:
@@ -489,8 +497,8 @@ def router_backs_up_models(config: str) -> str:
             sections[backend].append(i)
     added: dict[int, list[str]] = {}  # line index -> lines to insert before it
     for name, indices in sections.items():
-        router = name.split(".", 1)[0]  # a router application's name holds no '.': a model's may
-        if "." not in name or router not in sections:
+        router = router_of(name)
+        if router not in sections:
             continue
         backups = []
         for i in sections[router]:
@@ -701,8 +709,7 @@ def route_grpc_models(config: str) -> str:
             models[model["model"]] = twin
         elif twin in backends and acl["prefix"].endswith("/v2/models/"):
             pools.append(twin)
-    # the router's: ``grpc-R`` of each ``grpc-R.<name>`` (a router application's name holds no '.')
-    routers = sorted({name.split(".", 1)[0] for name in backends if name.startswith(GRPC_BACKEND) and "." in name})
+    routers = sorted({router for name in backends if name.startswith(GRPC_BACKEND) and (router := router_of(name))})
     router = routers[0] if len(routers) == 1 else None
     rules = [f"    {GRPC_MODEL_MARKER}\n",
              "    acl trt_model_infer path /inference.GRPCInferenceService/ModelInfer\n",
