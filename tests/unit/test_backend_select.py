@@ -118,3 +118,52 @@ def test_set_wait_passes_cuda_its_scheduling_flag(monkeypatch):
     with pytest.raises(ValueError, match=r"CUDA wait mode 'busy' is not one of \['auto', 'blocking', 'spin', 'yield'\]"):
         cuda.set_wait("busy")
     assert calls == [4, 1, 2]
+
+
+def test_cuda_graphs_follow_the_config_unless_the_environment_says_otherwise(model_repository, monkeypatch):
+    config = model_repository.get("resnet18").config
+    on = config.model_copy(update={"onnxruntime_cuda": config.onnxruntime_cuda.model_copy(update={"cuda_graphs": True})})
+    monkeypatch.delenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, raising=False)
+    assert onnxruntime_cuda.graphs_wanted(config) == (False, "off (onnxruntime_cuda.cuda_graphs: false)")  # opt-in
+    assert onnxruntime_cuda.graphs_wanted(on)[0] is True
+    monkeypatch.setenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, "0")
+    assert onnxruntime_cuda.graphs_wanted(on) == (False, "off (TRT_SERVE_CUDA_GRAPHS=0)")
+    monkeypatch.setenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, "1")
+    assert onnxruntime_cuda.graphs_wanted(config)[0] is True
+    monkeypatch.setenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"TRT_SERVE_CUDA_GRAPHS='yes' is neither 1 \(graphs for every model\) "
+                                          r"nor 0 \(none\)"):
+        onnxruntime_cuda.graphs_wanted(config)
+
+
+def test_a_graph_run_names_its_graph_id():
+    """ONNX Runtime replays graph 0 for a run of a graph session that names none: each run names its own."""
+    assert onnxruntime_cuda.graph_run(3).get_run_config_entry("gpu_graph_id") == "3"
+    assert onnxruntime_cuda.graph_run(onnxruntime_cuda.NO_GRAPH).get_run_config_entry("gpu_graph_id") == "-1"
+
+
+def test_a_thread_relaxes_its_capture_mode_once(monkeypatch):
+    """Every thread that touches CUDA asks for the relaxed capture mode once (another thread's graph
+    capture must not fail its calls), and a machine without a device does not fail for it."""
+    calls = []
+
+    class Runtime:
+        class cudaStreamCaptureMode:
+            cudaStreamCaptureModeRelaxed = 2
+
+        @staticmethod
+        def cudaThreadExchangeStreamCaptureMode(mode):
+            calls.append(mode)
+            raise RuntimeError("no CUDA driver")  # as where no device answers: ignored
+
+    import threading
+
+    def twice() -> None:
+        cuda.relax_capture_mode(Runtime)
+        cuda.relax_capture_mode(Runtime)
+
+    for _ in range(2):
+        thread = threading.Thread(target=twice)
+        thread.start()
+        thread.join()
+    assert calls == [2, 2]  # once per thread

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -33,7 +34,8 @@ class CudaError(InferenceError):
 
 
 def _runtime() -> ModuleType:
-    """``cuda.bindings.runtime`` (cuda-python >= 12.6), or ``cuda.cudart`` of older releases.
+    """``cuda.bindings.runtime`` (cuda-python >= 12.6), or ``cuda.cudart`` of older releases; the
+    calling thread's capture mode relaxed first (``relax_capture_mode``).
 
     Raises:
         CudaError: cuda-python is not installed.
@@ -45,7 +47,32 @@ def _runtime() -> ModuleType:
             from cuda import cudart as runtime  # type: ignore[import-not-found,no-redef,attr-defined,unused-ignore]
         except ImportError:
             raise CudaError("cuda-python is not installed (pip install cuda-bindings)") from None
+    relax_capture_mode(runtime)
     return runtime
+
+
+_THREAD = threading.local()
+
+
+def relax_capture_mode(runtime: ModuleType | None = None) -> None:
+    """Let this thread make any CUDA call while another thread captures a CUDA graph.
+
+    ONNX Runtime captures a context's graph (``onnxruntime_cuda.cuda_graphs``) in CUDA's global
+    mode, in which a call another thread makes that CUDA deems unsafe during a capture (a copy
+    from pageable memory, a ``cudaMalloc``, a synchronize) fails, and the capture with it: with two
+    contexts running at once, one request's capture failed another's run. A thread in relaxed
+    mode may make them; every thread that touches CUDA here sets it once, before its first call
+    (``_runtime``, the copies, every ONNX Runtime CUDA run). Our streams are non-blocking, so
+    none of those calls waits on a capturing stream. Where no device answers, nothing is set.
+    """
+    if getattr(_THREAD, "relaxed", False):
+        return
+    _THREAD.relaxed = True
+    try:
+        rt = runtime if runtime is not None else _runtime()
+        rt.cudaThreadExchangeStreamCaptureMode(rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+    except Exception:  # no cuda-python, driver or device: no capture can be under way either
+        pass
 
 
 def error_name(err: Any) -> str:
@@ -376,6 +403,7 @@ class CudaMemory:
         self._copy_async(dst, src, nbytes, "DeviceToDevice", stream)
 
     def _copy_async(self, dst: int, src: int, nbytes: int, direction: str, stream: StreamLike) -> None:
+        relax_capture_mode(self._rt)
         rt = self._rt
         kind = getattr(rt.cudaMemcpyKind, f"cudaMemcpy{direction}")
         check(rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream.handle), f"cudaMemcpyAsync({direction}, {nbytes})")

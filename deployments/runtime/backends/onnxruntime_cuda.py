@@ -19,6 +19,15 @@ Each execution context owns:
   bounded by the profile, not by the request history. A profile whose run needs more than the
   cap fails at load (``DeviceOutOfMemory``, 503, naming the cap).
 
+CUDA graphs (``onnxruntime_cuda.cuda_graphs``, opt-in): the session is made with ONNX Runtime's
+``enable_cuda_graph`` and every run names a graph id per input shape (``gpu_graph_id``; ``NO_GRAPH``
+for tensors in CUDA shared memory and shapes past ``MAX_GRAPHS``), so a shape's kernels are captured
+at its first runs (the max profile's at load) and replayed as one launch after; the device buffers
+above keep the addresses a graph was captured with. ONNX Runtime keeps graphs per calling thread,
+and the capture runs in CUDA's global mode: every thread that touches CUDA here relaxes its capture
+mode (``cuda.relax_capture_mode``). A session ONNX Runtime refuses graphs for, or a capture that
+fails at load, runs without (``graphs_reason``).
+
 CUDA shared memory (Triton's extension, ``contract.device``): an input in a client's CUDA region
 (``DeviceTensor``) is bound where it lies instead of the context's buffer, and an output asked into
 one is bound there (or, for an output whose shape only the run tells, copied there from the arena
@@ -80,6 +89,17 @@ TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
 
 _PRIME_LOCK = threading.Lock()
 _PRIMED = False
+
+# CUDA graphs per context (``onnxruntime_cuda.cuda_graphs``): one per input shape, the max
+# profile's first; a shape beyond these runs without one. Graph ids start at 1: ONNX Runtime
+# replays id 0 for a run that names none, so every run of a graph session names its id, -1 for none.
+MAX_GRAPHS = 16
+# "1" / "0": every model of this process with / without graphs, whatever its config says.
+CUDA_GRAPHS_ENV = "TRT_SERVE_CUDA_GRAPHS"
+NO_GRAPH = -1
+# A graph is captured at its id's second run (the first allocates what the capture keeps): the
+# max profile's warm-up runs this often at load, so the model's capture is tried before it serves.
+GRAPH_WARM_RUNS = 3
 
 # How this process's threads wait for the GPU (``cuda.WAIT_MODES``), set once by ``prime``.
 CUDA_WAIT_ENV = "TRT_SERVE_CUDA_WAIT"
@@ -165,6 +185,28 @@ def prime() -> None:
         _PRIMED = True
 
 
+def graphs_wanted(config: ModelConfig) -> tuple[bool, str]:
+    """Whether the model's contexts should capture CUDA graphs, and if not, why:
+    ``onnxruntime_cuda.cuda_graphs``, unless ``TRT_SERVE_CUDA_GRAPHS`` (1 or 0) says otherwise.
+
+    Raises:
+        ConfigError: ``TRT_SERVE_CUDA_GRAPHS`` is neither 1 nor 0.
+    """
+    forced = os.environ.get(CUDA_GRAPHS_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ConfigError(f"{CUDA_GRAPHS_ENV}={forced!r} is neither 1 (graphs for every model) nor 0 (none)")
+    if forced:
+        return forced == "1", f"off ({CUDA_GRAPHS_ENV}=0)"
+    return config.onnxruntime_cuda.cuda_graphs, "off (onnxruntime_cuda.cuda_graphs: false)"
+
+
+def graph_run(graph: int) -> ort.RunOptions:
+    """RunOptions naming CUDA graph ``graph`` (``NO_GRAPH``: run without one)."""
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph))
+    return options
+
+
 class _HostArray:
     """A numpy array's address where ``cuda.CudaMemory`` copies take a host buffer (pageable
     memory: the driver stages it; one copy from the caller's point of view)."""
@@ -193,21 +235,19 @@ class OnnxRuntimeCudaContext:
         self.session: ort.InferenceSession | None = None
         self._inputs: dict[str, cuda.DeviceBuffer] = {}
         self._outputs: dict[str, cuda.DeviceBuffer] = {}
+        # Input shapes -> the RunOptions naming their graph id (``_run_options``); empty while
+        # the session has no graphs (``graphs`` False).
+        self._graph_runs: dict[tuple, ort.RunOptions] = {}
+        self._no_graph = graph_run(NO_GRAPH)
+        self._capturing = True  # new shapes get graphs (until a buffer moves: ``_graphs_moved``)
+        self.graphs = False
         try:
-            try:
-                self.session = ort.InferenceSession(
-                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
-                    providers=[(PROVIDER, engine.provider_options(self.stream.handle)), "CPUExecutionProvider"])
-            except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
-                fault = DeviceOutOfMemory if out_of_memory(e) else LoadFault
-                raise fault(
-                    f"model '{config.name}': ONNX Runtime could not create a {PROVIDER} session with "
-                    f"gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} ({str(e)[-200:]})") from e
-            if PROVIDER not in self.session.get_providers():
-                raise LoadFault(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
-                                  f"(session providers: {self.session.get_providers()}); see its log")
-            check_signature(config, self.session)
-            self.binding = self.session.io_binding()
+            wanted, self.graphs_reason = graphs_wanted(config)
+            static = all(self._static_output_shape(t.name, batch_of_max(config)) is not None for t in config.outputs)
+            if wanted and not static:
+                wanted, self.graphs_reason = False, "off: an output's shape is only known after the run"
+                logger.info("model '%s': CUDA graphs %s", config.name, self.graphs_reason)
+            self._open_session(wanted)
             max_shapes = max_profile_shapes(config)
             for spec in config.inputs:
                 buf = self._inputs[spec.name] = memory.device_buffer()
@@ -217,10 +257,69 @@ class OnnxRuntimeCudaContext:
                 if shape is not None:
                     buf = self._outputs[spec.name] = memory.device_buffer()
                     buf.ensure(int(np.prod(shape)) * NUMPY_BY_DATATYPE[spec.datatype].itemsize)
-            self._warm_up(max_shapes)
+            if self.graphs:
+                try:
+                    for _ in range(GRAPH_WARM_RUNS):
+                        self._warm_up(max_shapes, strict=True)
+                except ServingError as e:  # the capture failed: the same session cannot be trusted
+                    if isinstance(e, DeviceOutOfMemory):
+                        raise
+                    self.graphs_reason = f"off: ONNX Runtime could not capture the model ({e.message[-200:]})"
+                    logger.warning("model '%s': CUDA graphs %s; it runs without", config.name, self.graphs_reason)
+                    self._open_session(False)
+            if not self.graphs:
+                self._warm_up(max_shapes)
         except BaseException:
             self.close()
             raise
+
+    def _open_session(self, graphs: bool) -> None:
+        """(Re)create the session, with CUDA graphs where ``graphs`` and ONNX Runtime takes them
+        (it refuses a model with a node on the CPU: then without, ``graphs_reason`` says why)."""
+        engine, config = self._engine, self._engine.config
+        self.session, self._graph_runs, self.graphs, self._capturing = None, {}, False, True
+        options = engine.provider_options(self.stream.handle)
+        try:
+            try:
+                session = ort.InferenceSession(
+                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
+                    providers=[(PROVIDER, {**options, "enable_cuda_graph": "1" if graphs else "0"}),
+                               "CPUExecutionProvider"])
+            except Exception as e:
+                if not graphs or out_of_memory(e):
+                    raise
+                self.graphs_reason = f"off: ONNX Runtime refused them ({str(e)[-200:]})"
+                logger.info("model '%s': CUDA graphs %s", config.name, self.graphs_reason)
+                graphs = False
+                session = ort.InferenceSession(
+                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
+                    providers=[(PROVIDER, options), "CPUExecutionProvider"])
+        except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
+            fault = DeviceOutOfMemory if out_of_memory(e) else LoadFault
+            raise fault(
+                f"model '{config.name}': ONNX Runtime could not create a {PROVIDER} session with "
+                f"gpu_mem_limit_mib {config.onnxruntime_cuda.gpu_mem_limit_mib} ({str(e)[-200:]})") from e
+        if PROVIDER not in session.get_providers():
+            raise LoadFault(f"model '{config.name}': ONNX Runtime did not start {PROVIDER} "
+                            f"(session providers: {session.get_providers()}); see its log")
+        check_signature(config, session)
+        self.session, self.binding, self.graphs = session, session.io_binding(), graphs
+        if graphs:
+            self.graphs_reason = "on"
+
+    def _run_options(self, inputs: Mapping[str, Any], on_device: bool) -> ort.RunOptions | None:
+        """The run's options: None without graphs; else the graph id of these input shapes (a
+        new one while fewer than ``MAX_GRAPHS``), or ``NO_GRAPH`` for a run whose tensors do not
+        lie in this context's own buffers (CUDA shared memory) or a shape beyond the graphs."""
+        if not self.graphs:
+            return None
+        key = None if on_device else tuple((name, value.shape) for name, value in inputs.items())
+        options = self._graph_runs.get(key)
+        if options is None:
+            if key is None or not self._capturing or len(self._graph_runs) >= MAX_GRAPHS:
+                return self._no_graph
+            options = self._graph_runs[key] = graph_run(len(self._graph_runs) + 1)
+        return options
 
     def _static_output_shape(self, name: str, batch: int | None) -> tuple[int, ...] | None:
         """The output's shape when only its batch axis is dynamic (``batch`` rows), else None."""
@@ -232,13 +331,17 @@ class OnnxRuntimeCudaContext:
             dims[0] = batch
         return tuple(dims) if all(d > 0 for d in dims) else None
 
-    def _warm_up(self, max_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def _warm_up(self, max_shapes: Mapping[str, tuple[int, ...]], strict: bool = False) -> None:
+        """One run on zeros at the max profile. ``strict``: any failure but running out of
+        memory is raised as it came (the caller drops the graphs)."""
         config = self._engine.config
         feeds = {n: np.zeros(s, NUMPY_BY_DATATYPE[config.input(n).datatype]) for n, s in max_shapes.items()}
         try:
             self.infer(feeds)
         except ServingError as e:
             short = isinstance(e, DeviceOutOfMemory) or out_of_memory(e.__cause__ or e)
+            if strict and not short:
+                raise
             if not short and isinstance(e, (InferenceError, InvalidInput)) and not isinstance(e, EngineFault):
                 # The model refused the server's own zeros (an integer Div by zero, a Reshape the
                 # max batch does not divide): not a fault of the load; the arena grows at the
@@ -268,8 +371,11 @@ class OnnxRuntimeCudaContext:
         engine = self._engine
         memory, device, binding = engine.memory, engine.device_id, self.binding
         assert self.session is not None, "context used after close()"
+        cuda.relax_capture_mode()  # ONNX Runtime's own calls in this thread too (``cuda.relax_capture_mode``)
         targets = targets or {}
         batch = None
+        on_device = bool(targets) or any(isinstance(v, DeviceTensor) for v in inputs.values())
+        run_options = self._run_options(inputs, on_device)
         with contextlib.ExitStack() as held:  # the CUDA regions stay open until the outputs are read
             try:
                 for name, value in inputs.items():
@@ -282,7 +388,9 @@ class OnnxRuntimeCudaContext:
                         continue
                     array = np.asarray(value, order="C")  # rank 0 stays rank 0
                     buf = self._inputs[name]
-                    buf.ensure(array.nbytes)  # grow-only; inputs are validated against the profile
+                    if buf.ensure(array.nbytes) and self.graphs:  # grow-only; inputs are validated against the profile
+                        self._graphs_moved()
+                        run_options = self._no_graph
                     if array.nbytes:
                         memory.copy_to_device(buf, _HostArray(array), array.nbytes, self.stream)
                     binding.bind_input(name, engine.device_type, device, array.dtype.type, list(array.shape), buf.ptr)
@@ -299,11 +407,13 @@ class OnnxRuntimeCudaContext:
                         ptr = held.enter_context(target.lease(device)) + target.offset
                     else:
                         buf = self._outputs[spec.name]
-                        buf.ensure(int(np.prod(shape)) * dtype.itemsize)
+                        if buf.ensure(int(np.prod(shape)) * dtype.itemsize) and self.graphs:
+                            self._graphs_moved()
+                            run_options = self._run_options(inputs, True)
                         ptr = buf.ptr
                     binding.bind_output(spec.name, engine.device_type, device, dtype.type, list(shape), ptr)
                     shapes[spec.name] = shape
-                self.session.run_with_iobinding(binding)  # returns once the stream is synchronized
+                self.session.run_with_iobinding(binding, run_options)  # returns once the stream is synchronized
                 results: dict[str, Any] = {}
                 values = binding.get_outputs()  # held until the stream is synchronized
                 for spec, value in zip(engine.config.outputs, values):
@@ -334,6 +444,13 @@ class OnnxRuntimeCudaContext:
                 binding.clear_binding_inputs()
                 binding.clear_binding_outputs()
         return results
+
+    def _graphs_moved(self) -> None:
+        """A buffer the captured graphs write or read was reallocated (a tensor over the max
+        profile): their addresses are gone, so every later run goes without a graph."""
+        self._graph_runs, self._capturing = {}, False
+        self.graphs_reason = "off: an I/O buffer was reallocated after the graphs were captured"
+        logger.warning("model '%s': CUDA graphs %s", self._engine.config.name, self.graphs_reason)
 
     def close(self) -> None:
         """Free the session (its arena), the buffers and the stream; idempotent."""
@@ -397,6 +514,7 @@ class OnnxRuntimeCudaEngine:
 
     def create_context(self) -> OnnxRuntimeCudaContext:
         """Make and warm one context, measuring this process's GPU growth across it."""
+        cuda.relax_capture_mode()
         with self._lock:  # one at a time, so each delta is one context's
             before = process_gpu_bytes()
             context = OnnxRuntimeCudaContext(self)
