@@ -12,6 +12,7 @@ a cut in them shows here at a fraction of the noise of ``bench.replica_cpu``.
     python -m bench.replica_inproc --model simple --requests 3000
     TRT_SERVE_INLINE_RUN_US=0 python -m bench.replica_inproc --model simple   # every run in a thread
     python -m bench.replica_inproc --model tiny_cnn --requests 400
+    python -m bench.replica_inproc --model resnet18 --fake-model --concurrency 1 --requests 4000
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     replica = cls.__new__(cls)
     await cls.__init__(replica, args.repository, args.model, args.backend,
                        RouterOptions(max_body_bytes=1 << 30, request_timeout_s=60.0), {"port": None})
+    if args.fake_model:  # the replica's own code alone: zeros of the outputs' shapes at once, inline
+        from deployments.runtime.contract.datatypes import NUMPY_BY_DATATYPE
+
+        config = replica.host.config
+        zeros = {t.name: np.zeros([max(d, 1) for d in t.dims], NUMPY_BY_DATATYPE[t.datatype])  # batch 1
+                 for t in config.outputs}
+
+        def answer_zeros(self: Any, inputs: Any, outputs: Any = None) -> dict[str, np.ndarray]:
+            return {k: zeros[k] for k in (outputs or zeros)}
+
+        run = answer_zeros  # what ``timed_run`` calls
+        replica.host.recent_run_s = 1e-6  # ``runs_inline``: no thread hop
     body, head_bytes = body_of(replica.host.config)
     if args.echo:
         from bench.echo import create_app
@@ -143,6 +156,8 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--echo", action="store_true", help="bench.echo's app with the same requests")
+    p.add_argument("--fake-model", action="store_true",
+                   help="the model answers zeros at once, in the event loop's thread: the replica's own code alone")
     args = p.parse_args(argv)
     os.environ.setdefault("ORT_INTRA_OP_THREADS", "1")  # as bench.replica_cpu
     os.environ.setdefault("TRT_SERVE_METRICS_DIR", tempfile.mkdtemp(prefix="bench-inproc-metrics-"))

