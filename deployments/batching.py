@@ -189,15 +189,19 @@ class BatchPolicy:
         return self.max_queue_delay_ms / 1e3
 
     @classmethod
-    def of(cls, config: ModelConfig, backend: str = "onnxruntime", model_file: Path | None = None) -> "BatchPolicy | None":
+    def of(cls, config: ModelConfig, backend: str = "onnxruntime", model_file: Path | None = None,
+           replays_shapes: bool = False) -> "BatchPolicy | None":
         """The policy from ``config.dynamic_batching`` for a model served by ``backend`` (its
         ``model_file`` names the sequence axis: ``SequenceAxis.of``); None when batching is off.
+        ``replays_shapes``: the loaded model's contexts replay each shape as a CUDA graph
+        (``ModelHost.replays_shapes``), so ``auto`` does not pad for a change of shape's sake.
 
         ``max_rows`` is the largest preferred batch size, else ``max_batch_size`` (the config
         guarantees both stay within ``max_batch_size`` and so within the profile max). A model
         whose ``max_rows`` is 1 cannot batch and gets None. ``pad_to`` is 1 and the preferred
         sizes when ``pad_to_preferred`` is true, or ``auto`` and ``backend`` in
-        ``PAD_AUTO_BACKENDS``: 1 is there so that a lone request of one row runs unpadded.
+        ``PAD_AUTO_BACKENDS`` and the contexts do not replay shapes: 1 is there so that a lone
+        request of one row runs unpadded.
         ``sequence`` (the buckets) applies when ``pad_to_preferred`` is true, or ``auto`` and
         ``backend`` runs on a GPU (``BUCKET_WARM_BACKENDS``): on ONNX Runtime CPU a new sequence
         length costs nothing, and padding a 150-token text to 256 costs its attention about 3x
@@ -215,7 +219,7 @@ class BatchPolicy:
             return None
         pad = batching.pad_to_preferred
         if pad == "auto":
-            pad = backend in PAD_AUTO_BACKENDS
+            pad = backend in PAD_AUTO_BACKENDS and not replays_shapes
         pad_to = tuple(sorted({1, *batching.preferred_batch_size})) if pad and batching.preferred_batch_size else ()
         sequence = SequenceAxis.of(config, model_file)  # checked on every backend
         if batching.pad_to_preferred is False or (batching.pad_to_preferred == "auto" and backend not in BUCKET_WARM_BACKENDS):

@@ -181,7 +181,8 @@ class ModelDeployment(ServeGrpcMethods):
     def _loaded_policy(self) -> BatchPolicy | None:
         """The batch policy for the loaded model's backend, its padded sizes warmed
         (``BatchPolicy.warm_shapes``, ``ModelHost.warm``). Blocking."""
-        policy = BatchPolicy.of(self.host.config, self.host.backend, self.host.entry.onnx_path(self.host.version))
+        policy = BatchPolicy.of(self.host.config, self.host.backend, self.host.entry.onnx_path(self.host.version),
+                                self.host.replays_shapes())
         shapes = policy.warm_shapes(self.host.config, self.host.backend) if policy is not None else []
         if shapes:
             self.host.warm(shapes)

@@ -71,6 +71,29 @@ def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
     assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
     # auto without preferred sizes has nothing to pad to
     assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
+    # contexts replaying CUDA graphs rebuild nothing for a new batch size: auto does not pad, forced still does
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda", replays_shapes=True).pad_to == ()
+    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime_cuda", replays_shapes=True).pad_to == (1, 2, 8)
+
+
+def test_a_host_replays_shapes_only_when_every_context_has_graphs(model_repository):
+    """ONNX Runtime on the CPU has no graphs; a host is judged by all its contexts, and an
+    unloaded one by none."""
+    from deployments.runtime.residency.host import ModelHost
+
+    host = ModelHost(model_repository.get("tiny_cnn"), "onnxruntime")
+    assert host.replays_shapes() is False  # not loaded
+    host.load()
+    real = host._contexts
+    try:
+        assert host.replays_shapes() is False
+        host._contexts = [type("Graphs", (), {"graphs": True})()] * 2
+        assert host.replays_shapes() is True
+        host._contexts.append(type("NoGraphs", (), {"graphs": False})())
+        assert host.replays_shapes() is False
+    finally:
+        host._contexts = real
+        host.unload()
     with pytest.raises(ValueError, match="pad_to_preferred needs preferred_batch_size"):
         config(dynamic_batching={"pad_to_preferred": True})
 

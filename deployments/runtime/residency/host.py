@@ -101,6 +101,12 @@ class ModelHost:
         recent = self.recent_run_s
         return recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0
 
+    def replays_shapes(self) -> bool:
+        """Whether every loaded context replays its input shapes as captured CUDA graphs
+        (``onnxruntime_cuda.cuda_graphs`` on and taken by ONNX Runtime): a change of batch size
+        then rebuilds no cuDNN plan, so batches need no padding for its sake (``BatchPolicy.of``)."""
+        return bool(self._contexts) and all(getattr(c, "graphs", False) is True for c in self._contexts)
+
     def load(self) -> "ModelHost":
         """Load the engine, create the contexts and run the config's warmup requests on each
         (``residency.warmup``; ``load_ms`` and ``warmup_ms`` time the two apart) before the model
