@@ -74,6 +74,21 @@ def test_the_direct_ingress_ports_start_at_a_free_one():
     assert int(env["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"]) % 200 == 199
 
 
+def free_span(length: int) -> int:
+    """The first of ``length`` ports, each free now, from 20000 up in steps of 1000: below Linux's
+    ephemeral range (32768+), where an outgoing connection once held 36000 during a full suite, and
+    below Ray's direct-ingress ports (30000+)."""
+    for base in range(20000, 30000, 1000):
+        try:
+            for port in range(base, base + length):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free span of ports between 20000 and 30000")
+
+
 def test_servers_started_at_once_claim_separate_blocks_of_the_ingress_range(tmp_path):
     """Two servers started at once both found 30000 free and began there: one's replica took the
     port the other's HAProxy listed (its first requests 421). Each process now claims a block of
@@ -83,19 +98,20 @@ def test_servers_started_at_once_claim_separate_blocks_of_the_ingress_range(tmp_
     import sys
 
     folder = str(tmp_path / "locks")
+    b = free_span(1000)
     claim = (f"import sys, time; from deployments import loopback; "
-             f"print(loopback.claim_ingress_block(36000, 1000, 200, {folder!r}), flush=True); sys.stdin.read()")
+             f"print(loopback.claim_ingress_block({b}, 1000, 200, {folder!r}), flush=True); sys.stdin.read()")
     other = subprocess.Popen([sys.executable, "-c", claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert other.stdout.readline().strip() == "(36000, 36200)"  # the first block, held by the other process
-        mine = loopback.claim_ingress_block(36000, 1000, 200, folder)
-        assert mine == (36200, 36400)  # the next block: no port of the other's
-        assert loopback.claim_ingress_block(36000, 1000, 200, folder) == mine  # this process's own, again
+        assert other.stdout.readline().strip() == f"({b}, {b + 200})"  # the first block, held by the other process
+        mine = loopback.claim_ingress_block(b, 1000, 200, folder)
+        assert mine == (b + 200, b + 400)  # the next block: no port of the other's
+        assert loopback.claim_ingress_block(b, 1000, 200, folder) == mine  # this process's own, again
     finally:
         other.communicate("")
-    loopback._CLAIMS.pop(36200)  # forget this process's claim (a new process's view) to read the first block
-    assert loopback.claim_ingress_block(36000, 1000, 200, folder) == (36000, 36200)  # free once the other went
+    loopback._CLAIMS.pop(b + 200)  # forget this process's claim (a new process's view) to read the first block
+    assert loopback.claim_ingress_block(b, 1000, 200, folder) == (b, b + 200)  # free once the other went
     with socket.socket() as held:  # a port taken inside a block: the block starts after it
-        held.bind(("127.0.0.1", 36400))
+        held.bind(("127.0.0.1", b + 400))
         held.listen()
-        assert loopback.claim_ingress_block(36400, 400, 200, folder)[0] > 36400
+        assert loopback.claim_ingress_block(b + 400, 400, 200, folder)[0] > b + 400
