@@ -486,9 +486,10 @@ class V2Routes:
         try:
             async with asyncio.timeout(BODY_STALL_TIMEOUT_S) as stall:
                 async for chunk in request.stream():
-                    # The stall timer moves at most every tenth of its bound (a timer handle made and
-                    # one cancelled per chunk cost a 602 KB body 10-15 % of the replica's own CPU in
-                    # process); a stall is then told 0.9-1.0 bounds after the last byte.
+                    # The stall timer moves at most every tenth of its bound, not per chunk (each move
+                    # makes a timer handle and cancels one; measured in
+                    # docs/performance.md, "A replica's CPU per request by stage"); a stall is then
+                    # told 0.9-1.0 bounds after the last byte.
                     now = loop.time()
                     if now - moved >= BODY_STALL_TIMEOUT_S / 10:
                         stall.reschedule(now + BODY_STALL_TIMEOUT_S)

@@ -85,7 +85,7 @@ def join_body(chunks: list[bytes], header_length: int | None) -> Body:
         return b"".join(chunks)
     joined = memoryview(aligned_buffer(size, header_length)).cast("B")
     pos = 0
-    for chunk in chunks:  # memoryview slices copy without a numpy view per chunk (31 -> 20 us for 602 KB)
+    for chunk in chunks:  # a memoryview slice copies without making a numpy view per chunk
         end = pos + len(chunk)
         joined[pos:end] = chunk
         pos = end

@@ -279,21 +279,23 @@ class OnnxRuntimeCudaContext:
         engine, config = self._engine, self._engine.config
         self.session, self._graph_runs, self.graphs, self._capturing = None, {}, False, True
         options = engine.provider_options(self.stream.handle)
+
+        def make(with_graphs: bool) -> ort.InferenceSession:
+            return ort.InferenceSession(
+                str(engine.model_path), sess_options=session_options(intra_op_threads=1),
+                providers=[(PROVIDER, {**options, "enable_cuda_graph": "1" if with_graphs else "0"}),
+                           "CPUExecutionProvider"])
+
         try:
             try:
-                session = ort.InferenceSession(
-                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
-                    providers=[(PROVIDER, {**options, "enable_cuda_graph": "1" if graphs else "0"}),
-                               "CPUExecutionProvider"])
+                session = make(graphs)
             except Exception as e:
                 if not graphs or out_of_memory(e):
                     raise
                 self.graphs_reason = f"off: ONNX Runtime refused them ({str(e)[-200:]})"
                 logger.info("model '%s': CUDA graphs %s", config.name, self.graphs_reason)
                 graphs = False
-                session = ort.InferenceSession(
-                    str(engine.model_path), sess_options=session_options(intra_op_threads=1),
-                    providers=[(PROVIDER, options), "CPUExecutionProvider"])
+                session = make(False)
         except Exception as e:  # e.g. the weights alone over the arena cap (BFCArena refuses)
             fault = DeviceOutOfMemory if out_of_memory(e) else LoadFault
             raise fault(
@@ -307,16 +309,18 @@ class OnnxRuntimeCudaContext:
         if graphs:
             self.graphs_reason = "on"
 
-    def _run_options(self, inputs: Mapping[str, Any], on_device: bool) -> ort.RunOptions | None:
+    def _run_options(self, inputs: Mapping[str, Any], targets: Mapping[str, DeviceOutput]) -> ort.RunOptions | None:
         """The run's options: None without graphs; else the graph id of these input shapes (a
         new one while fewer than ``MAX_GRAPHS``), or ``NO_GRAPH`` for a run whose tensors do not
         lie in this context's own buffers (CUDA shared memory) or a shape beyond the graphs."""
         if not self.graphs:
             return None
-        key = None if on_device else tuple((name, value.shape) for name, value in inputs.items())
+        if targets or any(isinstance(v, DeviceTensor) for v in inputs.values()):
+            return self._no_graph
+        key = tuple((name, value.shape) for name, value in inputs.items())
         options = self._graph_runs.get(key)
         if options is None:
-            if key is None or not self._capturing or len(self._graph_runs) >= MAX_GRAPHS:
+            if not self._capturing or len(self._graph_runs) >= MAX_GRAPHS:
                 return self._no_graph
             options = self._graph_runs[key] = graph_run(len(self._graph_runs) + 1)
         return options
@@ -374,8 +378,7 @@ class OnnxRuntimeCudaContext:
         cuda.relax_capture_mode()  # ONNX Runtime's own calls in this thread too (``cuda.relax_capture_mode``)
         targets = targets or {}
         batch = None
-        on_device = bool(targets) or any(isinstance(v, DeviceTensor) for v in inputs.values())
-        run_options = self._run_options(inputs, on_device)
+        run_options = self._run_options(inputs, targets)
         with contextlib.ExitStack() as held:  # the CUDA regions stay open until the outputs are read
             try:
                 for name, value in inputs.items():
@@ -409,7 +412,7 @@ class OnnxRuntimeCudaContext:
                         buf = self._outputs[spec.name]
                         if buf.ensure(int(np.prod(shape)) * dtype.itemsize) and self.graphs:
                             self._graphs_moved()
-                            run_options = self._run_options(inputs, True)
+                            run_options = self._no_graph
                         ptr = buf.ptr
                     binding.bind_output(spec.name, engine.device_type, device, dtype.type, list(shape), ptr)
                     shapes[spec.name] = shape
