@@ -8,7 +8,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   launch | inproc | graphs | stages | tests | embed | frontdoors | fronts | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
+#   launch | inproc | graphs | graphmem | stages | tests | embed | frontdoors | fronts | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -89,14 +89,16 @@ case "$1" in
       --out "$OUT/placement.json" 2>&1 | grep -av "^INFO" | tail -40 ;;
   launch) cd /tmp/w && for m in ${WAITS:-auto blocking}; do TRT_SERVE_CUDA_WAIT=$m python3 -m bench.gpu_launch --models resnet18,tiny_cnn \
       --batches 1,8 --out "$OUT/launch-$m.json" 2>&1 | grep -a "^{" | sed "s/^/$m /"; done ;;
-  inproc) cd /tmp/w && for c in ${CONCURRENCY:-1 16}; do for v in ${INPROC:-default graphs echo}; do
-      case $v in inline) e=TRT_SERVE_INLINE_RUN_US=100000; a=;; graphs) e=TRT_SERVE_CUDA_GRAPHS=1; a=;;
+  inproc) cd /tmp/w && for c in ${CONCURRENCY:-1 16}; do for v in ${INPROC:-default nographs echo}; do
+      case $v in inline) e=TRT_SERVE_INLINE_RUN_US=100000; a=;; nographs) e=TRT_SERVE_CUDA_GRAPHS=0; a=;;
         echo) e=X=1; a=--echo;; *) e=X=1; a=;; esac
       env $e python3 -m bench.replica_inproc --model ${MODEL:-resnet18} --backend onnxruntime_cuda --requests ${REQUESTS:-2000} \
         --concurrency $c $a 2>&1 | grep -a "^{" | sed "s/^/$v c=$c /"; done; done ;;
   graphs) cd /tmp/w && for g in ${GRAPHS:-1 0}; do echo "TRT_SERVE_CUDA_GRAPHS=$g"; TRT_SERVE_CUDA_GRAPHS=$g python3 -m bench.throughput \
       --scenarios batching --models resnet18 --batched resnet18 --padded --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} \
       --batch-levels ${LEVELS:-64,256} --gpu-fraction 0.04 $HTTP --out "$OUT/graphs$g" 2>&1 | grep -a "^batching"; done ;;
+  graphmem) cd /tmp/w && python3 -m bench.graph_memory --models ${MODELS:-tiny_cnn,resnet18} --sets ${SETS:-none,1,1-8} 2>&1 \
+      | grep -a "^{" | tee "$OUT/graph_memory.log" ;;
   stages) cd /tmp/w && python3 -m bench.replica_cpu --models ${MODELS:-resnet18} --backend onnxruntime_cuda --gpu-fraction 0.1 \
       --rounds ${ROUNDS:-2} --duration-s 5 --warmup-s 2 --stacks /tmp/stacks --out "$OUT/replica_cpu.json" 2>&1 \
       | grep -av "^INFO\|^\s*$" | tail -40; tar czf "$OUT/stacks.tgz" -C /tmp stacks ;;

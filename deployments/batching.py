@@ -1,5 +1,6 @@
 """Dynamic batching for a dedicated model deployment: our own scheduler (``BatchScheduler``),
-asyncio in the replica's event loop and a worker thread (``asyncio.to_thread``) per running batch.
+asyncio in the replica's event loop and a worker thread per running batch (``asyncio.to_thread``, or a
+free execution context's own thread: ``ModelHost.call``).
 
 Why not Ray Serve's ``@serve.batch`` (which served here until issue 30): Ray 2.60 forms a batch
 when it is full or ``batch_wait_timeout_s`` has passed since its first request, whether or not
@@ -69,7 +70,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -190,17 +191,18 @@ class BatchPolicy:
 
     @classmethod
     def of(cls, config: ModelConfig, backend: str = "onnxruntime", model_file: Path | None = None,
-           replays_shapes: bool = False) -> "BatchPolicy | None":
+           replayed: Collection[int | None] = ()) -> "BatchPolicy | None":
         """The policy from ``config.dynamic_batching`` for a model served by ``backend`` (its
         ``model_file`` names the sequence axis: ``SequenceAxis.of``); None when batching is off.
-        ``replays_shapes``: the loaded model's contexts replay each shape as a CUDA graph
-        (``ModelHost.replays_shapes``), so ``auto`` does not pad for a change of shape's sake.
+        ``replayed``: the batch sizes the loaded model's contexts replay as CUDA graphs
+        (``ModelHost.replayed_batches``): where every size up to ``max_rows`` is one, ``auto``
+        does not pad for a change of shape's sake.
 
         ``max_rows`` is the largest preferred batch size, else ``max_batch_size`` (the config
         guarantees both stay within ``max_batch_size`` and so within the profile max). A model
         whose ``max_rows`` is 1 cannot batch and gets None. ``pad_to`` is 1 and the preferred
         sizes when ``pad_to_preferred`` is true, or ``auto`` and ``backend`` in
-        ``PAD_AUTO_BACKENDS`` and the contexts do not replay shapes: 1 is there so that a lone
+        ``PAD_AUTO_BACKENDS`` and the contexts do not replay every size: 1 is there so that a lone
         request of one row runs unpadded.
         ``sequence`` (the buckets) applies when ``pad_to_preferred`` is true, or ``auto`` and
         ``backend`` runs on a GPU (``BUCKET_WARM_BACKENDS``): on ONNX Runtime CPU a new sequence
@@ -219,7 +221,7 @@ class BatchPolicy:
             return None
         pad = batching.pad_to_preferred
         if pad == "auto":
-            pad = backend in PAD_AUTO_BACKENDS and not replays_shapes
+            pad = backend in PAD_AUTO_BACKENDS and not set(range(1, max_rows + 1)) <= set(replayed)
         pad_to = tuple(sorted({1, *batching.preferred_batch_size})) if pad and batching.preferred_batch_size else ()
         sequence = SequenceAxis.of(config, model_file)  # checked on every backend
         if batching.pad_to_preferred is False or (batching.pad_to_preferred == "auto" and backend not in BUCKET_WARM_BACKENDS):
@@ -480,14 +482,18 @@ class BatchScheduler:
         wait_s: how long a batch stays open while every context is busy.
         slots: batches run at once: the model's ``instances``.
         on_ran: called in the event loop after each batch with ``(items, BatchRun, seconds)``.
+        call: how ``run`` is run off the event loop (``ModelHost.call``: on a free execution
+            context's own thread where it has one); default ``asyncio.to_thread``.
 
     ``submit`` must be called from the event loop the scheduler runs in; everything here runs
     in that loop but ``run``. ``stats`` counts every batch (``BatchStats``).
     """
 
     def __init__(self, run: Callable[[list[BatchItem], bool], BatchRun], max_rows: int, wait_s: float, slots: int,
-                 on_ran: Callable[[list[BatchItem], BatchRun, float], None] | None = None) -> None:
+                 on_ran: Callable[[list[BatchItem], BatchRun, float], None] | None = None,
+                 call: Callable[..., Awaitable[Any]] = asyncio.to_thread) -> None:
         self._run_batch = run
+        self._call = call
         self.max_rows = max_rows
         self.wait_s = wait_s
         self.slots = slots
@@ -593,7 +599,7 @@ class BatchScheduler:
         start = time.perf_counter()
         try:
             try:
-                done = await asyncio.to_thread(self._run_batch, items, loaded)
+                done = await self._call(self._run_batch, items, loaded)
             except BaseException as e:  # run_batch answers per request; this is a fault of its own
                 done = BatchRun([copy.copy(e) for _ in items], [], 0)
             seconds = time.perf_counter() - start

@@ -90,7 +90,7 @@ class ModelDeployment(ServeGrpcMethods):
         policy = self._policy
         self._batched = None if policy is None else BatchScheduler(
             lambda items, loaded: run_batch(self.host, items, self._policy, loaded), policy.max_rows, policy.wait_s,
-            self.host.config.instances, self._batch_ran)
+            self.host.config.instances, self._batch_ran, lambda fn, *args: self.host.call(fn, *args))
         await first_sync(self.routes.follower)  # routed only once it serves the current state
 
     @errors_as_values
@@ -118,10 +118,10 @@ class ModelDeployment(ServeGrpcMethods):
         if self._batched is None or device_io(inputs, outputs):  # CUDA shared memory runs where it lies
             if self.host.runs_inline():  # a short run: the hop to a thread costs more
                 return self.host.infer(inputs, outputs)
-            return await asyncio.to_thread(self.host.infer, inputs, outputs)
+            return await self.host.call(self.host.infer, inputs, outputs)
         item = BatchItem.of(self.host.config, inputs, outputs, self._policy.sequence)
         if item.rows > self._batched.max_rows:  # a request over the batch size runs alone
-            return item.own(await asyncio.to_thread(self.host.run, item.inputs, item.outputs))
+            return item.own(await self.host.call(self.host.run, item.inputs, item.outputs))
         if self.recorder is not None:
             self.recorder.batch_member(item)
         return await self._batched.infer(item)
@@ -182,7 +182,7 @@ class ModelDeployment(ServeGrpcMethods):
         """The batch policy for the loaded model's backend, its padded sizes warmed
         (``BatchPolicy.warm_shapes``, ``ModelHost.warm``). Blocking."""
         policy = BatchPolicy.of(self.host.config, self.host.backend, self.host.entry.onnx_path(self.host.version),
-                                self.host.replays_shapes())
+                                self.host.replayed_batches())
         shapes = policy.warm_shapes(self.host.config, self.host.backend) if policy is not None else []
         if shapes:
             self.host.warm(shapes)

@@ -162,17 +162,22 @@ def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
     base = gpu_memory.baseline.bytes
     rng = np.random.default_rng(3)
     x = {"input": rng.random((2, 3, 224, 224), dtype=np.float32)}
-    measuring = ModelCache(model_repository, names, CacheOptions(load_policy="lru", max_num_models_per_replica=3),
-                           backend="onnxruntime_cuda").start()
-    try:
-        for name in names:  # measure each footprint once (remembered for this process)
-            measuring.infer(name, x)
-        totals = {n: footprints.measured_footprint(model_repository.get(n), "onnxruntime_cuda").total(
-            model_repository.get(n).config.instances) for n in names}
-    finally:
-        measuring.close()
-    left = process_gpu_bytes().bytes - base
-    assert left <= 64 * MB
+    lefts = []
+    for _ in range(2):  # the first measures each footprint (remembered for this process); the second repeats it
+        measuring = ModelCache(model_repository, names, CacheOptions(load_policy="lru", max_num_models_per_replica=3),
+                               backend="onnxruntime_cuda").start()
+        try:
+            for name in names:
+                measuring.infer(name, x)
+            totals = {n: footprints.measured_footprint(model_repository.get(n), "onnxruntime_cuda").total(
+                model_repository.get(n).config.instances) for n in names}
+        finally:
+            measuring.close()
+        lefts.append(process_gpu_bytes().bytes - base)
+    # What the process keeps after its first loads (the CUDA modules of the kernels the models and
+    # their graphs use) is taken once: a second round of the same loads and unloads keeps nothing more.
+    left = lefts[0]
+    assert left <= 128 * MB and lefts[1] - lefts[0] <= 16 * MB, lefts
     budget = totals["tiny_cnn"] + totals["mid_cnn"] + max(1 << 20, left // 2)
     cache = ModelCache(model_repository, names, CacheOptions(load_policy="lru", memory_budget_mib=budget / (1 << 20),
                                                              max_num_models_per_replica=3),
@@ -199,7 +204,7 @@ def test_cache_eviction_frees_gpu_memory_and_stays_in_budget(model_repository):
         assert peak <= cache.budget_bytes
     finally:
         cache.close()
-    assert process_gpu_bytes().bytes - base <= 64 * MB
+    assert process_gpu_bytes().bytes - base <= left + 16 * MB
 
 
 def test_warmup_runs_on_every_cuda_context_and_the_first_request_matches(model_repository):

@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from deployments.runtime.backends import cuda, onnxruntime_cuda, select
+from deployments.runtime.contract.config import DynamicBatching
 from deployments.runtime.contract.errors import ConfigError
 
 
@@ -121,11 +122,11 @@ def test_set_wait_passes_cuda_its_scheduling_flag(monkeypatch):
 
 
 def test_cuda_graphs_follow_the_config_unless_the_environment_says_otherwise(model_repository, monkeypatch):
-    config = model_repository.get("resnet18").config
-    on = config.model_copy(update={"onnxruntime_cuda": config.onnxruntime_cuda.model_copy(update={"cuda_graphs": True})})
+    on = model_repository.get("resnet18").config
+    config = on.model_copy(update={"onnxruntime_cuda": on.onnxruntime_cuda.model_copy(update={"cuda_graphs": False})})
     monkeypatch.delenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, raising=False)
-    assert onnxruntime_cuda.graphs_wanted(config) == (False, "off (onnxruntime_cuda.cuda_graphs: false)")  # opt-in
-    assert onnxruntime_cuda.graphs_wanted(on)[0] is True
+    assert onnxruntime_cuda.graphs_wanted(on)[0] is True  # the default
+    assert onnxruntime_cuda.graphs_wanted(config) == (False, "off (onnxruntime_cuda.cuda_graphs: false)")
     monkeypatch.setenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, "0")
     assert onnxruntime_cuda.graphs_wanted(on) == (False, "off (TRT_SERVE_CUDA_GRAPHS=0)")
     monkeypatch.setenv(onnxruntime_cuda.CUDA_GRAPHS_ENV, "1")
@@ -134,6 +135,27 @@ def test_cuda_graphs_follow_the_config_unless_the_environment_says_otherwise(mod
     with pytest.raises(ConfigError, match=r"TRT_SERVE_CUDA_GRAPHS='yes' is neither 1 \(graphs for every model\) "
                                           r"nor 0 \(none\)"):
         onnxruntime_cuda.graphs_wanted(config)
+
+
+def test_graphs_are_captured_at_load_for_one_row_and_the_preferred_sizes(model_repository):
+    """1 (a lone request) and, with dynamic batching on, the sizes padded batches run at; a model
+    without a batch axis has its one shape."""
+    resnet18 = model_repository.get("resnet18").config  # max_batch_size 32, no dynamic_batching
+    assert onnxruntime_cuda.graph_batches(resnet18) == (1,)
+    batched = resnet18.model_copy(update={"dynamic_batching": DynamicBatching(preferred_batch_size=[8, 2])})
+    assert onnxruntime_cuda.graph_batches(batched) == (1, 2, 8)
+    off = resnet18.model_copy(update={"dynamic_batching": DynamicBatching(preferred_batch_size=[8], enabled=False)})
+    assert onnxruntime_cuda.graph_batches(off) == (1,)
+    assert onnxruntime_cuda.graph_batches(resnet18.model_copy(update={"max_batch_size": 0})) == (None,)
+
+
+def test_graphs_need_shapes_known_at_load(model_repository):
+    """An input with a dynamic axis besides the batch axis, or an output only the run shapes,
+    cannot be captured at load: the context says why."""
+    assert onnxruntime_cuda.graphs_refused(model_repository.get("resnet18").config) is None
+    assert onnxruntime_cuda.graphs_refused(model_repository.get("ocr_rec").config) == (
+        "off: input 'x' has a dynamic axis besides the batch axis (graphs are captured at load, for fixed shapes)")
+    assert onnxruntime_cuda.graphs_refused(model_repository.get("ocr_det").config).startswith("off: input 'x' has")
 
 
 def test_a_graph_run_names_its_graph_id():

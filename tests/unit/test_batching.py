@@ -71,26 +71,31 @@ def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
     assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
     # auto without preferred sizes has nothing to pad to
     assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
-    # contexts replaying CUDA graphs rebuild nothing for a new batch size: auto does not pad, forced still does
-    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda", replays_shapes=True).pad_to == ()
-    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime_cuda", replays_shapes=True).pad_to == (1, 2, 8)
+    # contexts replaying every batch size up to the batch's rows rebuild nothing: auto does not pad, forced still does
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == ()
+    assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == (1, 2, 8)
+    # a size without its graph (7 of 1..8) would rebuild the plans: auto pads again
+    assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda",
+                          replayed={1, 2, 3, 4, 5, 6, 8, 32}).pad_to == (1, 2, 8)
 
 
-def test_a_host_replays_shapes_only_when_every_context_has_graphs(model_repository):
+def test_a_host_replays_the_batch_sizes_every_context_captured(model_repository):
     """ONNX Runtime on the CPU has no graphs; a host is judged by all its contexts, and an
     unloaded one by none."""
     from deployments.runtime.residency.host import ModelHost
 
     host = ModelHost(model_repository.get("tiny_cnn"), "onnxruntime")
-    assert host.replays_shapes() is False  # not loaded
+    assert host.replayed_batches() == frozenset()  # not loaded
     host.load()
     real = host._contexts
     try:
-        assert host.replays_shapes() is False
-        host._contexts = [type("Graphs", (), {"graphs": True})()] * 2
-        assert host.replays_shapes() is True
-        host._contexts.append(type("NoGraphs", (), {"graphs": False})())
-        assert host.replays_shapes() is False
+        assert host.replayed_batches() == frozenset()
+        host._contexts = [type("Graphs", (), {"graph_batches": frozenset({1, 2, 4})})()] * 2
+        assert host.replayed_batches() == {1, 2, 4}
+        host._contexts.append(type("Fewer", (), {"graph_batches": frozenset({1, 4, 8})})())
+        assert host.replayed_batches() == {1, 4}
+        host._contexts.append(type("NoGraphs", (), {})())
+        assert host.replayed_batches() == frozenset()
     finally:
         host._contexts = real
         host.unload()

@@ -19,14 +19,18 @@ Each execution context owns:
   bounded by the profile, not by the request history. A profile whose run needs more than the
   cap fails at load (``DeviceOutOfMemory``, 503, naming the cap).
 
-CUDA graphs (``onnxruntime_cuda.cuda_graphs``, opt-in): the session is made with ONNX Runtime's
-``enable_cuda_graph`` and every run names a graph id per input shape (``gpu_graph_id``; ``NO_GRAPH``
-for tensors in CUDA shared memory and shapes past ``MAX_GRAPHS``), so a shape's kernels are captured
-at its first runs (the max profile's at load) and replayed as one launch after; the device buffers
-above keep the addresses a graph was captured with. ONNX Runtime keeps graphs per calling thread,
-and the capture runs in CUDA's global mode: every thread that touches CUDA here relaxes its capture
-mode (``cuda.relax_capture_mode``). A session ONNX Runtime refuses graphs for, or a capture that
-fails at load, runs without (``graphs_reason``).
+CUDA graphs (``onnxruntime_cuda.cuda_graphs``, default on): the session is made with ONNX Runtime's
+``enable_cuda_graph``, and the context captures one graph per batch size of ``graph_batches`` (1 and
+the preferred sizes) when it is made, inside the footprint measurement, then runs the max profile
+once without a graph to size the arena. Every later run of a captured shape replays its graph as one
+launch (``gpu_graph_id``); any other run, and tensors in CUDA shared memory, run without
+(``NO_GRAPH``), and nothing is captured after the load, so the graphs' memory is part of the
+measured footprint.
+ONNX Runtime keeps graphs per calling thread: a context with graphs runs every call on a thread of
+its own (``ContextThread``), which it stops when it closes. The capture runs in CUDA's global mode:
+every thread that touches CUDA here relaxes its capture mode (``cuda.relax_capture_mode``). A model
+whose inputs have dynamic axes besides the batch axis, whose outputs' shapes only the run tells,
+that ONNX Runtime refuses graphs for, or whose capture fails, runs without (``graphs_reason``).
 
 CUDA shared memory (Triton's extension, ``contract.device``): an input in a client's CUDA region
 (``DeviceTensor``) is bound where it lies instead of the context's buffer, and an output asked into
@@ -57,6 +61,7 @@ import contextlib
 import logging
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -90,15 +95,15 @@ TOLERANCE = {True: 1e-2, False: 1e-4}  # use_tf32 -> tolerance
 _PRIME_LOCK = threading.Lock()
 _PRIMED = False
 
-# CUDA graphs per context (``onnxruntime_cuda.cuda_graphs``): one per input shape, the max
-# profile's first; a shape beyond these runs without one. Graph ids start at 1: ONNX Runtime
-# replays id 0 for a run that names none, so every run of a graph session names its id, -1 for none.
+# CUDA graphs per context (``onnxruntime_cuda.cuda_graphs``): one per batch size of ``graph_batches``,
+# captured at load; any other shape runs without one. Graph ids start at 1: ONNX Runtime replays
+# id 0 for a run that names none, so every run of a graph session names its id, -1 for none.
 MAX_GRAPHS = 16
 # "1" / "0": every model of this process with / without graphs, whatever its config says.
 CUDA_GRAPHS_ENV = "TRT_SERVE_CUDA_GRAPHS"
 NO_GRAPH = -1
-# A graph is captured at its id's second run (the first allocates what the capture keeps): the
-# max profile's warm-up runs this often at load, so the model's capture is tried before it serves.
+# ONNX Runtime captures a graph id at its third run (the first ones allocate what the capture
+# keeps): each shape of ``graph_batches`` runs this often when the context is made.
 GRAPH_WARM_RUNS = 3
 
 # How this process's threads wait for the GPU (``cuda.WAIT_MODES``), set once by ``prime``.
@@ -200,11 +205,67 @@ def graphs_wanted(config: ModelConfig) -> tuple[bool, str]:
     return config.onnxruntime_cuda.cuda_graphs, "off (onnxruntime_cuda.cuda_graphs: false)"
 
 
+def graphs_refused(config: ModelConfig) -> str | None:
+    """Why the model's shapes cannot be captured at load, or None: an input with a dynamic axis
+    besides the batch axis (its shapes are not known before the requests come), or an output
+    whose shape only the run tells (a graph writes a buffer fixed at capture)."""
+    for spec in config.inputs:
+        lo, hi = spec.bounds()
+        axes = range(1 if config.max_batch_size else 0, len(spec.dims))
+        if any(lo[a] != hi[a] for a in axes):
+            return (f"off: input '{spec.name}' has a dynamic axis besides the batch axis (graphs are captured "
+                    "at load, for fixed shapes)")
+    for spec in config.outputs:
+        dims = spec.dims[1:] if config.max_batch_size else spec.dims
+        if any(d == -1 for d in dims):
+            return "off: an output's shape is only known after the run"
+    return None
+
+
+def graph_batches(config: ModelConfig) -> tuple[int | None, ...]:
+    """The batch sizes a context captures a graph for at load: 1 and, with dynamic batching on,
+    the preferred sizes (what a padded batch runs at), at most ``MAX_GRAPHS``; ``(None,)`` for a
+    model without a batch axis (its one shape). Each graph keeps the activation memory of its
+    size (measured on the H200: docs/performance.md, "CUDA graphs"), so every size up to the
+    max batch would cost about twice the max profile's run: other sizes run without a graph."""
+    if not config.max_batch_size:
+        return (None,)
+    sizes = {1}
+    batching = config.dynamic_batching
+    if batching is not None and batching.enabled:
+        sizes |= set(batching.preferred_batch_size)
+    return tuple(sorted(sizes))[:MAX_GRAPHS]
+
+
 def graph_run(graph: int) -> ort.RunOptions:
     """RunOptions naming CUDA graph ``graph`` (``NO_GRAPH``: run without one)."""
     options = ort.RunOptions()
     options.add_run_config_entry("gpu_graph_id", str(graph))
     return options
+
+
+class ContextThread:
+    """The one thread a context with CUDA graphs runs on (ONNX Runtime keeps graphs per calling
+    thread): ``call`` runs a function there and returns what it returned, or raises what it
+    raised (on that thread itself it just calls it); ``submit`` hands it work
+    (``ModelHost.call``)."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._ident = self._pool.submit(threading.get_ident).result()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._pool.submit(fn, *args).result()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(*args)`` there without waiting for it."""
+        return self._pool.submit(fn, *args)
+
+    def stop(self) -> None:
+        """Let the thread end (its thread-local state with it) once its calls are done; idempotent."""
+        self._pool.shutdown(wait=True)
 
 
 class _HostArray:
@@ -239,14 +300,19 @@ class OnnxRuntimeCudaContext:
         # the session has no graphs (``graphs`` False).
         self._graph_runs: dict[tuple, ort.RunOptions] = {}
         self._no_graph = graph_run(NO_GRAPH)
-        self._capturing = True  # new shapes get graphs (until a buffer moves: ``_graphs_moved``)
+        self._capturing = False  # a shape's first runs capture its graph: only while the context is made
+        self._sizing = False  # the arena's sizing run at load: no graph
+        self.thread: ContextThread | None = None  # where every run goes while the session has graphs
         self.graphs = False
+        self.graph_batches: frozenset[int | None] = frozenset()  # the batch sizes replayed as graphs
         try:
             wanted, self.graphs_reason = graphs_wanted(config)
-            static = all(self._static_output_shape(t.name, batch_of_max(config)) is not None for t in config.outputs)
-            if wanted and not static:
-                wanted, self.graphs_reason = False, "off: an output's shape is only known after the run"
+            refused = graphs_refused(config) if wanted else None
+            if refused:
+                wanted, self.graphs_reason = False, refused
                 logger.info("model '%s': CUDA graphs %s", config.name, self.graphs_reason)
+            if wanted:
+                self.thread = ContextThread(f"ort-cuda-{config.name}")
             self._open_session(wanted)
             max_shapes = max_profile_shapes(config)
             for spec in config.inputs:
@@ -259,25 +325,43 @@ class OnnxRuntimeCudaContext:
                     buf.ensure(int(np.prod(shape)) * NUMPY_BY_DATATYPE[spec.datatype].itemsize)
             if self.graphs:
                 try:
-                    for _ in range(GRAPH_WARM_RUNS):
-                        self._warm_up(max_shapes, strict=True)
+                    self._capture(graph_batches(config))
                 except ServingError as e:  # the capture failed: the same session cannot be trusted
                     if isinstance(e, DeviceOutOfMemory):
                         raise
                     self.graphs_reason = f"off: ONNX Runtime could not capture the model ({e.message[-200:]})"
                     logger.warning("model '%s': CUDA graphs %s; it runs without", config.name, self.graphs_reason)
+                    self._stop_thread()
                     self._open_session(False)
             if not self.graphs:
+                self._stop_thread(release=False)  # the session without graphs runs in its callers' threads
+            self._sizing = True  # the max profile's run without a graph: the arena then holds any uncaptured run
+            try:
                 self._warm_up(max_shapes)
+            finally:
+                self._sizing = False
         except BaseException:
             self.close()
             raise
+
+    def _capture(self, batches: tuple[int | None, ...]) -> None:
+        """Capture a graph per batch size in ``batches``, each shape run ``GRAPH_WARM_RUNS``
+        times on the context's thread."""
+        config = self._engine.config
+        self._capturing = True
+        try:
+            for batch in batches:
+                for _ in range(GRAPH_WARM_RUNS):
+                    self._warm_up(max_profile_shapes(config, batch), strict=True)
+        finally:
+            self._capturing = False
+        self.graph_batches = frozenset(batches)
 
     def _open_session(self, graphs: bool) -> None:
         """(Re)create the session, with CUDA graphs where ``graphs`` and ONNX Runtime takes them
         (it refuses a model with a node on the CPU: then without, ``graphs_reason`` says why)."""
         engine, config = self._engine, self._engine.config
-        self.session, self._graph_runs, self.graphs, self._capturing = None, {}, False, True
+        self.session, self._graph_runs, self.graphs, self.graph_batches = None, {}, False, frozenset()
         options = engine.provider_options(self.stream.handle)
 
         def make(with_graphs: bool) -> ort.InferenceSession:
@@ -311,11 +395,12 @@ class OnnxRuntimeCudaContext:
 
     def _run_options(self, inputs: Mapping[str, Any], targets: Mapping[str, DeviceOutput]) -> ort.RunOptions | None:
         """The run's options: None without graphs; else the graph id of these input shapes (a
-        new one while fewer than ``MAX_GRAPHS``), or ``NO_GRAPH`` for a run whose tensors do not
-        lie in this context's own buffers (CUDA shared memory) or a shape beyond the graphs."""
+        new one while the context is being made: ``_capture``), or ``NO_GRAPH`` for a run whose
+        tensors do not lie in this context's own buffers (CUDA shared memory) or a shape without
+        a graph."""
         if not self.graphs:
             return None
-        if targets or any(isinstance(v, DeviceTensor) for v in inputs.values()):
+        if self._sizing or targets or any(isinstance(v, DeviceTensor) for v in inputs.values()):
             return self._no_graph
         key = tuple((name, value.shape) for name, value in inputs.items())
         options = self._graph_runs.get(key)
@@ -361,7 +446,8 @@ class OnnxRuntimeCudaContext:
                 f"({e.__cause__ or e}); raise onnxruntime_cuda.gpu_mem_limit_mib or lower the profile") from e
 
     def infer(self, inputs: Mapping[str, Any], targets: Mapping[str, DeviceOutput] | None = None) -> dict[str, Any]:
-        """Run one request; returns every output by name. An input in CUDA shared memory
+        """Run one request (on the context's own thread where it has graphs); returns every
+        output by name. An input in CUDA shared memory
         (``DeviceTensor``) is bound where it lies, and an output with a target (``targets``:
         output name -> ``DeviceOutput``) is written there: bound as the run's output when its
         shape is known before the run, else copied there on the GPU from ONNX Runtime's; it is
@@ -372,6 +458,12 @@ class OnnxRuntimeCudaContext:
                 does not open on this GPU (400).
             InferenceError: ONNX Runtime failed (``run_error``). CudaError: a CUDA call failed.
         """
+        thread = self.thread
+        if thread is not None:
+            return thread.call(self._run, inputs, targets)
+        return self._run(inputs, targets)
+
+    def _run(self, inputs: Mapping[str, Any], targets: Mapping[str, DeviceOutput] | None) -> dict[str, Any]:
         engine = self._engine
         memory, device, binding = engine.memory, engine.device_id, self.binding
         assert self.session is not None, "context used after close()"
@@ -451,14 +543,28 @@ class OnnxRuntimeCudaContext:
     def _graphs_moved(self) -> None:
         """A buffer the captured graphs write or read was reallocated (a tensor over the max
         profile): their addresses are gone, so every later run goes without a graph."""
-        self._graph_runs, self._capturing = {}, False
+        self._graph_runs, self._capturing, self.graph_batches = {}, False, frozenset()
         self.graphs_reason = "off: an I/O buffer was reallocated after the graphs were captured"
         logger.warning("model '%s': CUDA graphs %s", self._engine.config.name, self.graphs_reason)
 
-    def close(self) -> None:
-        """Free the session (its arena), the buffers and the stream; idempotent."""
+    def _release(self) -> None:
         self.session = None
         self.binding = None  # type: ignore[assignment]
+
+    def _stop_thread(self, release: bool = True) -> None:
+        """End the context's thread (ONNX Runtime's state for the thread, graphs included, with
+        it), the session freed there first where ``release``."""
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            if release:
+                thread.call(self._release)
+            thread.stop()
+
+    def close(self) -> None:
+        """Free the session (its arena and graphs), the context's thread, the buffers and the
+        stream; idempotent."""
+        self._stop_thread()
+        self._release()
         for buf in (*self._inputs.values(), *self._outputs.values()):
             buf.close()
         self._inputs, self._outputs = {}, {}

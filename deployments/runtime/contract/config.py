@@ -130,13 +130,14 @@ class OnnxRuntimeCudaOptions(_Frozen):
     ``cudnn_conv_use_max_workspace``: let cuDNN take workspaces as large as the arena allows
     (ONNX Runtime's default: faster convolutions; in FP32 ocr_rec asked for 2.1 GB at batch 6);
     false caps them (ONNX Runtime's 32 MB limit). ``device_id``: the CUDA device among the
-    visible ones (Ray makes the replica's GPU device 0). ``cuda_graphs`` (opt-in): replay each input
-    shape's kernels as a CUDA graph captured at its first runs (ONNX Runtime's ``enable_cuda_graph``,
-    up to ``backends.onnxruntime_cuda.MAX_GRAPHS`` shapes per context): a run costs the host one
-    launch instead of one per operator, and a context switching shapes rebuilds no cuDNN plan.
-    ONNX Runtime keeps graphs per thread, and each holds its own activation memory, which the
-    measured footprint does not count (docs/gpu.md). A model ONNX Runtime cannot capture (a node
-    on the CPU, control flow, an output whose shape only the run tells) runs without.
+    visible ones (Ray makes the replica's GPU device 0). ``cuda_graphs`` (default on): each execution
+    context captures its kernels as CUDA graphs when it is made, one per batch size (ONNX Runtime's
+    ``enable_cuda_graph``; ``backends.onnxruntime_cuda.graph_batches``), and replays them: a run
+    costs the host one launch instead of one per operator, and a context switching batch sizes
+    rebuilds no cuDNN plan. The graphs' memory is part of the measured footprint; nothing is
+    captured after the load. A model ONNX Runtime cannot capture (a node on the CPU, control flow,
+    an input with a dynamic axis besides the batch axis, an output whose shape only the run tells)
+    runs without, and ``TRT_SERVE_CUDA_GRAPHS=0`` turns them off for every model.
     """
 
     use_tf32: bool = True
@@ -144,7 +145,7 @@ class OnnxRuntimeCudaOptions(_Frozen):
     cudnn_conv_algo_search: Literal["HEURISTIC", "EXHAUSTIVE", "DEFAULT"] = "HEURISTIC"
     cudnn_conv_use_max_workspace: bool = True
     device_id: int = Field(0, ge=0)
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
 
 
 class Autoscaling(_Frozen):

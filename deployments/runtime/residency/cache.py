@@ -478,19 +478,19 @@ class ModelCache:
             self._release(name)
             served = f"version {host.version}" if host is expected else "a new reading of its folder"
             raise replaced_version(name, version if version is not None else expected.version, served)
-        loop = asyncio.get_running_loop()
-
-        def run() -> dict[str, np.ndarray]:
+        if host.runs_inline():  # a short run: the hop to a thread costs more (``ModelHost.runs_inline``)
             try:
                 return host.run(inputs, wanted)
             finally:
                 self._release(name)
 
-        if host.runs_inline():  # a short run: the hop to a thread costs more (``ModelHost.runs_inline``)
-            return run()
+        async def run() -> dict[str, np.ndarray]:
+            try:  # in a worker thread or the context's own (``ModelHost.call``), the caller's context variables seen
+                return await host.call(host.run, inputs, wanted)
+            finally:
+                self._release(name)
 
-        # The run's thread sees the caller's context variables (as ``asyncio.to_thread`` would).
-        return await asyncio.shield(loop.run_in_executor(None, contextvars.copy_context().run, run))
+        return await asyncio.shield(run())
 
     def timeline(self) -> list[dict[str, Any]]:
         """The cache's events, oldest first, as JSON-ready dicts (for an HTTP endpoint).

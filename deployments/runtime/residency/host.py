@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
 import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -56,6 +59,12 @@ class ModelHost:
     own thread or hand it to another.
     Tensors with a ``reshape`` in the config run in the model's shape and are answered in the
     client's (``contract.reshape``): every run here, requests and warmups, goes through it.
+
+    ``call`` is how async code runs blocking work that calls ``run`` (a request, a batch): where
+    every context runs on a thread of its own (``context.thread``: ONNX Runtime keeps CUDA graphs
+    per thread), the work waits in the same first-come queue as ``run``'s callers and then runs
+    on a free context's thread with that context bound to it, so a request crosses one thread
+    boundary, not two; elsewhere it is ``asyncio.to_thread``.
     """
 
     def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
@@ -80,6 +89,7 @@ class ModelHost:
         self.on_execution: Callable[[str, int, int, float], None] | None = None
         self.recent_run_s: float | None = None  # ``run``'s engine call, recent runs weighted (None: no run yet)
         self._reshape = Reshape.of(self.config)
+        self._bound = threading.local()  # .context: the context a ``call`` bound to this thread
 
     @property
     def name(self) -> str:
@@ -97,15 +107,20 @@ class ModelHost:
         """Whether a request may run in the caller's own thread (an event loop's) rather than be
         handed to a worker thread: the model's recent runs took at most ``INLINE_RUN_S``
         (``recent_run_s``; the hop to a thread and back costs more CPU than such a run holds the
-        loop), and no run is in flight, so no context is taken and the checkout cannot wait."""
+        loop), and no run is in flight nor work waiting, so every context is free and the checkout
+        cannot wait. Never where the contexts have threads of their own (``threaded``): the run
+        would hop to one anyway."""
         recent = self.recent_run_s
-        return recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0
+        return (recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0 and not self._waiting
+                and len(self._free) == len(self._contexts) and not self.threaded())
 
-    def replays_shapes(self) -> bool:
-        """Whether every loaded context replays its input shapes as captured CUDA graphs
-        (``onnxruntime_cuda.cuda_graphs`` on and taken by ONNX Runtime): a change of batch size
-        then rebuilds no cuDNN plan, so batches need no padding for its sake (``BatchPolicy.of``)."""
-        return bool(self._contexts) and all(getattr(c, "graphs", False) is True for c in self._contexts)
+    def replayed_batches(self) -> frozenset[int | None]:
+        """The batch sizes every loaded context replays as a captured CUDA graph
+        (``onnxruntime_cuda.cuda_graphs``): a batch of one of these sizes rebuilds no cuDNN plan,
+        so batches need no padding for its sake (``BatchPolicy.of``). Empty when not loaded or
+        on a backend without graphs."""
+        sets = [frozenset(getattr(c, "graph_batches", ())) for c in self._contexts]
+        return frozenset.intersection(*sets) if sets else frozenset()
 
     def load(self) -> "ModelHost":
         """Load the engine, create the contexts and run the config's warmup requests on each
@@ -151,7 +166,9 @@ class ModelHost:
             with self._slots:  # every context last ran the last warmup request
                 self._free = list(contexts)
                 self._last_shapes = {id(c): _shapes(warmups[-1]) for c in contexts} if warmups else {}
-            self._contexts, self.engine = contexts, engine
+                self._contexts = contexts
+                self._wake_next()
+            self.engine = engine
             self.load_ms = (loaded - start) * 1e3
             self.warmup_ms = (time.perf_counter() - loaded) * 1e3 if warmups else 0.0
         logger.info("loaded model %s v%d (%s, %d contexts) in %.1f ms (warmup %.1f ms)",
@@ -246,7 +263,11 @@ class ModelHost:
                                                  f"(backend {self.engine.backend})")
             self._in_flight += 1
         try:
-            context = self._checkout(_shapes(inputs))
+            bound = getattr(self._bound, "context", None)  # this thread's own context (``call``)
+            if bound is not None:
+                with self._slots:
+                    self._last_shapes[id(bound)] = _shapes(inputs)
+            context = bound if bound is not None else self._checkout(_shapes(inputs))
             try:
                 start = time.perf_counter()
                 # a GPU backend takes inputs and outputs in CUDA shared memory (``contract.device``)
@@ -254,7 +275,8 @@ class ModelHost:
                     context.infer(inputs))
                 run_s = time.perf_counter() - start
             finally:
-                self._check_in([context])
+                if bound is None:
+                    self._check_in([context])
             # one float written under the GIL: a race between threads loses a sample, no more
             last = self.recent_run_s
             self.recent_run_s = run_s if last is None else last + RECENT_WEIGHT * (run_s - last)
@@ -300,13 +322,69 @@ class ModelHost:
     def _check_in(self, contexts: Iterable[ExecutionContext]) -> None:
         """Give ``contexts`` back to the free list and wake the longest waiting request."""
         with self._slots:
-            self._free.extend(contexts)
+            self._free.extend(c for c in contexts if c in self._contexts)  # not one an unload closed meanwhile
             self._wake_next()
 
     def _wake_next(self) -> None:
-        """Wake the longest waiting request when a context is free (``self._slots`` held)."""
-        if self._free and self._waiting:
-            self._waiting[0].notify()
+        """Serve the longest waiting request while a context is free (``self._slots`` held): wake
+        a thread waiting in ``_checkout``, or start a ``call`` on the free context's thread."""
+        while self._free and self._waiting:
+            head = self._waiting[0]
+            if not isinstance(head, _Call):
+                head.notify()
+                return
+            context = self._free[0]
+            context.thread.submit(head.run, self, context)  # it checks the context in under this lock, later
+            self._waiting.popleft()
+            self._free.pop(0)
+
+    def threaded(self) -> bool:
+        """Whether every context runs on a thread of its own (``call`` runs work there)."""
+        return bool(self._contexts) and all(getattr(c, "thread", None) is not None for c in self._contexts)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, blocking work that calls ``run`` (one request, a batch), off the event
+        loop: on a free context's own thread with that context bound to ``run`` there, in the
+        first-come order of every request waiting for a context, where the contexts have threads
+        (``threaded``); else in a worker thread (``asyncio.to_thread``). Either way ``fn`` sees
+        the caller's context variables. Work still waiting when the caller goes away is dropped.
+
+        Raises:
+            InferenceTimeout: no context came free within ``checkout_timeout_s``.
+            ModelNotReady: the model was unloaded while the work waited.
+            Whatever ``fn`` raises.
+        """
+        if not self.threaded():
+            return await asyncio.to_thread(fn, *args)
+        waiting = _Call(fn, args, contextvars.copy_context(), time.monotonic() + self.checkout_timeout_s)
+        with self._slots:
+            if not self._contexts:  # unloaded since ``threaded`` was read
+                raise ModelNotReady(f"model '{self.name}' is not loaded")
+            self._waiting.append(waiting)
+            self._wake_next()
+        timer = asyncio.get_running_loop().call_later(self.checkout_timeout_s, self._expire, waiting)
+        try:
+            return await asyncio.wrap_future(waiting.future)
+        except asyncio.CancelledError:
+            self._drop(waiting)
+            raise
+        finally:
+            timer.cancel()
+
+    def _drop(self, waiting: "_Call") -> bool:
+        """Take ``waiting`` out of the queue; False when it was no longer there (started or failed)."""
+        with self._slots:
+            if waiting in self._waiting:
+                self._waiting.remove(waiting)
+                return True
+            return False
+
+    def _expire(self, waiting: "_Call") -> None:
+        """A ``call`` still queued after ``checkout_timeout_s`` fails as ``_checkout`` would."""
+        if self._drop(waiting) and waiting.future.set_running_or_notify_cancel():
+            waiting.future.set_exception(InferenceTimeout(
+                f"model '{self.name}': no execution context free within {self.checkout_timeout_s:g} s "
+                f"({self.config.instances} instances)"))
 
     def warm(self, shapes: Sequence[int | Mapping[str, Sequence[int]]]) -> None:
         """Run zeros once per entry of ``shapes``, spread over the contexts: entry ``j`` on
@@ -366,6 +444,10 @@ class ModelHost:
             contexts, self._contexts = self._contexts, []
             with self._slots:
                 self._free, self._last_shapes = [], {}
+                for waiting in [w for w in self._waiting if isinstance(w, _Call)]:
+                    self._waiting.remove(waiting)
+                    if waiting.future.set_running_or_notify_cancel():  # False: its caller went away
+                        waiting.future.set_exception(ModelNotReady(f"model '{self.name}' is not loaded"))
         try:
             for c in contexts:
                 c.close()
@@ -375,6 +457,35 @@ class ModelHost:
                 self._unloading = False
                 self._lock.notify_all()
         logger.info("unloaded model %s v%d", self.name, self.version)
+
+
+class _Call:
+    """Work ``ModelHost.call`` queued for a context's thread."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, context: contextvars.Context, deadline: float) -> None:
+        self.fn, self.args, self.vars, self.deadline = fn, args, context, deadline
+        self.future: Future = Future()
+
+    def run(self, host: "ModelHost", context: ExecutionContext) -> None:
+        """On ``context``'s thread: ``fn`` with ``context`` bound to ``host.run`` here, then the
+        context back to the host (and to the next in line)."""
+        try:
+            if not self.future.set_running_or_notify_cancel():
+                return  # its caller went away
+            if time.monotonic() > self.deadline:
+                self.future.set_exception(InferenceTimeout(
+                    f"model '{host.name}': no execution context free within {host.checkout_timeout_s:g} s "
+                    f"({host.config.instances} instances)"))
+                return
+            host._bound.context = context
+            try:
+                self.future.set_result(self.vars.run(self.fn, *self.args))
+            except BaseException as e:
+                self.future.set_exception(e)
+            finally:
+                host._bound.context = None
+        finally:
+            host._check_in([context])
 
 
 def _device_of(engine: Engine) -> str:
