@@ -65,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import logging
 import time
 
 from collections import Counter, deque
@@ -84,6 +85,8 @@ from .runtime.residency.warmup import warmup_shape
 # Failures that belong to no single request: retrying the group one by one cannot help.
 _GROUP_FAILURES = (InferenceTimeout, ModelNotReady, EngineFault)
 
+
+logger = logging.getLogger(__name__)
 
 # Backends where ``pad_to_preferred: auto`` pads: a change of input shape rebuilds every
 # convolution's cuDNN plan in ONNX Runtime's CUDA provider (``DynamicBatching`` docstring).
@@ -223,6 +226,12 @@ class BatchPolicy:
         if pad == "auto":
             pad = backend in PAD_AUTO_BACKENDS and not set(range(1, max_rows + 1)) <= set(replayed)
         pad_to = tuple(sorted({1, *batching.preferred_batch_size})) if pad and batching.preferred_batch_size else ()
+        if pad and not batching.preferred_batch_size:
+            logger.warning(
+                "model '%s': dynamic_batching has no preferred_batch_size, so its batches run at every size from 1 to "
+                "%d on %s, where a model's convolutions rebuild their cuDNN plans at each change of size and only "
+                "batch 1 replays a CUDA graph; set preferred_batch_size (e.g. [8]) to pad batches to a few sizes",
+                config.name, max_rows, backend)
         sequence = SequenceAxis.of(config, model_file)  # checked on every backend
         if batching.pad_to_preferred is False or (batching.pad_to_preferred == "auto" and backend not in BUCKET_WARM_BACKENDS):
             sequence = None  # on ONNX Runtime CPU a new length costs nothing: padding would only waste

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +62,7 @@ def test_policy_caps_rows_at_the_largest_preferred_size_else_max_batch_size():
     assert BatchPolicy(8, 2.5).wait_s == 0.0025
 
 
-def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
+def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced(caplog):
     sizes = {"preferred_batch_size": [8, 2]}
     assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda").pad_to == (1, 2, 8)  # 1: a lone row
     assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime").pad_to == ()
@@ -69,8 +71,14 @@ def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced():
     assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime").pad_to == (1, 2, 8)
     off = {**sizes, "pad_to_preferred": False}
     assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
-    # auto without preferred sizes has nothing to pad to
-    assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
+    # auto without preferred sizes has nothing to pad to, and says what that costs on the GPU
+    with caplog.at_level(logging.WARNING, logger="deployments.batching"):
+        assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
+        assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime").pad_to == ()
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'm': dynamic_batching has no preferred_batch_size, so its batches run at every size from 1 to 8 on "
+        "onnxruntime_cuda, where a model's convolutions rebuild their cuDNN plans at each change of size and only "
+        "batch 1 replays a CUDA graph; set preferred_batch_size (e.g. [8]) to pad batches to a few sizes"]
     # contexts replaying every batch size up to the batch's rows rebuild nothing: auto does not pad, forced still does
     assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == ()
     assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == (1, 2, 8)
