@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import shutil
@@ -152,3 +153,37 @@ def test_recorded_footprint_is_read_back_and_ignored_when_stale(
     with open(entry.onnx_path(), "ab") as f:  # another model file: the record is stale
         f.write(b"\0")
     assert footprints.read_record(entry, "onnxruntime") is None
+
+
+def test_a_cuda_footprint_stands_only_for_the_options_it_was_measured_under(
+        model_repository: ModelRepository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On ONNX Runtime's CUDA provider the CUDA graphs a context captures at load and the
+    provider options are part of its footprint: a record or an in-process measurement made
+    under others (graphs off, another arena cap, a record written before they were recorded) is
+    stale, not a figure to place by."""
+    monkeypatch.delenv("TRT_SERVE_CUDA_GRAPHS", raising=False)
+    source = model_repository.get("resnet18")
+    (tmp_path / "resnet18" / "1").mkdir(parents=True)
+    shutil.copy(source.path / "config.yaml", tmp_path / "resnet18" / "config.yaml")
+    shutil.copy(source.onnx_path(), tmp_path / "resnet18" / "1" / "model.onnx")
+    entry = ModelRepository(tmp_path).get("resnet18")
+    options = footprints.engine_options(entry, "onnxruntime_cuda")
+    assert options["graph_batches"] == [1] and options["onnxruntime_cuda"]["gpu_mem_limit_mib"] == 4096.0
+    assert footprints.engine_options(entry, "onnxruntime") == {}
+    footprint = Footprint(engine_bytes=0, context_bytes=461_373_440, measured=True)
+    path = footprints.write_record(entry, "onnxruntime_cuda", footprint, footprints.MEASURE_INPUT_ELEMENTS)
+    assert json.loads(path.read_text())["engine_options"] == options
+    assert footprints.read_record(entry, "onnxruntime_cuda") == footprint
+    key = footprints._measure_key(entry, "onnxruntime_cuda")
+    monkeypatch.setenv("TRT_SERVE_CUDA_GRAPHS", "0")  # graphs off: another footprint
+    assert footprints.engine_options(entry, "onnxruntime_cuda")["graph_batches"] is None
+    assert footprints.read_record(entry, "onnxruntime_cuda") is None
+    assert footprints._measure_key(entry, "onnxruntime_cuda") != key
+    monkeypatch.delenv("TRT_SERVE_CUDA_GRAPHS")
+    capped = dataclasses.replace(entry, config=entry.config.model_copy(update={
+        "onnxruntime_cuda": entry.config.onnxruntime_cuda.model_copy(update={"gpu_mem_limit_mib": 1024.0})}))
+    assert footprints.read_record(capped, "onnxruntime_cuda") is None
+    record = json.loads(path.read_text())
+    del record["engine_options"]  # written before the options were recorded
+    path.write_text(json.dumps(record))
+    assert footprints.read_record(entry, "onnxruntime_cuda") is None

@@ -237,6 +237,17 @@ def graph_batches(config: ModelConfig) -> tuple[int | None, ...]:
     return tuple(sorted(sizes))[:MAX_GRAPHS]
 
 
+def footprint_options(config: ModelConfig) -> dict[str, Any]:
+    """What besides the model file shapes a context's measured footprint here: the provider
+    options of ``onnxruntime_cuda`` (the arena cap, cuDNN's workspace) and the batch sizes whose
+    CUDA graphs the context captures at load (None: no graphs). A footprint measured under other
+    options does not stand for this one (``residency.footprints``)."""
+    wanted, _ = graphs_wanted(config)
+    captured = list(graph_batches(config)) if wanted and graphs_refused(config) is None else None
+    return {"onnxruntime_cuda": config.onnxruntime_cuda.model_dump(mode="json", exclude={"cuda_graphs", "device_id"}),
+            "graph_batches": captured}
+
+
 def graph_run(graph: int) -> ort.RunOptions:
     """RunOptions naming CUDA graph ``graph`` (``NO_GRAPH``: run without one)."""
     options = ort.RunOptions()

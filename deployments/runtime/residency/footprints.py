@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -46,6 +47,7 @@ from ..contract.config import ModelConfig
 from ..contract.datatypes import zeros
 from ..contract.errors import InferenceError, InvalidInput, ServingError, refused_by_the_model
 from ..contract.repository import ModelEntry
+from ..contract.reshape import engine_config
 from ..contract.shapes import batch_of, max_profile_shapes
 from .host import ModelHost
 from .predict import _file_key, predict
@@ -66,7 +68,19 @@ _FAILED: dict[tuple, str] = {}  # why the measuring runs failed, by ``_measure_k
 
 
 def _measure_key(entry: ModelEntry, backend: str) -> tuple:
-    return (_file_key(entry.onnx_path()), backend)
+    return (_file_key(entry.onnx_path()), backend, json.dumps(engine_options(entry, backend), sort_keys=True))
+
+
+def engine_options(entry: ModelEntry, backend: str) -> dict[str, Any]:
+    """What besides the model file shapes its measured footprint on ``backend``: on ONNX
+    Runtime's CUDA provider its provider options and the CUDA graphs its contexts capture
+    (``onnxruntime_cuda.footprint_options``), nothing elsewhere. A measurement or a record made
+    under other options is not this model's footprint now."""
+    if backend != "onnxruntime_cuda":
+        return {}
+    from ..backends import onnxruntime_cuda
+
+    return onnxruntime_cuda.footprint_options(engine_config(entry.config))
 
 
 def measured_footprint(entry: ModelEntry, backend: str) -> Footprint | None:
@@ -239,12 +253,13 @@ def _runtime_version(backend: str) -> str:
 def write_record(entry: ModelEntry, backend: str, footprint: Footprint, measure_elements: int | None) -> Path:
     """Write ``footprint`` to ``<model>/<version>/footprint.json`` (keys: ``engine_bytes``,
     ``context_bytes``, ``backend``, ``runtime_version``, ``model_bytes``, ``measure_batch``,
-    ``source``). A TensorRT build can write the same keys next to its plan."""
+    ``engine_options``, ``source``). A TensorRT build can write the same keys next to its plan."""
     path = entry.onnx_path().parent / RECORD_FILENAME
     record = {"engine_bytes": footprint.engine_bytes, "context_bytes": footprint.context_bytes,
               "backend": backend, "runtime_version": _runtime_version(backend),
               "model_bytes": entry.onnx_path().stat().st_size,
               "measure_batch": measure_batch_of(entry.config, measure_elements),
+              "engine_options": engine_options(entry, backend),
               "source": "python -m deployments.runtime.tools.plan measure"}
     write_atomic(path, json.dumps(record, indent=2) + "\n")
     return path
@@ -252,14 +267,16 @@ def write_record(entry: ModelEntry, backend: str, footprint: Footprint, measure_
 
 def read_record(entry: ModelEntry, backend: str) -> Footprint | None:
     """The recorded footprint of this model for ``backend``, or None when absent or stale
-    (another backend, runtime version or model file size)."""
+    (another backend, runtime version, model file size or ``engine_options``: a record without
+    them stands for none)."""
     path = entry.onnx_path().parent / RECORD_FILENAME
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if (record.get("backend") != backend or record.get("runtime_version") != _runtime_version(backend)
-            or record.get("model_bytes") != entry.onnx_path().stat().st_size):
+            or record.get("model_bytes") != entry.onnx_path().stat().st_size
+            or record.get("engine_options", {}) != engine_options(entry, backend)):
         return None
     try:
         return Footprint(engine_bytes=int(record["engine_bytes"]), context_bytes=int(record["context_bytes"]),
