@@ -254,7 +254,7 @@ class ModelDeployment(ServeGrpcMethods):
         out = {"backend": self.host.backend, "backend_reason": self.host.backend_reason,
                "device": footprint.device, "engine_bytes": footprint.engine_bytes,
                "context_bytes": context, "context_source": source, "instances": instances,
-               "total_bytes": footprint.engine_bytes + instances * context}
+               "total_bytes": footprint.engine_bytes + instances * context, "cuda_graphs": self.host.cuda_graphs()}
         if footprint.device == "gpu":  # this replica's own GPU bytes (CUDA context included)
             reading = process_gpu_bytes()
             out.update(pid=os.getpid(), process_gpu_bytes=reading.bytes, gpu_source=reading.source)

@@ -178,3 +178,28 @@ def test_load_after_unload_serves_again_and_unload_twice_is_harmless(repo):
     x = np.ones((1, 3, 224, 224), np.float32)
     assert host.load().infer({"input": x})["logits"].shape == (1, 1000)
     host.unload()
+
+
+def test_memory_says_which_batch_sizes_replay_as_cuda_graphs_and_why_not(repo):
+    """``cuda_graphs()`` for ``/v2/memory``: None on a backend without CUDA graphs (ONNX Runtime
+    on the CPU) or unloaded; on contexts that have them (stand-ins with the CUDA provider
+    context's attributes), the sizes all replay and "on", or why one runs without."""
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime")
+    assert host.cuda_graphs() is None  # not loaded
+    host.load()
+    real = host._contexts
+    try:
+        assert host.cuda_graphs() is None  # ONNX Runtime on the CPU
+
+        def context(graphs, reason, batches):
+            return type("Context", (), {"graphs": graphs, "graphs_reason": reason, "graph_batches": frozenset(batches)})()
+
+        host._contexts = [context(True, "on", {1, 8})] * 2
+        assert host.cuda_graphs() == {"batches": [1, 8], "reason": "on"}
+        host._contexts = [context(False, "off (TRT_SERVE_CUDA_GRAPHS=0)", ())] * 2
+        assert host.cuda_graphs() == {"batches": [], "reason": "off (TRT_SERVE_CUDA_GRAPHS=0)"}
+        host._contexts = [context(True, "on", {None})]
+        assert host.cuda_graphs() == {"batches": [], "reason": "on: the model's one shape (it has no batch axis)"}
+    finally:
+        host._contexts = real
+        host.unload()

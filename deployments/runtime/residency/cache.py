@@ -529,6 +529,7 @@ class ModelCache:
                                     "footprint_source": s.footprint_source, "backend": s.backend,
                                     "footprint_detail": self._footprint_detail(s), "load_error": s.load_error,
                                     "backend_reason": s.host.backend_reason if s.host.ready else "",
+                                    "cuda_graphs": s.host.cuda_graphs(),
                                     "device": s.footprint.device if s.footprint is not None else ""}
                            for s in sorted(self._slots.values(), key=lambda s: s.name)},
             }

@@ -338,6 +338,19 @@ class ModelHost:
             self._waiting.popleft()
             self._free.pop(0)
 
+    def cuda_graphs(self) -> dict[str, Any] | None:
+        """For ``/v2/memory``: ``{"batches": [...], "reason": ...}``, the batch sizes every
+        context replays as a CUDA graph, and ``"on"`` or why the contexts run without
+        (``graphs_reason``); None where the backend has no CUDA graphs or nothing is loaded."""
+        contexts = list(self._contexts)
+        if not contexts or not all(hasattr(c, "graphs_reason") for c in contexts):
+            return None
+        off = next((c.graphs_reason for c in contexts if not c.graphs), None)
+        batches = self.replayed_batches()
+        if off is None and None in batches:
+            return {"batches": [], "reason": "on: the model's one shape (it has no batch axis)"}
+        return {"batches": sorted(b for b in batches if b is not None), "reason": off or "on"}
+
     def threaded(self) -> bool:
         """Whether every context runs on a thread of its own (``call`` runs work there)."""
         return bool(self._contexts) and all(getattr(c, "thread", None) is not None for c in self._contexts)
