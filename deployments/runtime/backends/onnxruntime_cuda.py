@@ -416,7 +416,7 @@ class OnnxRuntimeCudaContext:
         key = tuple((name, value.shape) for name, value in inputs.items())
         options = self._graph_runs.get(key)
         if options is None:
-            if not self._capturing or len(self._graph_runs) >= MAX_GRAPHS:
+            if not self._capturing:  # ``graph_batches`` holds at most ``MAX_GRAPHS`` sizes
                 return self._no_graph
             options = self._graph_runs[key] = graph_run(len(self._graph_runs) + 1)
         return options

@@ -310,9 +310,7 @@ class ModelHost:
                     self._waiting.remove(turn)
                 if not served:
                     self._wake_next()  # a context may have come free for the next in line
-                    raise InferenceTimeout(
-                        f"model '{self.name}': no execution context free within "
-                        f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
+                    raise self._no_context_free()
             context = next((c for c in self._free if self._last_shapes.get(id(c)) == shapes), self._free[0])
             self._free.remove(context)
             self._last_shapes[id(context)] = shapes
@@ -395,9 +393,12 @@ class ModelHost:
     def _expire(self, waiting: "_Call") -> None:
         """A ``call`` still queued after ``checkout_timeout_s`` fails as ``_checkout`` would."""
         if self._drop(waiting) and waiting.future.set_running_or_notify_cancel():
-            waiting.future.set_exception(InferenceTimeout(
-                f"model '{self.name}': no execution context free within {self.checkout_timeout_s:g} s "
-                f"({self.config.instances} instances)"))
+            waiting.future.set_exception(self._no_context_free())
+
+    def _no_context_free(self) -> InferenceTimeout:
+        """The 504 of a request that waited ``checkout_timeout_s`` for a context (``_checkout``, ``call``)."""
+        return InferenceTimeout(f"model '{self.name}': no execution context free within "
+                                f"{self.checkout_timeout_s:g} s ({self.config.instances} instances)")
 
     def warm(self, shapes: Sequence[int | Mapping[str, Sequence[int]]]) -> None:
         """Run zeros once per entry of ``shapes``, spread over the contexts: entry ``j`` on
@@ -486,9 +487,7 @@ class _Call:
             if not self.future.set_running_or_notify_cancel():
                 return  # its caller went away
             if time.monotonic() > self.deadline:
-                self.future.set_exception(InferenceTimeout(
-                    f"model '{host.name}': no execution context free within {host.checkout_timeout_s:g} s "
-                    f"({host.config.instances} instances)"))
+                self.future.set_exception(host._no_context_free())
                 return
             host._bound.context = context
             try:
