@@ -91,7 +91,7 @@ case "$1" in
       --batches 1,8 --out "$OUT/launch-$m.json" 2>&1 | grep -a "^{" | sed "s/^/$m /"; done ;;
   inproc) cd /tmp/w && for c in ${CONCURRENCY:-1 16}; do for v in ${INPROC:-default nographs echo}; do
       case $v in inline) e=TRT_SERVE_INLINE_RUN_US=100000; a=;; nographs) e=TRT_SERVE_CUDA_GRAPHS=0; a=;;
-        echo) e=X=1; a=--echo;; *) e=X=1; a=;; esac
+        echo) e=X=1; a=--echo;; fake) e=X=1; a=--fake-model;; *) e=X=1; a=;; esac
       env $e python3 -m bench.replica_inproc --model ${MODEL:-resnet18} --backend onnxruntime_cuda --requests ${REQUESTS:-2000} \
         --concurrency $c $a 2>&1 | grep -a "^{" | sed "s/^/$v c=$c /"; done; done ;;
   graphs) cd /tmp/w && for g in ${GRAPHS:-1 0}; do echo "TRT_SERVE_CUDA_GRAPHS=$g"; TRT_SERVE_CUDA_GRAPHS=$g python3 -m bench.throughput \

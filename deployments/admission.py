@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 from .protocol.errors import overloaded, past_deadline, retry_after_s
 
@@ -77,22 +76,23 @@ class Admission:
         if rate is not None and self.in_flight / rate > self.SHED_FRACTION * self.timeout_s:
             raise past_deadline(self.in_flight, rate, self.timeout_s)
 
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Hold one place for a request.
+    def request(self) -> "Admission":
+        """``with admission.request():`` holds one place for a request.
 
         Raises:
             Overloaded: ``max_queued_requests`` already wait, or the requests held would take
                 more than ``SHED_FRACTION`` of ``timeout_s`` to clear at this replica's rate.
         """
+        return self
+
+    def __enter__(self) -> None:
         self.check()
         self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
-            if self.in_flight:
-                self._done.append(self._clock())
-            else:  # idle: the next busy period measures its own rate, judged by this one's until then
-                self._last_rate = self.rate() or self._last_rate
-                self._done.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.in_flight -= 1
+        if self.in_flight:
+            self._done.append(self._clock())
+        else:  # idle: the next busy period measures its own rate, judged by this one's until then
+            self._last_rate = self.rate() or self._last_rate
+            self._done.clear()

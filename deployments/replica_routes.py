@@ -1,13 +1,11 @@
 """What a dedicated model's (or pipeline's) replica and a pool replica serve: the KServe v2 route
 table (``routes.V2Routes``) for their own models, run in process through the replica adapters
-(``adapters``), mounted at their application's route prefix (``FullPath``)."""
+(``adapters``), mounted at their application's route prefix (``routes.V2App``)."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Awaitable, Callable, Iterable
-
-from starlette.applications import Starlette
 
 from .adapters import PoolAdapter, ReplicaAdapter
 from .client import handle, model_application, router_application
@@ -33,6 +31,7 @@ class ModelRoutes(V2Routes):
                  initial: Desired | None = None) -> None:
         super().__init__(repo, ReplicaAdapter(entry.name, infer), options, observer, initial)
         self.name = entry.name
+        self.mount_suffix = f"/v2/models/{entry.name}"
         self.follower: Follower | None = None  # explicit model control (``own_routes``)
 
     def model_loaded(self, backend: str) -> None:
@@ -52,10 +51,6 @@ class ModelRoutes(V2Routes):
         else:
             self.states.unloaded(name)
 
-    def build_app(self) -> Starlette:
-        app = super().build_app()
-        app.add_middleware(FullPath, suffix=f"/v2/models/{self.name}")
-        return app
 
 
 
@@ -69,6 +64,7 @@ class PoolRoutes(V2Routes):
     """
 
     router_app = "<router application>"  # the router application's name (``pool_routes``)
+    mount_suffix = "/v2/models"
 
     def _not_ready(self, entry: ModelEntry) -> ServingError | None:
         """As the router's, and for a model that is not the pool's (a dedicated model or
@@ -99,29 +95,6 @@ class PoolRoutes(V2Routes):
                 self.repo.read(name)
         self._mark_unloaded(name, reason)
 
-    def build_app(self) -> Starlette:
-        app = super().build_app()
-        app.add_middleware(FullPath, suffix="/v2/models")
-        return app
-
-
-
-
-class FullPath:
-    """ASGI middleware: route on the full path. Serve mounts an application at its route prefix
-    (``scope["root_path"]``: e.g. ``/v2/models/ocr_cls``), and Starlette matches routes on the
-    path after it; ``ModelRoutes`` and ``PoolRoutes`` keep the router's full-path routes (the same table, the
-    same ``{name}`` parameters), so the prefix's ``suffix`` is taken off ``root_path`` again."""
-
-    def __init__(self, app: Callable, suffix: str) -> None:
-        self.app = app
-        self.suffix = suffix
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        root = scope.get("root_path", "")
-        if scope["type"] in ("http", "websocket") and root.endswith(self.suffix):
-            scope = {**scope, "root_path": root[:-len(self.suffix)]}
-        await self.app(scope, receive, send)
 
 
 

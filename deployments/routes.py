@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import unquote
 
+from starlette._utils import get_route_path  # Starlette's own reading of a route's path
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -35,7 +36,7 @@ from .observe.router import RouterObserver, add_phases, observe_infer
 from .observe.statistics import statistics
 from .protocol.answer import answer, answered_within, request_bound, timeout_error
 from .protocol.binary import HEADER_LENGTH
-from .protocol.compression import CompressionMiddleware, decompress
+from .protocol.compression import CompressionMiddleware, decompress, preferred_coding
 from .protocol.errors import detached, error_status, retry_after_headers
 from .protocol.shared_memory import SharedMemory
 from .protocol.triton import model_configuration, platform_of
@@ -115,12 +116,18 @@ class ClusterGuard:
         await self.app(scope, receive, send)
 
 
+def same_cluster(cluster: str | None, sent: str | None) -> bool:
+    """Whether a request HAProxy stamped with Ray cluster ``sent`` (None: not stamped) may run in
+    a replica of ``cluster`` (None: unknown): not stamped, unknown, or the same."""
+    return sent is None or cluster is None or sent == cluster
+
+
 def misdirected(cluster: str | None, sent: str | None, what: str) -> MisdirectedRequest | None:
     """The error (421, logged) for a request (``what``: its path or method) that HAProxy stamped
     with Ray cluster ``sent`` (its ``CLUSTER_HEADER``; None: none) reaching a replica of
-    ``cluster`` (None: unknown): None where ``sent`` is None, ``cluster`` unknown or both agree
-    (``ClusterGuard``; a gRPC call's metadata, ``grpc_service.ServeGrpcMethods``)."""
-    if sent is None or cluster is None or sent == cluster:
+    ``cluster`` (None: unknown): None where ``same_cluster`` (``ClusterGuard``; a gRPC call's
+    metadata, ``grpc_service.ServeGrpcMethods``)."""
+    if same_cluster(cluster, sent):
         return None
     logging.getLogger("ray.serve").warning(
         "421: a request for %s from the HAProxy of Ray cluster '%s' reached this replica of '%s'", what, sent, cluster)
@@ -128,6 +135,90 @@ def misdirected(cluster: str | None, sent: str | None, what: str) -> Misdirected
         f"this replica belongs to another Ray cluster ('{cluster}', not '{sent}', whose HAProxy "
         "sent the request): it reached it through a stale or shared port (another server runs on "
         "this host); the request was not run: send it again")
+
+
+class V2App:
+    """The ASGI app of a ``V2Routes`` (``build_app``): ``app``, its Starlette app, behind two
+    steps every request takes first.
+
+    - Where Serve mounts the routes under a route prefix that ends in ``suffix`` (a model's own
+      application at ``/v2/models/{name}``, the pool's at ``/v2/models``), the suffix is taken
+      off ``root_path`` again, so that the routes match the full path (the router's table, the
+      same ``{name}`` parameters).
+    - An infer request (``POST /v2/models/{name}[/versions/{version}]/infer``, ``infer_params``)
+      goes straight to the infer route (``V2Routes.infer``: the same checks, errors and metrics)
+      through the same response compression (``CompressionMiddleware.responder``), without
+      Starlette's middleware stack and route matching, which cost a replica more CPU per request
+      than decoding it. One HAProxy stamped for another Ray cluster goes through the app, whose
+      ``ClusterGuard`` answers it 421.
+    """
+
+    def __init__(self, app: Callable, routes: "V2Routes", suffix: str = "") -> None:
+        self.app = app
+        self.v2 = routes
+        self.suffix = suffix
+        self.compression = CompressionMiddleware(app)
+        self._cluster_header = CLUSTER_HEADER.lower().encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        kind = scope["type"]
+        if kind != "http" and kind != "websocket":
+            await self.app(scope, receive, send)
+            return
+        root = scope.get("root_path", "")
+        if self.suffix and root.endswith(self.suffix):
+            scope = {**scope, "root_path": root[:-len(self.suffix)]}
+        if kind == "http" and scope["method"] == "POST" and scope["path"].endswith("/infer"):
+            params = infer_params(get_route_path(scope))
+            if params is not None:
+                sent, accept = self._read_headers(scope["headers"])
+                if same_cluster(self.v2.cluster, sent):
+                    scope = {**scope, "path_params": params}
+                    if accept is None or preferred_coding(accept) is None:
+                        await self._infer(scope, receive, send, vary=True)
+                    else:
+                        await self.compression.responder(self._infer, scope)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    @property
+    def routes(self) -> list[Any]:
+        """The Starlette app's route table (as ``Starlette.routes``)."""
+        return self.app.routes
+
+    def _read_headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
+        """The request's ``CLUSTER_HEADER`` and ``Accept-Encoding`` (the first of each; None:
+        absent), read in one pass."""
+        sent = accept = None
+        for name, value in headers:
+            if name == self._cluster_header and sent is None:
+                sent = value.decode("latin-1")
+            elif name == b"accept-encoding" and accept is None:
+                accept = value.decode("latin-1")
+        return sent, accept
+
+    async def _infer(self, scope: dict, receive: Callable, send: Callable, vary: bool = False) -> None:
+        """The infer route's answer; ``vary``: uncompressed, not through a responder, with the
+        ``Vary`` header the identity responder would add."""
+        response = await self.v2.infer(Request(scope, receive))
+        if vary and len(response.body) >= self.compression.minimum_size:
+            response.headers.add_vary_header("Accept-Encoding")
+        await response(scope, receive, send)
+
+
+def infer_params(path: str) -> dict[str, str] | None:
+    """The path parameters of an infer route's path (``V2Routes.routes``: ``{"name": ...}`` and
+    ``"version"`` on a versioned one), as Starlette's route matching gives them; None for
+    another path."""
+    parts = path.split("/")
+    if parts[-1] != "infer" or len(parts) not in (5, 7) or parts[1] != "v2" or parts[2] != "models" or not parts[3] \
+            or parts[0]:
+        return None
+    if len(parts) == 5:
+        return {"name": parts[3]}
+    if parts[4] != "versions" or not parts[5]:
+        return None
+    return {"name": parts[3], "version": parts[5]}
 
 
 @dataclass(frozen=True)
@@ -169,6 +260,7 @@ class V2Routes:
 
     admission: Admission | None = None
     follower: Follower | None = None
+    mount_suffix = ""  # what Serve's route prefix of these routes ends in (``V2App``)
     shared_memory: SharedMemory | None = None
     cluster: str | None = None
 
@@ -213,11 +305,11 @@ class V2Routes:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
-    def build_app(self) -> Starlette:
+    def build_app(self) -> V2App:
         app = Starlette(routes=self.routes(), exception_handlers={404: self._not_found, 405: self._not_allowed},
                         middleware=[Middleware(ClusterGuard, cluster=self.cluster), Middleware(CompressionMiddleware)])
         app.router.redirect_slashes = False  # a trailing slash is an unknown route (404), not a redirect
-        return app
+        return V2App(app, self, self.mount_suffix)
 
     async def _backend(self, entry: ModelEntry) -> str:
         """The backend serving ``entry``: ``pipeline``, the one a dedicated replica loaded

@@ -26,6 +26,7 @@ import json
 import math
 import re
 import struct
+import sys
 from typing import Any, Iterable, Mapping, Protocol
 
 import numpy as np
@@ -331,8 +332,9 @@ def raw_bytes(array: np.ndarray) -> bytes | memoryview:
             parts.append(_LENGTH_PREFIX.pack(len(item)))
             parts.append(item)
         return b"".join(parts)
-    little = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
-    return memoryview(little).cast("B")
+    if not (array.dtype.byteorder in "=|" and sys.byteorder == "little" and array.flags.c_contiguous):
+        array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
+    return memoryview(array.reshape(-1).view(np.uint8))  # an empty tensor too (a cast refuses a 0 in the shape)
 
 
 class OutputWriter(Protocol):

@@ -19,7 +19,7 @@ import zlib
 
 from starlette.datastructures import Headers
 from starlette.middleware.gzip import GZipMiddleware, GZipResponder, IdentityResponder
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..runtime.contract.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 
@@ -130,13 +130,14 @@ class CompressionMiddleware(GZipMiddleware):
         if scope["type"] != "http" or not scope["path"].endswith("/infer"):
             await self.app(scope, receive, send)
             return
+        await self.responder(self.app, scope)(scope, receive, send)
+
+    def responder(self, app: ASGIApp, scope: Scope) -> IdentityResponder:
+        """Starlette's responder that answers infer request ``scope`` through ``app``, compressed
+        as its ``Accept-Encoding`` prefers (``preferred_coding``), else as it is."""
         coding = preferred_coding(Headers(scope=scope).get("accept-encoding"))
-        responder: IdentityResponder
         if coding is None:
-            responder = IdentityResponder(self.app, self.minimum_size, exclude_content_types=self.exclude_content_types)
-        else:
-            kind = GZipResponder if coding == "gzip" else DeflateResponder
-            responder = kind(self.app, self.minimum_size, compresslevel=self.compresslevel,
-                             thread_minimum_size=self.thread_minimum_size,
-                             exclude_content_types=self.exclude_content_types)
-        await responder(scope, receive, send)
+            return IdentityResponder(app, self.minimum_size, exclude_content_types=self.exclude_content_types)
+        kind = GZipResponder if coding == "gzip" else DeflateResponder
+        return kind(app, self.minimum_size, compresslevel=self.compresslevel, thread_minimum_size=self.thread_minimum_size,
+                    exclude_content_types=self.exclude_content_types)

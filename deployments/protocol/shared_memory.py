@@ -616,7 +616,9 @@ class SharedMemory:
 
         written: dict[str, dict[str, Any]] = {}
         for name, array in outputs.items():
-            params = request_params.get(name) or {}
+            params = request_params.get(name)
+            if not params:  # an output answered in the body
+                continue
             where = f"output '{name}'"
             ref = tensor_ref(where, params)
             if ref is None:

@@ -276,6 +276,20 @@ def test_binary_response_is_read_back_by_tritonclient():
     np.testing.assert_array_equal(result.as_numpy("counts"), counts)
 
 
+def test_empty_and_transposed_binary_outputs_are_read_back_by_tritonclient():
+    """An output with no elements (a detector that found nothing: shape [0, 4]) answers an empty
+    binary tensor, not a 500; a non-contiguous one (a transpose) is laid out row-major."""
+    boxes = np.zeros((0, 4), np.float32)
+    scores = np.arange(6, dtype=np.float32).reshape(2, 3).T
+    body, headers = encode_response("m", "1", request_with({"binary_data_output": True}),
+                                    {"boxes": boxes, "scores": scores})
+    result = httpclient.InferResult.from_response_body(body, header_length=int(headers[HEADER_LENGTH]))
+    sizes = {o["name"]: (o["shape"], o["parameters"]["binary_data_size"]) for o in result.get_response()["outputs"]}
+    assert sizes == {"boxes": ([0, 4], 0), "scores": ([3, 2], 24)}
+    assert result.as_numpy("boxes").shape == (0, 4)
+    np.testing.assert_array_equal(result.as_numpy("scores"), scores)
+
+
 def test_binary_outputs_may_hold_nan_but_json_outputs_may_not():
     nan = np.array([np.nan], dtype=np.float32)
     body, headers = encode_response("m", "1", request_with({"binary_data_output": True}), {"y": nan})

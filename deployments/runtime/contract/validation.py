@@ -68,41 +68,49 @@ def validate_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> No
         raise InvalidInput(
             f"{triton}; model '{model}' expects inputs {sorted(expected)}; missing {missing}, unknown {_listed(unknown)}")
     batch = None
-    for spec in config.inputs:
+    for spec in config.inputs:  # the messages are made only for a fault: this runs per request
         array = inputs[spec.name]
-        where = f"model '{model}' input '{spec.name}'"
         want = NUMPY_BY_DATATYPE[spec.datatype]
         if array.dtype != want and not (spec.datatype == "BYTES" and array.dtype.kind in "OSU"):
             raise InvalidInput(
                 f"inference input '{spec.name}' data-type is '{_datatype_text(array)}', but model "
-                f"'{model}' expects '{spec.datatype}'; {where}: datatype must be {spec.datatype}")
-        shape_fault = (f"unexpected shape for input '{spec.name}' for model '{model}'. Expected "
-                       f"{_dims_text(spec.dims)}, got {_dims_text(array.shape)}")
-        if array.ndim != len(spec.dims):
+                f"'{model}' expects '{spec.datatype}'; {_where(model, spec.name)}: datatype must be {spec.datatype}")
+        shape = array.shape
+        if len(shape) != len(spec.dims):
             raise InvalidInput(
-                f"{shape_fault}; {where}: expected rank {len(spec.dims)} (dims {list(spec.dims)}), "
-                f"got shape {list(array.shape)}")
+                f"{_shape_fault(model, spec.name, spec.dims, shape)}; {_where(model, spec.name)}: expected rank "
+                f"{len(spec.dims)} (dims {list(spec.dims)}), got shape {list(shape)}")
         if config.max_batch_size:
-            if array.shape[0] > config.max_batch_size:
+            if shape[0] > config.max_batch_size:
                 raise InvalidInput(
                     f"inference request batch-size must be <= {config.max_batch_size} for '{model}'; "
-                    f"{where}: axis 0 is {array.shape[0]}, allowed [1, {config.max_batch_size}] "
+                    f"{_where(model, spec.name)}: axis 0 is {shape[0]}, allowed [1, {config.max_batch_size}] "
                     "(max_batch_size)")
-            if batch is not None and array.shape[0] != batch:
+            if batch is not None and shape[0] != batch:
                 raise InvalidInput(
                     f"input '{spec.name}' batch size does not match other inputs for '{model}'; "
-                    f"model '{model}': inputs disagree on batch size (axis 0): {batch} and {array.shape[0]}")
-            batch = array.shape[0]
+                    f"model '{model}': inputs disagree on batch size (axis 0): {batch} and {shape[0]}")
+            batch = shape[0]
         lo, hi = spec.bounds()
-        for axis, size in enumerate(array.shape):
-            step = spec.multiple_of[axis] if spec.multiple_of else 1
+        steps = spec.multiple_of
+        for axis, size in enumerate(shape):
+            step = steps[axis] if steps else 1
             if not lo[axis] <= size <= hi[axis] or size % step:
                 allowed = f"{lo[axis]}" if lo[axis] == hi[axis] else f"[{lo[axis]}, {hi[axis]}]"
                 if step > 1:
                     allowed += f" and a multiple of {step}"
                 raise InvalidInput(
-                    f"{shape_fault}; {where}: axis {axis} is {size}, allowed {allowed} "
-                    f"(shape {list(array.shape)})")
+                    f"{_shape_fault(model, spec.name, spec.dims, shape)}; {_where(model, spec.name)}: axis {axis} "
+                    f"is {size}, allowed {allowed} (shape {list(shape)})")
+
+
+def _where(model: str, name: str) -> str:
+    return f"model '{model}' input '{name}'"
+
+
+def _shape_fault(model: str, name: str, dims: Iterable[int], shape: Iterable[int]) -> str:
+    """Triton's words for an input of the wrong shape."""
+    return f"unexpected shape for input '{name}' for model '{model}'. Expected {_dims_text(dims)}, got {_dims_text(shape)}"
 
 
 def validate_outputs(config: ModelConfig, outputs: Iterable[str] | None) -> list[str]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator
 
 from ..contract.errors import unloaded_model
 
@@ -27,22 +25,24 @@ class Gate:
     def is_open(self) -> bool:
         return self._open
 
-    @contextmanager
-    def request(self) -> Iterator[None]:
-        """Hold the gate for one request.
+    def request(self) -> "Gate":
+        """``with gate.request():`` holds the gate for one request.
 
         Raises:
             ModelNotReady: the gate is closed (the model is unloaded).
         """
+        return self
+
+    def __enter__(self) -> None:
         with self._cond:
             if not self._open:
                 raise unloaded_model(self.name)
             self._inside += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._inside -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._inside -= 1
+            if not self._open:  # ``close`` waits for the last one inside
                 self._cond.notify_all()
 
     def close(self) -> None:

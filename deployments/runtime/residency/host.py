@@ -75,6 +75,7 @@ class ModelHost:
         self.checkout_timeout_s = checkout_timeout_s
         self.engine: Engine | None = None
         self._contexts: list[ExecutionContext] = []
+        self._threaded = False  # ``threaded``: every one of ``_contexts`` has a thread of its own
         self._free: list[ExecutionContext] = []  # longest free first
         self._last_shapes: dict[int, tuple] = {}  # id(context) -> input shapes of its last run
         self._slots = threading.RLock()  # guards _free, _last_shapes, _waiting
@@ -112,7 +113,7 @@ class ModelHost:
         would hop to one anyway."""
         recent = self.recent_run_s
         return (recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0 and not self._waiting
-                and len(self._free) == len(self._contexts) and not self.threaded())
+                and len(self._free) == len(self._contexts) and not self._threaded)
 
     def replayed_batches(self) -> frozenset[int | None]:
         """The batch sizes every loaded context replays as a captured CUDA graph
@@ -167,6 +168,7 @@ class ModelHost:
                 self._free = list(contexts)
                 self._last_shapes = {id(c): _shapes(warmups[-1]) for c in contexts} if warmups else {}
                 self._contexts = contexts
+                self._threaded = all(getattr(c, "thread", None) is not None for c in contexts) and bool(contexts)
                 self._wake_next()
             self.engine = engine
             self.load_ms = (loaded - start) * 1e3
@@ -351,7 +353,7 @@ class ModelHost:
 
     def threaded(self) -> bool:
         """Whether every context runs on a thread of its own (``call`` runs work there)."""
-        return bool(self._contexts) and all(getattr(c, "thread", None) is not None for c in self._contexts)
+        return self._threaded
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, blocking work that calls ``run`` (one request, a batch), off the event
@@ -373,14 +375,17 @@ class ModelHost:
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
             self._waiting.append(waiting)
             self._wake_next()
-        timer = asyncio.get_running_loop().call_later(self.checkout_timeout_s, self._expire, waiting)
+            queued = bool(self._waiting) and self._waiting[-1] is waiting  # not handed to a free context at once
+        # Only work left waiting needs its checkout timer (one handed over checks its deadline as it starts).
+        timer = asyncio.get_running_loop().call_later(self.checkout_timeout_s, self._expire, waiting) if queued else None
         try:
             return await asyncio.wrap_future(waiting.future)
         except asyncio.CancelledError:
             self._drop(waiting)
             raise
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
     def _drop(self, waiting: "_Call") -> bool:
         """Take ``waiting`` out of the queue; False when it was no longer there (started or failed)."""
@@ -456,6 +461,7 @@ class ModelHost:
             self._unloading = True
             self._lock.wait_for(lambda: self._in_flight == 0)
             contexts, self._contexts = self._contexts, []
+            self._threaded = False
             with self._slots:
                 self._free, self._last_shapes = [], {}
                 for waiting in [w for w in self._waiting if isinstance(w, _Call)]:
