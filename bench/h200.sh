@@ -8,7 +8,7 @@
 #   setup     carry ortgpu/4, repo, cache, extra: unpack onnxruntime-gpu to /tmp/site, the code to
 #             /tmp/w, rapidocr + pyclipper + shapely to /tmp/extra, make the models
 #   ray       carry .device/gpu/site.tar.xz: Ray Serve 2.60 (pruned) to /tmp/py/site
-#   launch | inproc | graphs | graphmem | stages | tests | embed | frontdoors | fronts | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
+#   launch | inproc | graphs | auto | graphmem | stages | tests | embed | frontdoors | fronts | firstclient | engine | serve | batching | padded | padded8 | scaleout | onehop | together | pool | poolhop | autoscale | cpu | metrics | warmup | dashboard | placement
 #             (outputs to $OUT)
 set -uo pipefail
 D=$PWD/.device/gpu
@@ -97,6 +97,9 @@ case "$1" in
   graphs) cd /tmp/w && for g in ${GRAPHS:-1 0}; do echo "TRT_SERVE_CUDA_GRAPHS=$g"; TRT_SERVE_CUDA_GRAPHS=$g python3 -m bench.throughput \
       --scenarios batching --models resnet18 --batched resnet18 --padded --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} \
       --batch-levels ${LEVELS:-64,256} --gpu-fraction 0.04 $HTTP --out "$OUT/graphs$g" 2>&1 | grep -a "^batching"; done ;;
+  auto) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --auto --padded \
+      --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} --batch-levels ${LEVELS:-64,256} --gpu-fraction 0.04 $HTTP \
+      --out "$OUT/auto" 2>&1 | grep -a "^batching" ;;
   graphmem) cd /tmp/w && python3 -m bench.graph_memory --models ${MODELS:-tiny_cnn,resnet18} --sets ${SETS:-none,1,1-8} 2>&1 \
       | grep -a "^{" | tee "$OUT/graph_memory.log" ;;
   stages) cd /tmp/w && python3 -m bench.replica_cpu --models ${MODELS:-resnet18} --backend onnxruntime_cuda --gpu-fraction 0.1 \

@@ -9,7 +9,8 @@ Triton binary tensors unless the scenario compares encodings):
   retention = sum of QPS together / sum of QPS alone at that concurrency.
 - ``batching``: Ray only: a copy of each model with ``dynamic_batching`` against the
   unbatched model, plus the replica's batch counters (requests per model call); with
-  ``--padded`` also a copy padded to the preferred sizes; with ``--trace`` the replica's own
+  ``--padded`` also a copy padded to the preferred sizes, with ``--auto`` one batched as a config
+  without preferred sizes is (pad_to_preferred auto); with ``--trace`` the replica's own
   timestamps per point (``bench.batch_trace``: queue, batch call, engine, event-loop lag);
   ``--standin`` serves the named models on ``bench.gpu_standin`` (a GPU-like wait, no compute);
   with ``--model-replicas k`` > 1 each variant has k replicas, and the echo ceiling (k replicas,
@@ -101,6 +102,8 @@ OCR_IMAGE = ROOT / "tests" / "data" / "ocr_sample.png"
 OCR_LINES = ("Hello World 2026", "The quick brown fox")  # drawn into OCR_IMAGE by tests/data/make_ocr_sample.py
 BATCHED_SUFFIX = "_batched"
 PADDED_SUFFIX = "_padded"  # batched, padded to the preferred sizes (pad_to_preferred: true)
+AUTO_SUFFIX = "_auto"  # batched as a config without preferred sizes is: pad_to_preferred auto
+VARIANT_SUFFIXES = (BATCHED_SUFFIX, PADDED_SUFFIX, AUTO_SUFFIX)
 RAY_CONFIGS = ("proxy", "haproxy", "haproxy-grpc", "fast")
 SCENARIOS = ("alone", "together", "batching", "payload", "hop", "configs", "scaleout", "pool")
 POOL_COPY_SUFFIX = "_pool"  # the pool scenario's copies of --pool-model: <model>_pool0, _pool1, ...
@@ -116,20 +119,23 @@ def free_port() -> int:
 
 def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched: Sequence[str],
                        replicas: int, max_queue_delay_ms: float, gpu_fraction: float = 0.0,
-                       preferred_batch_size: Sequence[int] = (), padded: bool = False) -> Path:
+                       preferred_batch_size: Sequence[int] = (), padded: bool = False, auto: bool = False) -> Path:
     """``dest`` with each model as a dedicated deployment of ``replicas`` replicas, batching
     off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched`` (never
     padded) and, with ``padded``, ``<model>_padded`` copies padded to the preferred sizes
-    (``pad_to_preferred: true``; default sizes [8]); a pipeline model brings its steps.
+    (``pad_to_preferred: true``; default sizes [8]), with ``auto``, ``<model>_auto`` copies
+    batched as a config that names no preferred size is (``pad_to_preferred: auto``: on the GPU
+    padded to the sizes its contexts replay); a pipeline model brings its steps.
     ``gpu_fraction``: each model replica's ``num_gpus`` (0: none). Version folders are
     symlinks to ``source``'s."""
     names = list(models)
     for name in models:
         steps = yaml.safe_load((source / name / "config.yaml").read_text()).get("parameters", {}).get("steps", [])
         names += [s for s in steps if s not in names]
-    copies = [m + BATCHED_SUFFIX for m in batched] + ([m + PADDED_SUFFIX for m in batched] if padded else [])
+    copies = [m + BATCHED_SUFFIX for m in batched] + ([m + PADDED_SUFFIX for m in batched] if padded else []) + (
+        [m + AUTO_SUFFIX for m in batched] if auto else [])
     for name in names + copies:
-        base = name.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
+        base = base_model(name)
         if (dest / name).exists():
             continue
         raw = _base_config(source, base)
@@ -137,7 +143,9 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
                              "max_ongoing_requests": 64}
         if gpu_fraction and not raw.get("pipeline"):
             raw["deployment"]["num_gpus"] = gpu_fraction
-        if name != base:
+        if name.endswith(AUTO_SUFFIX):
+            raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms}
+        elif name != base:
             sizes = [b for b in preferred_batch_size or ([8] if name.endswith(PADDED_SUFFIX) else [])
                      if b <= raw.get("max_batch_size", 0)]
             raw["dynamic_batching"] = {"max_queue_delay_ms": max_queue_delay_ms,
@@ -146,6 +154,13 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
                 raw["dynamic_batching"]["preferred_batch_size"] = sizes
         _write_model(dest, source, base, name, raw)
     return dest
+
+
+def base_model(name: str) -> str:
+    """The model a batching variant's copy (``<model>_batched``, ``_padded``, ``_auto``) serves."""
+    for suffix in VARIANT_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _base_config(source: Path, base: str) -> dict[str, Any]:
@@ -457,7 +472,7 @@ class Bench:
 
     def workload(self, server: Server | Endpoint, model: str, binary: bool = True, prefix: str = "",
                  label: str | None = None) -> Workload:
-        base = model.removesuffix(BATCHED_SUFFIX).removesuffix(PADDED_SUFFIX)
+        base = base_model(model)
         if base == "ocr":
             return ocr_workload(label or f"{server.kind}:{model}", server.url + prefix)
         return make_workload(label or f"{server.kind}:{model}", server.url + prefix, model,
@@ -529,7 +544,8 @@ class Bench:
     def batching(self, ray_server: Server) -> None:
         rows = []
         for model in self.args.batched:
-            for variant in (model, model + BATCHED_SUFFIX) + ((model + PADDED_SUFFIX,) if self.args.padded else ()):
+            for variant in (model, model + BATCHED_SUFFIX) + ((model + PADDED_SUFFIX,) if self.args.padded else ()) + (
+                    (model + AUTO_SUFFIX,) if self.args.auto else ()):
                 for level in self.args.batch_levels:
                     # the counters are one replica's (a handle call picks any): read with one only
                     counted = self.args.model_replicas == 1
@@ -959,6 +975,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="num_gpus of each model replica (0: none reserved; e.g. 0.04 for 8 replicas of 3 models on one GPU)")
     p.add_argument("--batch-levels", help="concurrencies of 'batching' (default 1 and --together-concurrency)")
     p.add_argument("--preferred-batch-size", default="", help="preferred_batch_size of the batched copies")
+    p.add_argument("--auto", action="store_true",
+                   help="'batching' also serves <model>_auto: dynamic_batching without preferred sizes, "
+                        "pad_to_preferred auto (on the GPU: padded to the sizes its contexts replay)")
     p.add_argument("--padded", action="store_true",
                    help="'batching' also serves <model>_padded: batched AND padded to the preferred sizes (default [8])")
     p.add_argument("--standin", default="",
@@ -1020,7 +1039,7 @@ def main(argv: Sequence[str]) -> None:
     os.environ["ORT_INTRA_OP_THREADS"] = "1"
     if a.standin:
         os.environ[gpu_standin.ENV] = ",".join(m + s for m in a.standin.split(",")
-                                               for s in ("", BATCHED_SUFFIX, PADDED_SUFFIX))
+                                               for s in ("", *VARIANT_SUFFIXES))
     a.trace = Path(tempfile.mkdtemp(prefix="bench-trace-")) if a.trace else None
     if a.trace:
         os.environ[batch_trace.ENV] = str(a.trace)
@@ -1030,7 +1049,7 @@ def main(argv: Sequence[str]) -> None:
     models = list(dict.fromkeys(a.models + a.batched + (["ocr_det"] if "payload" in a.scenarios else [])
                                 + a.hop_models))
     repository = prepare_repository(scratch / "engines", Path(a.repository), models, a.batched, a.model_replicas,
-                                    a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size, a.padded)
+                                    a.max_queue_delay_ms, a.gpu_fraction, a.preferred_batch_size, a.padded, a.auto)
     bench = Bench(a, repository)
     results: dict[str, Any] = {"meta": _meta(a)}
     try:
