@@ -99,7 +99,7 @@ case "$1" in
       --batch-levels ${LEVELS:-64,256} --gpu-fraction 0.04 $HTTP --out "$OUT/graphs$g" 2>&1 | grep -a "^batching"; done ;;
   auto) cd /tmp/w && python3 -m bench.throughput --scenarios batching --models resnet18 --batched resnet18 --auto --padded \
       --preferred-batch-size 8 --model-replicas ${REPLICAS:-8} --batch-levels ${LEVELS:-64,256} --gpu-fraction 0.04 $HTTP \
-      --out "$OUT/auto" 2>&1 | grep -a "^batching" ;;
+      --out "$OUT/auto" 2>&1 | grep -a --line-buffered "^batching" ;;
   graphmem) cd /tmp/w && python3 -m bench.graph_memory --models ${MODELS:-tiny_cnn,resnet18} --sets ${SETS:-none,1,1-8} 2>&1 \
       | grep -a "^{" | tee "$OUT/graph_memory.log" ;;
   stages) cd /tmp/w && python3 -m bench.replica_cpu --models ${MODELS:-resnet18} --backend onnxruntime_cuda --gpu-fraction 0.1 \

@@ -206,8 +206,7 @@ class BatchPolicy:
         whose ``max_rows`` is 1 cannot batch and gets None. ``pad_to`` is 1 and the preferred
         sizes when ``pad_to_preferred`` is true, or ``auto`` and ``backend`` in
         ``PAD_AUTO_BACKENDS`` and the contexts do not replay every size: 1 is there so that a lone
-        request of one row runs unpadded. Without preferred sizes they are the sizes the contexts
-        replay (``onnxruntime_cuda.graph_batches``: the powers of two up to ``max_batch_size``).
+        request of one row runs unpadded.
         ``sequence`` (the buckets) applies when ``pad_to_preferred`` is true, or ``auto`` and
         ``backend`` runs on a GPU (``BUCKET_WARM_BACKENDS``): on ONNX Runtime CPU a new sequence
         length costs nothing, and padding a 150-token text to 256 costs its attention about 3x
@@ -226,16 +225,13 @@ class BatchPolicy:
         pad = batching.pad_to_preferred
         if pad == "auto":
             pad = backend in PAD_AUTO_BACKENDS and not set(range(1, max_rows + 1)) <= set(replayed)
-        sizes = batching.preferred_batch_size
-        if not sizes and len(replayed) > 1:  # none named: the sizes its contexts replay (powers of two)
-            sizes = tuple(sorted(s for s in replayed if s is not None and s <= max_rows))
-        pad_to = tuple(sorted({1, *sizes})) if pad and sizes else ()
-        if pad and not sizes:
+        pad_to = tuple(sorted({1, *batching.preferred_batch_size})) if pad and batching.preferred_batch_size else ()
+        if pad and not batching.preferred_batch_size:
             logger.warning(
-                "model '%s': dynamic_batching has no preferred_batch_size and its contexts replay no CUDA graph "
-                "beyond batch 1, so its batches run at every size from 1 to %d on %s, where a model's convolutions "
-                "rebuild their cuDNN plans at each change of size; set preferred_batch_size (e.g. [8]) to pad batches "
-                "to a few sizes", config.name, max_rows, backend)
+                "model '%s': dynamic_batching has no preferred_batch_size, so its batches run at every size from 1 to "
+                "%d on %s, where a model's convolutions rebuild their cuDNN plans at each change of size and only "
+                "batch 1 replays a CUDA graph; set preferred_batch_size (e.g. [8]) to pad batches to a few sizes",
+                config.name, max_rows, backend)
         sequence = SequenceAxis.of(config, model_file)  # checked on every backend
         if batching.pad_to_preferred is False or (batching.pad_to_preferred == "auto" and backend not in BUCKET_WARM_BACKENDS):
             sequence = None  # on ONNX Runtime CPU a new length costs nothing: padding would only waste

@@ -14,7 +14,6 @@ from deployments.batching import BatchItem, BatchPolicy, BatchStats, run_batch, 
 from deployments.runtime.contract.config import ModelConfig
 from deployments.runtime.contract.errors import InferenceError, InferenceTimeout, InvalidInput
 from deployments.runtime.residency.host import ModelHost
-from deployments.runtime.backends import onnxruntime_cuda
 from deployments.runtime.contract.repository import ModelRepository
 
 
@@ -72,21 +71,14 @@ def test_padding_is_automatic_on_the_cuda_provider_only_and_can_be_forced(caplog
     assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime").pad_to == (1, 2, 8)
     off = {**sizes, "pad_to_preferred": False}
     assert BatchPolicy.of(config(dynamic_batching=off), "onnxruntime_cuda").pad_to == ()
-    # auto without preferred sizes pads to the sizes the contexts replay (graph_batches: powers of two) ...
-    replayed = onnxruntime_cuda.graph_batches(config(dynamic_batching={}))
-    assert replayed == (1, 2, 4, 8)
-    assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda", replayed=replayed).pad_to == (1, 2, 4, 8)
-    assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda", replayed=replayed).max_rows == 8
-    # ... and without graphs (TRT_SERVE_CUDA_GRAPHS=0) has nothing to pad to, and says what that costs on the GPU
+    # auto without preferred sizes has nothing to pad to, and says what that costs on the GPU
     with caplog.at_level(logging.WARNING, logger="deployments.batching"):
         assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda").pad_to == ()
-        assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime_cuda", replayed={1}).pad_to == ()
-        assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime", replayed=replayed).pad_to == ()
+        assert BatchPolicy.of(config(dynamic_batching={}), "onnxruntime").pad_to == ()
     assert [r.getMessage() for r in caplog.records] == [
-        "model 'm': dynamic_batching has no preferred_batch_size and its contexts replay no CUDA graph beyond batch "
-        "1, so its batches run at every size from 1 to 8 on onnxruntime_cuda, where a model's convolutions rebuild "
-        "their cuDNN plans at each change of size; set preferred_batch_size (e.g. [8]) to pad batches to a few "
-        "sizes"] * 2
+        "model 'm': dynamic_batching has no preferred_batch_size, so its batches run at every size from 1 to 8 on "
+        "onnxruntime_cuda, where a model's convolutions rebuild their cuDNN plans at each change of size and only "
+        "batch 1 replays a CUDA graph; set preferred_batch_size (e.g. [8]) to pad batches to a few sizes"]
     # contexts replaying every batch size up to the batch's rows rebuild nothing: auto does not pad, forced still does
     assert BatchPolicy.of(config(dynamic_batching=sizes), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == ()
     assert BatchPolicy.of(config(dynamic_batching=forced), "onnxruntime_cuda", replayed=range(1, 9)).pad_to == (1, 2, 8)

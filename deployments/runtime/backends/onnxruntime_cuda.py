@@ -224,29 +224,17 @@ def graphs_refused(config: ModelConfig) -> str | None:
 
 def graph_batches(config: ModelConfig) -> tuple[int | None, ...]:
     """The batch sizes a context captures a graph for at load: 1 and, with dynamic batching on,
-    the preferred sizes (what a padded batch runs at), or without preferred sizes the powers of
-    two up to ``max_batch_size`` and ``max_batch_size`` itself (``default_batch_sizes``: the
-    batcher pads to the sizes replayed, ``BatchPolicy.of``; ``pad_to_preferred: false`` keeps
-    batch 1 alone); at most ``MAX_GRAPHS``; ``(None,)`` for a model without a batch axis (its one
-    shape). Each graph keeps the activation memory of its size (measured on the H200:
-    docs/performance.md, "CUDA graphs"), so every size up to the max batch would cost about
-    twice the max profile's run: other sizes run without a graph."""
+    the preferred sizes (what a padded batch runs at), at most ``MAX_GRAPHS``; ``(None,)`` for a
+    model without a batch axis (its one shape). Each graph keeps the activation memory of its
+    size (measured on the H200: docs/performance.md, "CUDA graphs"), so every size up to the
+    max batch would cost about twice the max profile's run: other sizes run without a graph."""
     if not config.max_batch_size:
         return (None,)
     sizes = {1}
     batching = config.dynamic_batching
     if batching is not None and batching.enabled:
-        sizes |= set(batching.preferred_batch_size) if batching.preferred_batch_size else (
-            set(default_batch_sizes(config.max_batch_size)) if batching.pad_to_preferred is not False else set())
+        sizes |= set(batching.preferred_batch_size)
     return tuple(sorted(sizes))[:MAX_GRAPHS]
-
-
-def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
-    """The sizes a batch is padded to on the GPU where ``dynamic_batching`` names no preferred
-    size: 1, 2, 4, ... up to ``max_batch_size``, and ``max_batch_size`` (a batch of any size
-    then runs a captured graph, padded by less than half)."""
-    sizes = {1 << k for k in range(max_batch_size.bit_length()) if 1 << k <= max_batch_size} | {max_batch_size}
-    return tuple(sorted(sizes))
 
 
 def footprint_options(config: ModelConfig) -> dict[str, Any]:
