@@ -20,6 +20,7 @@ parameters are read where the tensors are (``protocol.binary``, ``protocol.share
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -154,7 +155,9 @@ def classify(where: str, array: np.ndarray, k: int, batched: bool) -> np.ndarray
     if array.dtype.kind not in "iuf":
         raise InvalidInput(f"{where}: classification needs a numeric output, this one is "
                            f"{datatype_of(array)}")
-    rows = array.reshape(array.shape[0] if batched and array.ndim else 1, -1)
+    per_batch = batched and array.ndim > 0
+    # the row length spelled out: ``-1`` cannot be solved for an output with no rows (shape [0, ...])
+    rows = array.reshape((array.shape[0], math.prod(array.shape[1:])) if per_batch else (1, array.size))
     k = min(k, rows.shape[1])
     order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     out = np.empty(order.shape, dtype=object)

@@ -234,6 +234,14 @@ def test_classification_gives_top_k_value_index_strings_per_row_as_triton_does()
     assert classify("m", logits[0], 9, batched=False).tolist()[-1] == b"-2.000000:2"  # k over the classes: all
 
 
+def test_classification_of_an_output_with_no_rows_or_no_elements_is_empty_not_a_500():
+    """A detector that found nothing answers shape [0, 4]: its top k is [0, k] (no row to rank);
+    an unbatched output with no element ranks nothing."""
+    assert classify("m", np.zeros((0, 4), np.float32), 2, batched=True).shape == (0, 2)
+    assert classify("m", np.zeros((0,), np.float32), 3, batched=False).shape == (0,)
+    assert classify("m", np.zeros((2, 0), np.float32), 3, batched=True).shape == (2, 0)
+
+
 def test_requested_output_with_class_count_is_replaced_by_its_top_k_and_others_are_untouched():
     request = decode_infer_request({"inputs": [X], "outputs": [
         {"name": "logits", "parameters": {"classification": 2}}, {"name": "raw"}]})
