@@ -186,6 +186,11 @@ class V2App:
         """The Starlette app's route table (as ``Starlette.routes``)."""
         return self.app.routes
 
+    @property
+    def router(self) -> Any:
+        """The Starlette app's router (Serve reads ``router.redirect_slashes`` to name a request's route)."""
+        return self.app.router
+
     def _read_headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
         """The request's ``CLUSTER_HEADER`` and ``Accept-Encoding`` (the first of each; None:
         absent), read in one pass."""

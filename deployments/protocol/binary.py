@@ -332,6 +332,7 @@ def raw_bytes(array: np.ndarray) -> bytes | memoryview:
             parts.append(_LENGTH_PREFIX.pack(len(item)))
             parts.append(item)
         return b"".join(parts)
+    array = np.asarray(array)  # a subclass (np.matrix) keeps two axes through reshape(-1)
     if not (array.dtype.byteorder in "=|" and sys.byteorder == "little" and array.flags.c_contiguous):
         array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
     return memoryview(array.reshape(-1).view(np.uint8))  # an empty tensor too (a cast refuses a 0 in the shape)

@@ -116,6 +116,21 @@ def test_gate_close_waits_for_the_requests_inside_and_refuses_new_ones():
         pass
 
 
+def test_gate_close_returns_when_the_last_request_leaves_even_if_reopened_meanwhile():
+    """A ``close`` waiting for the requests inside is woken by the last one out, whatever the gate's
+    state then (an ``open`` in between must not leave it blocked)."""
+    gate = Gate("m")
+    closed = threading.Event()
+    gate.request().__enter__()
+    closer = threading.Thread(target=lambda: (gate.close(), closed.set()))
+    closer.start()
+    time.sleep(0.1)
+    gate.open()
+    gate.request().__exit__(None, None, None)
+    closer.join(5)
+    assert closed.is_set()
+
+
 def test_a_replicas_load_error_keeps_whose_fault_it_is():
     """Only a config the load's sender wrote is 400; a server fault kept 400 here too (every
     ``ConfigError`` was turned into ``InvalidInput``, an unreadable model file included).

@@ -42,7 +42,7 @@ class Gate:
     def __exit__(self, *exc: object) -> None:
         with self._cond:
             self._inside -= 1
-            if not self._open:  # ``close`` waits for the last one inside
+            if not self._inside:  # the last one out wakes a ``close`` waiting for it (if any)
                 self._cond.notify_all()
 
     def close(self) -> None:
