@@ -70,8 +70,10 @@ def cases() -> dict[str, tuple[str, str, dict]]:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def replica(prepared_engines):
+    """Per test, after the loggers' snapshot (``conftest._loggers_restored``): building a replica
+    routes the application's log through Serve's logger, which a later test's ``caplog`` must not see."""
     replica = Deployment.__new__(Deployment)
     asyncio.run(Deployment.__init__(replica, str(prepared_engines), "simple", "onnxruntime",
                                     RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0),
