@@ -52,9 +52,6 @@ class ModelRoutes(V2Routes):
             self.states.unloaded(name)
 
 
-
-
-
 class PoolRoutes(V2Routes):
     """The KServe v2 model routes of the pool models, served by a pool replica (``PoolAdapter``):
     ``GET /v2/models/{name}[/versions/{v}][/ready|/config|/stats]`` and ``POST .../infer``, with
@@ -94,9 +91,6 @@ class PoolRoutes(V2Routes):
             with contextlib.suppress(ConfigError, LoadFault, ModelNotFound):
                 self.repo.read(name)
         self._mark_unloaded(name, reason)
-
-
-
 
 
 def pool_routes(repo: ModelRepository, pool_models: Iterable[str], infer_body: Callable[..., Awaitable[Any]],

@@ -93,6 +93,15 @@ def error_response(exc: BaseException, headers: dict[str, str] | None = None, lo
                     headers={**retry_after_headers(exc), **(headers or {})})
 
 
+_CLUSTER_HEADER = CLUSTER_HEADER.lower().encode()  # as ASGI spells header names
+
+
+def first_header(scope: dict, name: bytes) -> str | None:
+    """The first value of header ``name`` (lowercase, as ASGI gives names) in ``scope``; None
+    where the request has none (``Headers.get``'s reading, without building ``Headers``)."""
+    return next((value.decode("latin-1") for key, value in scope.get("headers", ()) if key == name), None)
+
+
 class ClusterGuard:
     """ASGI middleware: a request that HAProxy stamped with another Ray cluster's id
     (``haproxy.CLUSTER_HEADER``; ``deployments/haproxy.py``, ``mark_cluster``) is answered 421
@@ -104,11 +113,10 @@ class ClusterGuard:
     def __init__(self, app: Callable, cluster: str | None) -> None:
         self.app = app
         self.cluster = cluster
-        self._header = CLUSTER_HEADER.lower().encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
-            sent = next((value.decode("latin-1") for name, value in scope.get("headers", ()) if name == self._header), None)
+            sent = first_header(scope, _CLUSTER_HEADER)
             error = misdirected(self.cluster, sent, scope.get("path", "?"))
             if error is not None:
                 await error_response(error, log=False)(scope, receive, send)
@@ -158,7 +166,6 @@ class V2App:
         self.v2 = routes
         self.suffix = suffix
         self.compression = CompressionMiddleware(app)
-        self._cluster_header = CLUSTER_HEADER.lower().encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         kind = scope["type"]
@@ -170,15 +177,14 @@ class V2App:
             scope = {**scope, "root_path": root[:-len(self.suffix)]}
         if kind == "http" and scope["method"] == "POST" and scope["path"].endswith("/infer"):
             params = infer_params(get_route_path(scope))
-            if params is not None:
-                sent, accept = self._read_headers(scope["headers"])
-                if same_cluster(self.v2.cluster, sent):
-                    scope = {**scope, "path_params": params}
-                    if accept is None or preferred_coding(accept) is None:
-                        await self._infer(scope, receive, send, vary=True)
-                    else:
-                        await self.compression.responder(self._infer, scope)(scope, receive, send)
-                    return
+            if params is not None and same_cluster(self.v2.cluster, first_header(scope, _CLUSTER_HEADER)):
+                scope = {**scope, "path_params": params}
+                coding = preferred_coding(first_header(scope, b"accept-encoding"))
+                if coding is None:
+                    await self._infer(scope, receive, send, vary=True)
+                else:
+                    await self.compression.responder(self._infer, coding)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     @property
@@ -190,17 +196,6 @@ class V2App:
     def router(self) -> Any:
         """The Starlette app's router (Serve reads ``router.redirect_slashes`` to name a request's route)."""
         return self.app.router
-
-    def _read_headers(self, headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
-        """The request's ``CLUSTER_HEADER`` and ``Accept-Encoding`` (the first of each; None:
-        absent), read in one pass."""
-        sent = accept = None
-        for name, value in headers:
-            if name == self._cluster_header and sent is None:
-                sent = value.decode("latin-1")
-            elif name == b"accept-encoding" and accept is None:
-                accept = value.decode("latin-1")
-        return sent, accept
 
     async def _infer(self, scope: dict, receive: Callable, send: Callable, vary: bool = False) -> None:
         """The infer route's answer; ``vary``: uncompressed, not through a responder, with the

@@ -130,12 +130,12 @@ class CompressionMiddleware(GZipMiddleware):
         if scope["type"] != "http" or not scope["path"].endswith("/infer"):
             await self.app(scope, receive, send)
             return
-        await self.responder(self.app, scope)(scope, receive, send)
-
-    def responder(self, app: ASGIApp, scope: Scope) -> IdentityResponder:
-        """Starlette's responder that answers infer request ``scope`` through ``app``, compressed
-        as its ``Accept-Encoding`` prefers (``preferred_coding``), else as it is."""
         coding = preferred_coding(Headers(scope=scope).get("accept-encoding"))
+        await self.responder(self.app, coding)(scope, receive, send)
+
+    def responder(self, app: ASGIApp, coding: str | None) -> IdentityResponder:
+        """Starlette's responder that answers an infer request through ``app`` in ``coding``
+        (``preferred_coding`` of its ``Accept-Encoding``: gzip, deflate, or None for as it is)."""
         if coding is None:
             return IdentityResponder(app, self.minimum_size, exclude_content_types=self.exclude_content_types)
         kind = GZipResponder if coding == "gzip" else DeflateResponder
