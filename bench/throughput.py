@@ -124,16 +124,15 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
     off, plus ``<model>_batched`` copies with ``dynamic_batching`` for ``batched`` (never
     padded) and, with ``padded``, ``<model>_padded`` copies padded to the preferred sizes
     (``pad_to_preferred: true``; default sizes [8]), with ``auto``, ``<model>_auto`` copies
-    batched as a config that names no preferred size is (``pad_to_preferred: auto``: on the GPU
-    padded to the sizes its contexts replay); a pipeline model brings its steps.
+    batched as a config that names no preferred size is (``pad_to_preferred: auto``, the
+    default); a pipeline model brings its steps.
     ``gpu_fraction``: each model replica's ``num_gpus`` (0: none). Version folders are
     symlinks to ``source``'s."""
     names = list(models)
     for name in models:
         steps = yaml.safe_load((source / name / "config.yaml").read_text()).get("parameters", {}).get("steps", [])
         names += [s for s in steps if s not in names]
-    copies = [m + BATCHED_SUFFIX for m in batched] + ([m + PADDED_SUFFIX for m in batched] if padded else []) + (
-        [m + AUTO_SUFFIX for m in batched] if auto else [])
+    copies = [copy for m in batched for copy in batch_variants(m, padded, auto)]
     for name in names + copies:
         base = base_model(name)
         if (dest / name).exists():
@@ -154,6 +153,13 @@ def prepare_repository(dest: Path, source: Path, models: Sequence[str], batched:
                 raw["dynamic_batching"]["preferred_batch_size"] = sizes
         _write_model(dest, source, base, name, raw)
     return dest
+
+
+def batch_variants(model: str, padded: bool, auto: bool) -> tuple[str, ...]:
+    """The batching copies of ``model`` (``prepare_repository``): ``_batched``, with ``padded``
+    ``_padded``, with ``auto`` ``_auto``."""
+    return (model + BATCHED_SUFFIX,) + ((model + PADDED_SUFFIX,) if padded else ()) + (
+        (model + AUTO_SUFFIX,) if auto else ())
 
 
 def base_model(name: str) -> str:
@@ -544,8 +550,7 @@ class Bench:
     def batching(self, ray_server: Server) -> None:
         rows = []
         for model in self.args.batched:
-            for variant in (model, model + BATCHED_SUFFIX) + ((model + PADDED_SUFFIX,) if self.args.padded else ()) + (
-                    (model + AUTO_SUFFIX,) if self.args.auto else ()):
+            for variant in (model, *batch_variants(model, self.args.padded, self.args.auto)):
                 for level in self.args.batch_levels:
                     # the counters are one replica's (a handle call picks any): read with one only
                     counted = self.args.model_replicas == 1
@@ -977,7 +982,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--preferred-batch-size", default="", help="preferred_batch_size of the batched copies")
     p.add_argument("--auto", action="store_true",
                    help="'batching' also serves <model>_auto: dynamic_batching without preferred sizes, "
-                        "pad_to_preferred auto (on the GPU: padded to the sizes its contexts replay)")
+                        "pad_to_preferred auto (as a config that sets neither)")
     p.add_argument("--padded", action="store_true",
                    help="'batching' also serves <model>_padded: batched AND padded to the preferred sizes (default [8])")
     p.add_argument("--standin", default="",
