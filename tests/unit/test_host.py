@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
 import threading
 import time
@@ -12,7 +14,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotReady
+from deployments.runtime.backends.context_thread import ContextThread
+from deployments.runtime.backends.onnxruntime import OnnxRuntimeEngine
+from deployments.runtime.contract.errors import ConfigError, InferenceTimeout, InvalidInput, ModelNotReady
 from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.contract.repository import ModelRepository
 
@@ -203,3 +207,155 @@ def test_memory_says_which_batch_sizes_replay_as_cuda_graphs_and_why_not(repo):
     finally:
         host._contexts = real
         host.unload()
+
+
+# --- ModelHost.call where every context runs on a thread of its own (``ContextThread``) ------------
+# ONNX Runtime's CUDA contexts with graphs have threads (tests/gpu covers them); here the CPU
+# contexts of tiny_cnn get one each, so the queue, the hand-off and the caller's future run in CI.
+
+@pytest.fixture
+def threaded(repo, monkeypatch):
+    """tiny_cnn on ONNX Runtime's CPU provider, 2 contexts, each with a ``ContextThread``."""
+    threads: list[ContextThread] = []
+    create = OnnxRuntimeEngine.create_context
+
+    def with_thread(engine):
+        context = create(engine)
+        context.thread = ContextThread(f"test-context-{len(threads)}")
+        threads.append(context.thread)
+        return context
+
+    monkeypatch.setattr(OnnxRuntimeEngine, "create_context", with_thread)
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    try:
+        assert host.threaded() and len(threads) == host.config.instances == 2
+        yield host
+    finally:
+        host.unload()
+        for thread in threads:
+            thread.stop()
+
+
+def test_calls_run_on_the_contexts_threads_with_the_context_bound_and_answer_right(threaded, repo):
+    rng = np.random.default_rng(7)
+    xs = [{"input": rng.standard_normal((b, 3, 224, 224), dtype=np.float32)} for b in (1, 2, 1, 3) * 4]
+    ran_on: list[int] = []
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id")
+
+    def work(feeds, expected_id):
+        assert request_id.get() == expected_id  # the caller's context variables
+        ran_on.append(threading.get_ident())
+        return threaded.run(feeds)
+
+    async def one(i, feeds):
+        request_id.set(f"request-{i}")
+        return await threaded.call(work, feeds, f"request-{i}")
+
+    async def main():
+        return await asyncio.gather(*(one(i, x) for i, x in enumerate(xs)))
+
+    got = asyncio.run(main())
+    path = repo.get("tiny_cnn").onnx_path()
+    for x, g in zip(xs, got):
+        np.testing.assert_allclose(g["logits"], reference(path, x["input"]), rtol=1e-5, atol=1e-6)
+    assert set(ran_on) <= {c.thread._ident for c in threaded._contexts} and len(ran_on) == len(xs)
+    assert len(threaded._free) == 2 and not threaded._waiting and threaded.in_flight == 0
+
+
+def test_queued_calls_start_in_arrival_order_as_contexts_come_free(threaded):
+    x = {"input": np.zeros((1, 3, 224, 224), np.float32)}
+    order: list[int] = []
+
+    def work(i):
+        order.append(i)
+        return threaded.run(x)
+
+    async def main():
+        held = [threaded._checkout(("held", i)) for i in range(2)]
+        calls = [asyncio.ensure_future(threaded.call(work, i)) for i in range(6)]
+        await asyncio.sleep(0.05)
+        assert order == [] and len(threaded._waiting) == 6
+        threaded._check_in(held[:1])  # one context: the six run one after another, first come first
+        await asyncio.gather(*calls)
+        threaded._check_in(held[1:])
+
+    asyncio.run(main())
+    assert order == [0, 1, 2, 3, 4, 5]
+    assert len(threaded._free) == 2 and not threaded._waiting
+
+
+def test_a_call_left_waiting_past_its_checkout_timeout_is_an_inference_timeout(threaded):
+    held = [threaded._checkout(("held", i)) for i in range(2)]
+    threaded.checkout_timeout_s = 0.2
+    ran: list[bool] = []
+    try:
+        with pytest.raises(InferenceTimeout, match=r"no execution context free within 0.2 s \(2 instances\)"):
+            asyncio.run(threaded.call(lambda: ran.append(True)))
+    finally:
+        threaded._check_in(held)
+    assert ran == [] and not threaded._waiting and len(threaded._free) == 2
+
+
+def test_a_call_whose_caller_went_away_never_runs_and_frees_no_context_twice(threaded):
+    ran: list[str] = []
+
+    async def main():
+        held = [threaded._checkout(("held", i)) for i in range(2)]
+        gone = asyncio.ensure_future(threaded.call(lambda: ran.append("gone")))
+        kept = asyncio.ensure_future(threaded.call(lambda: ran.append("kept") or "answer"))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        threaded._check_in(held)
+        assert await kept == "answer"
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+
+    asyncio.run(main())
+    assert ran == ["kept"]
+    deadline = time.monotonic() + 10  # the dropped call's context comes back from its thread
+    while len(threaded._free) < 2:
+        assert time.monotonic() < deadline, f"{len(threaded._free)} of 2 contexts free"
+        time.sleep(0.001)
+    assert len(threaded._free) == 2 and not threaded._waiting
+
+
+def test_an_error_the_work_raises_reaches_its_caller_and_the_context_comes_back(threaded):
+    bad = {"input": np.zeros((1, 3, 224, 225), np.float32)}
+    with pytest.raises(InvalidInput, match="axis 3 is 225, allowed 224"):
+        asyncio.run(threaded.call(threaded.infer, bad))
+    assert len(threaded._free) == 2 and threaded.in_flight == 0
+
+
+def test_calls_queued_when_the_model_unloads_get_model_not_ready(threaded):
+    x = {"input": np.zeros((1, 3, 224, 224), np.float32)}
+
+    async def main():
+        held = [threaded._checkout(("held", i)) for i in range(2)]
+        calls = [asyncio.ensure_future(threaded.call(threaded.run, x)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        unloading = asyncio.ensure_future(asyncio.to_thread(threaded.unload))
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        threaded._check_in(held)
+        await unloading
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert [type(o) for o in outcomes] == [ModelNotReady] * 4
+    assert all("model 'tiny_cnn' is not loaded" in o.message for o in outcomes)
+
+
+def test_a_context_thread_calls_in_order_raises_what_the_work_raised_and_stops_once():
+    thread = ContextThread("test-thread")
+    assert thread.call(threading.get_ident) == thread._ident != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0)
+    seen: list[int] = []
+    for i in range(100):
+        thread.submit(seen.append, i)
+    thread.submit(lambda: 1 / 0)  # logged; the thread serves on
+    assert thread.call(lambda: list(seen)) == list(range(100))
+    thread.stop()
+    thread.stop()
+    assert not thread._thread.is_alive()
+    with pytest.raises(RuntimeError, match="context thread test-thread is stopped"):
+        thread.submit(seen.append, 0)

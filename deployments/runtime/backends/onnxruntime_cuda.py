@@ -61,7 +61,6 @@ import contextlib
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -80,6 +79,7 @@ from ..contract.shapes import max_profile_shapes
 from ..contract.units import mib_to_bytes
 from . import cuda
 from .base import Footprint
+from .context_thread import ContextThread
 from . import gpu_memory
 from .gpu_memory import process_gpu_bytes
 from .onnxruntime import check_signature, out_of_memory, run_error, session_options
@@ -253,30 +253,6 @@ def graph_run(graph: int) -> ort.RunOptions:
     options = ort.RunOptions()
     options.add_run_config_entry("gpu_graph_id", str(graph))
     return options
-
-
-class ContextThread:
-    """The one thread a context with CUDA graphs runs on (ONNX Runtime keeps graphs per calling
-    thread): ``call`` runs a function there and returns what it returned, or raises what it
-    raised (on that thread itself it just calls it); ``submit`` hands it work
-    (``ModelHost.call``)."""
-
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._ident = self._pool.submit(threading.get_ident).result()
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        if threading.get_ident() == self._ident:
-            return fn(*args)
-        return self._pool.submit(fn, *args).result()
-
-    def submit(self, fn: Any, *args: Any) -> Future:
-        """Run ``fn(*args)`` there without waiting for it."""
-        return self._pool.submit(fn, *args)
-
-    def stop(self) -> None:
-        """Let the thread end (its thread-local state with it) once its calls are done; idempotent."""
-        self._pool.shutdown(wait=True)
 
 
 class _HostArray:

@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -369,7 +368,8 @@ class ModelHost:
         """
         if not self.threaded():
             return await asyncio.to_thread(fn, *args)
-        waiting = _Call(fn, args, contextvars.copy_context(), time.monotonic() + self.checkout_timeout_s)
+        loop = asyncio.get_running_loop()
+        waiting = _Call(fn, args, contextvars.copy_context(), time.monotonic() + self.checkout_timeout_s, loop)
         with self._slots:
             if not self._contexts:  # unloaded since ``threaded`` was read
                 raise ModelNotReady(f"model '{self.name}' is not loaded")
@@ -377,10 +377,10 @@ class ModelHost:
             self._wake_next()
             queued = bool(self._waiting) and self._waiting[-1] is waiting  # not handed to a free context at once
         # Only work left waiting needs its checkout timer (one handed over checks its deadline as it starts).
-        timer = asyncio.get_running_loop().call_later(self.checkout_timeout_s, self._expire, waiting) if queued else None
+        timer = loop.call_later(self.checkout_timeout_s, self._expire, waiting) if queued else None
         try:
-            return await asyncio.wrap_future(waiting.future)
-        except asyncio.CancelledError:
+            return await waiting.future
+        except asyncio.CancelledError:  # the future is cancelled with the caller: a run it reaches skips it
             self._drop(waiting)
             raise
         finally:
@@ -396,8 +396,9 @@ class ModelHost:
             return False
 
     def _expire(self, waiting: "_Call") -> None:
-        """A ``call`` still queued after ``checkout_timeout_s`` fails as ``_checkout`` would."""
-        if self._drop(waiting) and waiting.future.set_running_or_notify_cancel():
+        """A ``call`` still queued after ``checkout_timeout_s`` fails as ``_checkout`` would (on
+        the caller's loop: its timer)."""
+        if self._drop(waiting) and not waiting.future.done():
             waiting.future.set_exception(self._no_context_free())
 
     def _no_context_free(self) -> InferenceTimeout:
@@ -466,8 +467,7 @@ class ModelHost:
                 self._free, self._last_shapes = [], {}
                 for waiting in [w for w in self._waiting if isinstance(w, _Call)]:
                     self._waiting.remove(waiting)
-                    if waiting.future.set_running_or_notify_cancel():  # False: its caller went away
-                        waiting.future.set_exception(ModelNotReady(f"model '{self.name}' is not loaded"))
+                    waiting.settle(error=ModelNotReady(f"model '{self.name}' is not loaded"))
         try:
             for c in contexts:
                 c.close()
@@ -480,30 +480,55 @@ class ModelHost:
 
 
 class _Call:
-    """Work ``ModelHost.call`` queued for a context's thread."""
+    """Work ``ModelHost.call`` queued for a context's thread; its outcome goes to ``future``, an
+    asyncio future of the caller's loop, settled from the context's thread in one
+    ``call_soon_threadsafe`` (no ``concurrent.futures`` future chained to it)."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, context: contextvars.Context, deadline: float) -> None:
-        self.fn, self.args, self.vars, self.deadline = fn, args, context, deadline
-        self.future: Future = Future()
+    def __init__(self, fn: Callable[..., Any], args: tuple, context: contextvars.Context, deadline: float,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.fn, self.args, self.vars, self.deadline, self.loop = fn, args, context, deadline, loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Give the caller ``result``, or raise ``error`` there; from any thread. Nothing when the
+        caller went away (its future is done) or its loop has closed."""
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # the caller's loop closed: nobody waits
+            pass
 
     def run(self, host: "ModelHost", context: ExecutionContext) -> None:
         """On ``context``'s thread: ``fn`` with ``context`` bound to ``host.run`` here, then the
-        context back to the host (and to the next in line)."""
+        context back to the host (and to the next in line), then the outcome to the caller: a
+        caller that has its answer finds the context free again."""
+        outcome: tuple[Any, BaseException | None] | None = None
         try:
-            if not self.future.set_running_or_notify_cancel():
-                return  # its caller went away
+            if self.future.done():  # its caller went away (a read of the future's state: no race that matters)
+                return
             if time.monotonic() > self.deadline:
-                self.future.set_exception(host._no_context_free())
+                outcome = None, host._no_context_free()
                 return
             host._bound.context = context
             try:
-                self.future.set_result(self.vars.run(self.fn, *self.args))
+                outcome = self.vars.run(self.fn, *self.args), None
             except BaseException as e:
-                self.future.set_exception(e)
+                outcome = None, e
             finally:
                 host._bound.context = None
         finally:
             host._check_in([context])
+            if outcome is not None:
+                self.settle(*outcome)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """On the caller's loop: ``_Call.settle``'s outcome into ``future`` unless it is done."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _device_of(engine: Engine) -> str:
