@@ -209,27 +209,57 @@ def test_memory_says_which_batch_sizes_replay_as_cuda_graphs_and_why_not(repo):
         host.unload()
 
 
-# --- ModelHost.call where every context runs on a thread of its own (``ContextThread``) ------------
-# ONNX Runtime's CUDA contexts with graphs have threads (tests/gpu covers them); here the CPU
-# contexts of tiny_cnn get one each, so the queue, the hand-off and the caller's future run in CI.
+# --- ModelHost.call: every context has a thread of its own (``ContextThread``) ----------------------
+# The host's own for ONNX Runtime's CPU contexts; the backend's for CUDA contexts with graphs, which
+# must run there (tests/gpu; here a backend's thread is imitated by giving the contexts one).
 
 @pytest.fixture
-def threaded(repo, monkeypatch):
-    """tiny_cnn on ONNX Runtime's CPU provider, 2 contexts, each with a ``ContextThread``."""
+def threaded(repo):
+    """tiny_cnn on ONNX Runtime's CPU provider, 2 contexts, each with the host's own thread."""
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    try:
+        assert host.threaded() and len(host._own_threads) == host.config.instances == 2
+        yield host
+    finally:
+        host.unload()
+
+
+def _threads_named(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_a_load_starts_a_thread_per_context_and_the_unload_ends_them(repo):
+    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime")
+    before = len(_threads_named("ctx-tiny_cnn"))
+    for _ in range(3):
+        host.load()
+        assert len(_threads_named("ctx-tiny_cnn")) == before + 2
+        assert {id(c) for c in host._contexts} == set(host._threads)
+        host.unload()
+        assert len(_threads_named("ctx-tiny_cnn")) == before and not host.threaded()
+
+
+def test_contexts_with_a_thread_of_their_backends_run_there_and_not_inline(repo, monkeypatch):
     threads: list[ContextThread] = []
     create = OnnxRuntimeEngine.create_context
 
-    def with_thread(engine):
+    def with_thread(engine):  # as ONNX Runtime CUDA's contexts with graphs
         context = create(engine)
-        context.thread = ContextThread(f"test-context-{len(threads)}")
+        context.thread = ContextThread(f"backend-context-{len(threads)}")
         threads.append(context.thread)
         return context
 
     monkeypatch.setattr(OnnxRuntimeEngine, "create_context", with_thread)
-    host = ModelHost(repo.get("tiny_cnn"), backend="onnxruntime").load()
+    host = ModelHost(repo.get("simple"), backend="onnxruntime").load()
+    x = {"INPUT0": np.arange(16, dtype=np.int32).reshape(1, 16), "INPUT1": np.ones((1, 16), np.int32)}
+    ran_on: list[int] = []
     try:
-        assert host.threaded() and len(threads) == host.config.instances == 2
-        yield host
+        assert host.threaded() and host._own_threads == [] and len(threads) == host.config.instances
+        host.recent_run_s = 1e-6  # short enough to run inline, were the contexts not pinned to their threads
+        assert not host.runs_inline()
+        out = asyncio.run(host.call(lambda: ran_on.append(threading.get_ident()) or host.run(x)))
+        np.testing.assert_array_equal(out["OUTPUT0"], x["INPUT0"] + 1)
+        assert ran_on and set(ran_on) <= {t._ident for t in threads}
     finally:
         host.unload()
         for thread in threads:
@@ -258,7 +288,7 @@ def test_calls_run_on_the_contexts_threads_with_the_context_bound_and_answer_rig
     path = repo.get("tiny_cnn").onnx_path()
     for x, g in zip(xs, got):
         np.testing.assert_allclose(g["logits"], reference(path, x["input"]), rtol=1e-5, atol=1e-6)
-    assert set(ran_on) <= {c.thread._ident for c in threaded._contexts} and len(ran_on) == len(xs)
+    assert set(ran_on) <= {t._ident for t in threaded._own_threads} and len(ran_on) == len(xs)
     assert len(threaded._free) == 2 and not threaded._waiting and threaded.in_flight == 0
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..backends.base import GPU_BACKENDS, Engine, ExecutionContext, Footprint
+from ..backends.context_thread import ContextThread
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
 from ..contract.device import device_io, device_targets, refuse_device_io, takes_device_io
@@ -59,11 +60,12 @@ class ModelHost:
     Tensors with a ``reshape`` in the config run in the model's shape and are answered in the
     client's (``contract.reshape``): every run here, requests and warmups, goes through it.
 
-    ``call`` is how async code runs blocking work that calls ``run`` (a request, a batch): where
-    every context runs on a thread of its own (``context.thread``: ONNX Runtime keeps CUDA graphs
-    per thread), the work waits in the same first-come queue as ``run``'s callers and then runs
-    on a free context's thread with that context bound to it, so a request crosses one thread
-    boundary, not two; elsewhere it is ``asyncio.to_thread``.
+    ``call`` is how async code runs blocking work that calls ``run`` (a request, a batch): the
+    work waits in the same first-come queue as ``run``'s callers and then runs on a free
+    context's own thread with that context bound to it, so a request crosses one thread boundary
+    each way and no thread waits for a context. Every context has that thread: its backend's
+    where it must run there (``context.thread``: ONNX Runtime keeps CUDA graphs per thread), else
+    one the host starts at load and stops at unload.
     """
 
     def __init__(self, entry: ModelEntry, backend: str = "auto", checkout_timeout_s: float = 30.0) -> None:
@@ -75,6 +77,9 @@ class ModelHost:
         self.engine: Engine | None = None
         self._contexts: list[ExecutionContext] = []
         self._threaded = False  # ``threaded``: every one of ``_contexts`` has a thread of its own
+        self._threads: dict[int, ContextThread] = {}  # id(context) -> the thread its queued calls run on
+        self._own_threads: list[ContextThread] = []  # those of ``_threads`` this host started (and stops)
+        self._pinned = False  # a context must run on its thread (the backend's: CUDA graphs are per thread)
         self._free: list[ExecutionContext] = []  # longest free first
         self._last_shapes: dict[int, tuple] = {}  # id(context) -> input shapes of its last run
         self._slots = threading.RLock()  # guards _free, _last_shapes, _waiting
@@ -108,11 +113,11 @@ class ModelHost:
         handed to a worker thread: the model's recent runs took at most ``INLINE_RUN_S``
         (``recent_run_s``; the hop to a thread and back costs more CPU than such a run holds the
         loop), and no run is in flight nor work waiting, so every context is free and the checkout
-        cannot wait. Never where the contexts have threads of their own (``threaded``): the run
-        would hop to one anyway."""
+        cannot wait. Never where a context must run on a thread of its backend's (``ContextThread``
+        of a CUDA context with graphs): the run would hop to it anyway."""
         recent = self.recent_run_s
         return (recent is not None and recent <= INLINE_RUN_S and self._in_flight == 0 and not self._waiting
-                and len(self._free) == len(self._contexts) and not self._threaded)
+                and len(self._free) == len(self._contexts) and not self._pinned)
 
     def replayed_batches(self) -> frozenset[int | None]:
         """The batch sizes every loaded context replays as a captured CUDA graph
@@ -167,7 +172,14 @@ class ModelHost:
                 self._free = list(contexts)
                 self._last_shapes = {id(c): _shapes(warmups[-1]) for c in contexts} if warmups else {}
                 self._contexts = contexts
-                self._threaded = all(getattr(c, "thread", None) is not None for c in contexts) and bool(contexts)
+                # Every context gets a thread for the calls queued for it (``call``): its backend's
+                # where it must run there, else one of the host's own.
+                pinned = {id(c): c.thread for c in contexts if getattr(c, "thread", None) is not None}
+                self._own_threads = [ContextThread(f"ctx-{self.name}") for c in contexts if id(c) not in pinned]
+                own = iter(self._own_threads)
+                self._threads = {id(c): pinned.get(id(c)) or next(own) for c in contexts}
+                self._pinned = bool(pinned)
+                self._threaded = bool(contexts)
                 self._wake_next()
             self.engine = engine
             self.load_ms = (loaded - start) * 1e3
@@ -333,7 +345,7 @@ class ModelHost:
                 head.notify()
                 return
             context = self._free[0]
-            context.thread.submit(head.run, self, context)  # it checks the context in under this lock, later
+            self._threads[id(context)].submit(head.run, self, context)  # it checks the context in, later
             self._waiting.popleft()
             self._free.pop(0)
 
@@ -351,15 +363,16 @@ class ModelHost:
         return {"batches": sorted(b for b in batches if b is not None), "reason": off or "on"}
 
     def threaded(self) -> bool:
-        """Whether every context runs on a thread of its own (``call`` runs work there)."""
+        """Whether every context has a thread of its own (``call`` runs work there): while loaded."""
         return self._threaded
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, blocking work that calls ``run`` (one request, a batch), off the event
         loop: on a free context's own thread with that context bound to ``run`` there, in the
-        first-come order of every request waiting for a context, where the contexts have threads
-        (``threaded``); else in a worker thread (``asyncio.to_thread``). Either way ``fn`` sees
-        the caller's context variables. Work still waiting when the caller goes away is dropped.
+        first-come order of every request waiting for a context; while nothing is loaded
+        (``threaded`` False), in a worker thread (``asyncio.to_thread``: ``run`` answers
+        ``ModelNotReady`` there). Either way ``fn`` sees the caller's context variables. Work
+        still waiting when the caller goes away is dropped.
 
         Raises:
             InferenceTimeout: no context came free within ``checkout_timeout_s``.
@@ -462,13 +475,16 @@ class ModelHost:
             self._unloading = True
             self._lock.wait_for(lambda: self._in_flight == 0)
             contexts, self._contexts = self._contexts, []
-            self._threaded = False
+            self._threaded = self._pinned = False
             with self._slots:
                 self._free, self._last_shapes = [], {}
+                threads, self._own_threads, self._threads = self._own_threads, [], {}
                 for waiting in [w for w in self._waiting if isinstance(w, _Call)]:
                     self._waiting.remove(waiting)
                     waiting.settle(error=ModelNotReady(f"model '{self.name}' is not loaded"))
         try:
+            for thread in threads:  # each ends once the work handed to it is done
+                thread.stop()
             for c in contexts:
                 c.close()
             engine.close()
