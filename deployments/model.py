@@ -192,9 +192,10 @@ class ModelDeployment(ServeGrpcMethods):
         """Before a load: read the model's folder again for exactly what the router read
         (``control.read_as_desired``: the versions its desired ``state`` names, a version folder
         added since not among them) and serve the newest of them from now on, as the routers
-        report it (docs/models.md, "Versions"). A loaded model changing version is unloaded
-        first: new requests answer 503 while it loads, those in flight finish on the old
-        version, and a request labelled with the old version that arrives later is refused
+        report it (docs/models.md, "Versions"). A loaded model changing version, or whose model
+        file was written since its reading (``ModelEntry.files``), is unloaded first: new
+        requests answer 503 while it loads, those in flight finish on the old version, and a
+        request labelled with the old version that arrives later is refused
         (``infer``). The config must be the one this replica started with (its batch queue was
         built from it; the router refuses a load of a changed one before it reaches a replica,
         and ``read_as_desired`` one changed since). The new version's file is checked before
@@ -212,7 +213,8 @@ class ModelDeployment(ServeGrpcMethods):
         entry = read_as_desired(self.repo, self.host.name, state)  # not served before it loads
         config_kept(entry, self.host.config, "this dedicated model's deployment")
         replaced = None
-        if entry.latest != self.host.version:
+        if entry.latest != self.host.version or (  # a new version, or its file written since it was read
+                entry.file_identity(entry.latest) != self.host.entry.file_identity(entry.latest)):
             if self.host.ready:
                 entry.at(entry.latest).check_files()
                 self.gate.close()

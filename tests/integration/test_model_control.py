@@ -503,3 +503,58 @@ def test_a_changed_config_of_a_dedicated_model_is_refused_on_load_and_a_new_vers
     assert (r.status_code, r.json().get("model_version")) == (200, "2"), r.text
     assert requests.get(f"{url}/v2/models/simple_dedicated").json()["versions"] == ["2"]
     assert index(url)["simple_dedicated"]["version"] == "2"
+
+
+def test_a_model_file_written_in_place_serves_from_the_next_load_on_every_path(control):
+    """A served version's model.onnx overwritten in place (other weights, the same size): the
+    load answered 200 and the pool went on with the old engine, and a dedicated replica too.
+    Now the load serves the new file, over HTTP and gRPC, for a pool and a dedicated model."""
+    import onnx
+    import tritonclient.grpc as grpcclient
+
+    from deployments.runtime.tools.prepare import build_tiny_cnn
+
+    url, root = control
+    copy_model(root, "tiny_cnn", "inplace_cnn")
+    assert requests.post(f"{url}/v2/repository/models/inplace_cnn/load").status_code == 200
+    path = root / "inplace_cnn" / "1" / "model.onnx"
+    r = requests.post(f"{url}/v2/models/inplace_cnn/infer", json=cnn_body(X))
+    old = ort.InferenceSession(str(path)).run(None, {"input": X})[0]
+    np.testing.assert_allclose(cnn_outputs(r), old.reshape(2, -1), rtol=1e-4, atol=1e-5)
+
+    size = path.stat().st_size
+    onnx.save(build_tiny_cnn(7), path)  # in place: other weights
+    assert path.stat().st_size == size
+    new = ort.InferenceSession(str(path)).run(None, {"input": X})[0]
+    assert not np.allclose(old, new)
+    r = requests.post(f"{url}/v2/repository/models/inplace_cnn/load")
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{url}/v2/models/inplace_cnn/infer", json=cnn_body(X))
+    assert (r.status_code, r.json().get("model_version")) == (200, "1"), r.text
+    np.testing.assert_allclose(cnn_outputs(r), new.reshape(2, -1), rtol=1e-4, atol=1e-5)
+    tensor = grpcclient.InferInput("input", list(X.shape), "FP32")
+    tensor.set_data_from_numpy(X)
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{GRPC_PORT}") as client:
+        np.testing.assert_allclose(client.infer("inplace_cnn", [tensor]).as_numpy("logits"), new, rtol=1e-4, atol=1e-5)
+
+    # a dedicated model: OUTPUT1 = INPUT1 - INPUT0 written over simple's file (INPUT0 - INPUT1), then a load
+    from onnx import TensorProto, helper
+
+    latest = max(int(d.name) for d in (root / "simple_dedicated").iterdir() if d.name.isdigit())  # the one it serves
+    dedicated = root / "simple_dedicated" / str(latest) / "model.onnx"
+    kept = dedicated.read_bytes()
+    swapped = onnx.load(str(dedicated))
+    swapped.graph.node[1].CopyFrom(helper.make_node("Sub", ["INPUT1", "INPUT0"], ["OUTPUT1"], name="sub"))
+    assert all(t.type.tensor_type.elem_type == TensorProto.INT32 for t in swapped.graph.output)
+    try:
+        onnx.save(swapped, dedicated)
+        assert requests.post(f"{url}/v2/repository/models/simple_dedicated/load").status_code == 200
+        r = requests.post(f"{url}/v2/models/simple_dedicated/infer", json=simple_body())
+        assert r.status_code == 200, r.text
+        outputs = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        assert outputs["OUTPUT1"] == (PAIR[1] - PAIR[0]).ravel().tolist()  # the new file's, not the old
+    finally:
+        dedicated.write_bytes(kept)
+        assert requests.post(f"{url}/v2/repository/models/simple_dedicated/load").status_code == 200
+    r = requests.post(f"{url}/v2/models/simple_dedicated/infer", json=simple_body())
+    assert {o["name"]: o["data"] for o in r.json()["outputs"]}["OUTPUT1"] == (PAIR[0] - PAIR[1]).ravel().tolist()

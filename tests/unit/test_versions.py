@@ -16,6 +16,7 @@ from deployments.runtime.contract.config import CacheOptions, VersionPolicy
 from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotFound
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
+from deployments.runtime.residency.host import ModelHost
 from deployments.runtime.tools.prepare import build_tiny_cnn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,5 +256,59 @@ def test_a_failed_load_of_a_new_version_leaves_each_replica_serving_the_version_
     assert dedicated.host.version == 1 and dedicated.gate.is_open and dedicated.routes.states.get("cnn").status is \
         Status.READY
     np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], expected, rtol=1e-4, atol=1e-5)
+    pool.cache.close()
+    dedicated.host.unload()
+
+
+def test_a_model_file_written_in_place_is_never_served_under_the_reading_that_read_the_old_one(tmp_path):
+    """A version's model.onnx overwritten in place (other weights, same size) while the pool
+    serves it: a load answered 200 and kept the old engine, and the first reload after an
+    eviction served the new weights under the same label without any load. Now a reload that
+    finds another file than its reading saw is 503 naming why, and a load serves the new file."""
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    root = versioned_repository(tmp_path, {1: 0, 2: 5}, {"all": {}})
+    cache = ModelCache(ModelRepository(root), options=CacheOptions(max_num_models_per_replica=1))
+    path = root / "cnn" / "1" / "model.onnx"
+    old = ort.InferenceSession(str(path)).run(None, {"input": X})[0]
+    np.testing.assert_allclose(cache.infer("cnn@1", {"input": X})["logits"], old, rtol=1e-4, atol=1e-5)
+    cache.infer("cnn", {"input": X})  # version 2 evicts version 1 (one model at a time)
+    before = path.stat().st_size
+    onnx.save(build_tiny_cnn(7), path)  # in place, other weights
+    assert path.stat().st_size == before
+    with pytest.raises(ModelNotReady) as e:
+        cache.infer("cnn@1", {"input": X})
+    assert e.value.message.startswith("model 'cnn' version 1: its model file cnn/1/model.onnx changed on disk since "
+                                      "the server read it"), e.value.message
+    assert "POST /v2/repository/models/cnn/load" in e.value.message
+    np.testing.assert_allclose(cache.infer("cnn", {"input": X})["logits"],  # the other version serves on
+                               ort.InferenceSession(str(root / "cnn" / "2" / "model.onnx")).run(None, {"input": X})[0],
+                               rtol=1e-4, atol=1e-5)
+    cache.close()
+
+
+def test_a_load_after_the_served_file_was_written_in_place_serves_the_new_file(tmp_path):
+    from deployments.control import reading
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    pool, dedicated = replicas_of_cnn(root)
+    path = root / "cnn" / "1" / "model.onnx"
+    first = reading(ModelRepository(root).peek("cnn"))
+    onnx.save(build_tiny_cnn(7), path)  # in place, other weights
+    new = ort.InferenceSession(str(path)).run(None, {"input": X})[0]
+    state = {"loaded": True, "placement": "pool", "generation": 1, **reading(ModelRepository(root).peek("cnn"))}
+    assert state["versions"] == first["versions"] == [1] and state["digest"] != first["digest"]
+    assert pool.apply({"cnn": state})["cnn"]["error"] is None
+    assert dedicated.apply({"cnn": {**state, "placement": "dedicated"}})["cnn"]["error"] is None
+    np.testing.assert_allclose(pool.cache.infer("cnn", {"input": X})["logits"], new, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dedicated.host.infer({"input": X})["logits"], new, rtol=1e-4, atol=1e-5)
+    assert dedicated.host.version == 1 and pool.routes.states.is_loaded("cnn")
+
+    onnx.save(build_tiny_cnn(9), path)  # again, and no load: a replica that starts now does not serve it
+    replacement = ModelHost(ModelRepository(root, entries=[dedicated.host.entry]).get("cnn"))
+    with pytest.raises(ModelNotReady, match=r"cnn/1/model.onnx changed on disk since the server read it"):
+        replacement.load()
+    assert not replacement.ready
     pool.cache.close()
     dedicated.host.unload()

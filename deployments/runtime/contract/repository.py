@@ -15,7 +15,7 @@ from pathlib import Path
 from .completion import complete_config, model_file_error, read_onnx_signature
 from .config import ModelConfig, ModelConfigFile, completed_config, read_config_file
 from .errors import ConfigError, ModelNotFound, unknown_model
-from .store import CONFIG_FILENAME, MODEL_FILENAME, PBTXT_FILENAME, Store, is_version
+from .store import CONFIG_FILENAME, MODEL_FILENAME, PBTXT_FILENAME, FileInfo, Store, is_version
 from .triton_config import read_pbtxt
 
 logger = logging.getLogger(__name__)
@@ -50,15 +50,33 @@ def read_folder_config(folder: Path) -> FolderConfig:
     return FolderConfig(read_config_file(yaml_path), yaml_path, notes)
 
 
+def local_file_identity(path: Path) -> str:
+    """``file:<bytes>:<mtime_ns>`` of a local model file: what changes when it is replaced or
+    written in place (the same on every node that mounts the same volume).
+
+    Raises:
+        OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
+    """
+    st = Path(path).stat()
+    return f"file:{st.st_size}:{st.st_mtime_ns}"
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A model found in the repository: its config, folder, version numbers on disk and the
-    versions its ``version_policy`` serves (both ascending)."""
+    versions its ``version_policy`` serves (both ascending).
+
+    ``files``: ``(version, identity)`` of each served version's ``model.onnx`` as this reading
+    saw it (``local_file_identity``, or ``etag:<bytes>:<ETag>`` from an object store's
+    listing): a reading of the same versions whose files were written since is another entry
+    (another ``digest``), and a load of a local file checks it is still the one read
+    (``ModelHost.load``), so a version's answers never change without a load."""
 
     config: ModelConfig
     path: Path
     versions: tuple[int, ...]
     served: tuple[int, ...] = ()
+    files: tuple[tuple[int, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -71,10 +89,16 @@ class ModelEntry:
 
     @property
     def digest(self) -> str:
-        """A hash of the completed config (hex): the identity of one reading of the folder's
-        config, equal on every process that read the same ``config.yaml`` and model files."""
-        dump = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        """A hash of the completed config and the served model files' identities (``files``;
+        hex): the identity of one reading of the folder, equal on every process that read the
+        same ``config.yaml`` and model files."""
+        dump = json.dumps({"config": self.config.model_dump(mode="json"), "files": self.files}, sort_keys=True)
         return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+    def file_identity(self, version: int) -> str | None:
+        """The identity of ``version``'s model file as this reading saw it (``files``); None
+        where not recorded (a pipeline, an entry made outside ``ModelRepository``)."""
+        return dict(self.files).get(version)
 
     def at(self, version: int) -> "ModelEntry":
         """This model served at ``version`` alone (what one engine loads)."""
@@ -219,7 +243,9 @@ class ModelRepository:
             config = completed_config(given, {}, config_path)
         else:
             config = complete_config(given, config_path, [folder / str(v) / MODEL_FILENAME for v in reversed(served)])
-        return ModelEntry(config=config, path=folder, versions=versions, served=served)
+        files = () if given.pipeline else tuple((v, _identity(listing.files.get(f"{v}/{MODEL_FILENAME}"),
+                                                             folder / str(v) / MODEL_FILENAME)) for v in served)
+        return ModelEntry(config=config, path=folder, versions=versions, served=served, files=files)
 
     def folders(self) -> list[str]:
         """Names of the model folders in the repository now, read or not: those holding a
@@ -308,3 +334,12 @@ class ModelRepository:
         return entry
 
 
+def _identity(listed: FileInfo | None, path: Path) -> str:
+    """A served model file's identity (``ModelEntry.files``): the object store's ETag where the
+    listing has one (the node cache's copy has a local time), else the local file's."""
+    if listed is not None and listed.etag:
+        return f"etag:{listed.size}:{listed.etag}"
+    try:
+        return local_file_identity(path)
+    except OSError:  # read as missing: the load names the missing file
+        return "file:missing"

@@ -101,8 +101,8 @@ from ..backends.select import requested_backend, resolve_backend
 from . import footprints
 from .predict import predict
 from ..contract.config import CacheOptions
-from ..contract.errors import (ConfigError, InferenceError, InvalidInput, LoadFault, ModelNotReady, OverBudget,
-                               ServingError, replaced_version, unknown_model, unloaded_model)
+from ..contract.errors import (ConfigError, InferenceError, InvalidInput, InvalidModelFile, LoadFault, ModelNotReady,
+                               OverBudget, ServingError, replaced_version, unknown_model, unloaded_model)
 from ..contract.units import format_mib
 from .host import ModelHost
 from ..contract.validation import validate_request
@@ -631,6 +631,8 @@ class ModelCache:
                 if _fails_every_load(error):
                     slot.load_error = error.message  # type: ignore[attr-defined]
                 self._cond.notify_all()
+            if isinstance(error, InvalidModelFile):
+                slot.host.file_refused()  # never loaded from that file: a repaired one may (``ModelHost._check_file``)
             raise
         slot.load_error = ""
         return slot.host

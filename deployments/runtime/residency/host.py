@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -18,10 +19,11 @@ from ..backends.context_thread import ContextThread
 from ..backends.select import open_engine
 from ..contract.datatypes import zeros
 from ..contract.device import device_io, device_targets, refuse_device_io, takes_device_io
-from ..contract.errors import (ConfigError, InferenceError, InferenceTimeout, InvalidInput, ModelNotReady,
-                               refused_by_the_model)
+from ..contract.errors import (ConfigError, InferenceError, InferenceTimeout, InvalidInput, InvalidModelFile,
+                               ModelNotReady, refused_by_the_model)
 from ..contract.graph_checks import GraphChecks
-from ..contract.repository import ModelEntry
+from ..contract.files import shown_model_file
+from ..contract.repository import ModelEntry, local_file_identity
 from ..contract.reshape import Reshape, engine_config
 from ..contract.validation import validate_request
 from .warmup import warmup_requests, warmup_shape
@@ -89,6 +91,10 @@ class ModelHost:
         self._in_flight = 0
         self._unloading = False
         self._graph_checks = GraphChecks()  # the model file's (``load`` reads them)
+        read = entry.file_identity(self.version)
+        self._watch_file = read is not None and read.startswith("file:")  # a local file, its identity recorded
+        self._file = read if self._watch_file else None  # the file this version serves (``_check_file``)
+        self._served = False  # a load succeeded: answers were given from ``_file``
         self.load_ms: float | None = None  # engine and contexts, without the warmup runs
         self.warmup_ms = 0.0  # the config's warmup runs at the last load (``residency.warmup``)
         self.on_execution: Callable[[str, int, int, float], None] | None = None
@@ -144,10 +150,18 @@ class ModelHost:
                 return self
             start = time.perf_counter()
             model_file = self.entry.onnx_path(self.version)
-            engine = open_engine(engine_config(self.config), model_file.parent, self.backend_request)
-            checks = self._graph_checks = GraphChecks.read(model_file)
+            try:
+                engine = open_engine(engine_config(self.config), model_file.parent, self.backend_request)
+            except InvalidModelFile:
+                self.file_refused()
+                raise
             contexts: list[ExecutionContext] = []
             try:
+                # After the engine read it: a file that does not load says so first (a damaged
+                # file is the client's 400, a missing one a LoadFault), one that loads must be
+                # the one this version serves.
+                file = self._check_file(model_file)
+                checks = self._graph_checks = GraphChecks.read(model_file)
                 for _ in range(self.config.instances):
                     contexts.append(engine.create_context())
                 loaded = time.perf_counter()
@@ -182,11 +196,45 @@ class ModelHost:
                 self._threaded = bool(contexts)
                 self._wake_next()
             self.engine = engine
+            if file is not None:
+                self._file = file  # what this version serves from now on, until a load reads the folder again
+            self._served = True
             self.load_ms = (loaded - start) * 1e3
             self.warmup_ms = (time.perf_counter() - loaded) * 1e3 if warmups else 0.0
         logger.info("loaded model %s v%d (%s, %d contexts) in %.1f ms (warmup %.1f ms)",
                     self.name, self.version, engine.backend, len(contexts), self.load_ms, self.warmup_ms)
         return self
+
+    def file_refused(self) -> None:
+        """This version's model file does not load (``InvalidModelFile``, here or in a caller's
+        look at it before the load): where it never loaded, nothing was served from it, so a
+        repaired file takes its place at the next load (``_check_file``)."""
+        if self._watch_file and not self._served:
+            self._file = None
+
+    def _check_file(self, model_file: Path) -> str | None:
+        """``model_file``'s identity now (``local_file_identity``; None where this version's
+        reading recorded none: an object store's file, an entry made by hand). Raises
+        ModelNotReady (503) when it is not the file this version serves: the one the
+        repository's reading saw (``ModelEntry.files``), or, once loaded, the one it loaded. A
+        file replaced or written in place since is served only after a load reads the folder
+        again (a new entry, a new host), so a version's answers never change under its label
+        without one (a reload after an eviction, a replica that starts later). The exception: a
+        reading whose file never loaded (``InvalidModelFile``: nothing was served from it) takes
+        the repaired file at its next load (``file_refused``)."""
+        if not self._watch_file:
+            return None
+        try:
+            now = local_file_identity(model_file)
+        except OSError:
+            now = "file:missing"
+        if self._file is not None and now != self._file:
+            raise ModelNotReady(
+                f"model '{self.name}' version {self.version}: its model file {shown_model_file(model_file)} changed "
+                f"on disk since the server read it, and a version's answers change only with a load: load the "
+                f"model again (POST /v2/repository/models/{self.name}/load, model_control_mode: explicit) or "
+                "restart the server to serve the new file; put a new model in a new version folder")
+        return now
 
     def _loaded(self) -> Engine:
         if self.engine is None:
