@@ -315,6 +315,9 @@ class RepositoryRoutes(V2Routes):
             entry, placement = await self._read_to_load(name)
         except (InvalidInput, LoadFault) as e:
             await self._refused(name, e)
+            if self.states.is_loaded(name) and name in self.repo.names() and "changes nothing" not in e.message:
+                # as a load a replica failed ends (``load``): what serves goes on serving
+                raise type(e)(f"{e.message}; it serves versions {list(self.repo.get(name).served)} as before") from None
             raise
         async with self._control_lock(name):
             served = self.repo.get(name) if self.states.is_ready(name) and name in self.repo.names() else None

@@ -768,7 +768,7 @@ def test_a_failed_load_of_a_changed_pool_model_leaves_the_routers_view_as_the_re
         edit_config(root, "simple", max_batch_size=4, deployment={"mode": "dedicated"})
         expected = (400, f"failed to load 'simple': {root}/simple/config.yaml: deployment.mode: a dedicated model "
                          "needs a deployment of its own, made when the application is deployed (serve deploy); models "
-                         "added at run time load into the pool (deployment.mode: pool)")
+                         "added at run time load into the pool (deployment.mode: pool); it serves versions [1] as before")
     r = http.post("/v2/repository/models/simple/load")
     assert (r.status_code, r.json()["error"]) == expected
     assert http.get("/v2/models/simple/config").json()["max_batch_size"] == 8
