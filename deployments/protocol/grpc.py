@@ -35,7 +35,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ..runtime.contract.datatypes import NUMPY_BY_DATATYPE, check_integer_range
 from ..runtime.contract.errors import InvalidInput
-from .binary import HEADER_LENGTH, fixed_byte_size
+from .binary import HEADER_LENGTH, fixed_byte_size, tensor_from_bytes
 from .parameters import check_flag
 
 # The typed contents field of each datatype (grpc_service.proto, ``InferTensorContents``).
@@ -147,9 +147,12 @@ def infer_body(request: Any) -> tuple[list[bytes], int]:
             raise InvalidInput(f"{where}: give either contents or raw_input_contents, not both")
         if raw:
             data = next(entries)
-            _check_raw_size(where, tensor.datatype, list(tensor.shape), len(data))
+            _check_raw_size(where, tensor.datatype, list(tensor.shape), data)
+        elif has_contents:
+            data = _typed_contents(where, tensor.datatype, list(tensor.shape), tensor.contents)
         else:
-            data = _typed_contents(where, tensor.datatype, list(tensor.shape), tensor.contents) if has_contents else b""
+            _check_no_data(where, tensor.datatype, list(tensor.shape))
+            data = b""
         _check_given_size(where, params, len(data))
         inputs.append({"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
                        "parameters": {**params, "binary_data_size": len(data)}})
@@ -170,17 +173,39 @@ def infer_body(request: Any) -> tuple[list[bytes], int]:
     return [head, *chunks], len(head)
 
 
-def _check_raw_size(where: str, datatype: str, shape: list[int], size: int) -> None:
+def _check_raw_size(where: str, datatype: str, shape: list[int], data: bytes) -> None:
     """An input's ``raw_input_contents`` entry holds shape x datatype bytes (a datatype of fixed
-    size; BYTES, a datatype or shape the decoder refuses are the decoder's to name). Checked here
-    so that the message names the gRPC field: the body the edge writes gives the size as
-    ``binary_data_size``, which a gRPC request does not have.
+    size), or, for BYTES, one 4-byte length and that many bytes per element (a datatype or shape
+    the decoder refuses is the decoder's to name). Checked here so that the message names the
+    gRPC field: the body the edge writes gives the size as ``binary_data_size``, which a gRPC
+    request does not have.
 
     Raises:
-        InvalidInput: another byte count (Triton's words, then both byte counts).
+        InvalidInput: another byte count (Triton's words, then both byte counts), BYTES lengths
+            that overrun or fall short of the entry.
     """
-    if datatype in NUMPY_BY_DATATYPE and datatype != "BYTES" and all(d > 0 for d in shape):
-        fixed_byte_size(where, datatype, tuple(shape), size, "raw_input_contents")
+    if datatype not in NUMPY_BY_DATATYPE or any(d < 0 for d in shape):
+        return
+    if datatype == "BYTES":
+        tensor_from_bytes(where, memoryview(data), datatype, tuple(shape), "raw_input_contents")
+    else:
+        fixed_byte_size(where, datatype, tuple(shape), len(data), "raw_input_contents")
+
+
+def _check_no_data(where: str, datatype: str, shape: list[int]) -> None:
+    """An input with neither a ``raw_input_contents`` entry nor ``contents`` (nor a region)
+    holds no elements.
+
+    Raises:
+        InvalidInput: its shape has elements; names the fields that carry them.
+    """
+    if datatype not in NUMPY_BY_DATATYPE or any(d < 0 for d in shape) or math.prod(shape) == 0:
+        return
+    needs = (f"{math.prod(shape)} elements" if datatype == "BYTES" else
+             f"{math.prod(shape) * NUMPY_BY_DATATYPE[datatype].itemsize} bytes")
+    raise InvalidInput(f"{where} has no data: shape {shape} x {datatype} needs {needs}; give them in "
+                       "raw_input_contents (one entry per input, in the order of inputs), in the input's "
+                       "contents, or in shared memory (parameters.shared_memory_region)")
 
 
 def _check_given_size(where: str, params: Mapping[str, Any], size: int) -> None:

@@ -6,6 +6,7 @@ code of every status of the error table."""
 from __future__ import annotations
 
 import json
+import struct
 
 import grpc
 import numpy as np
@@ -107,6 +108,36 @@ def test_raw_contents_of_another_size_than_the_shape_name_raw_input_contents(dat
     assert info.value.message == (f"input byte size mismatch for input 'a'. Expected {expected}, got {size}; input "
                                   f"'a': shape {shape} x {datatype} needs {expected} bytes, raw_input_contents gives "
                                   f"{size} bytes")
+
+
+@pytest.mark.parametrize("entry, error", [
+    (struct.pack("<I", 99999) + b"ab", "input 'a': 16 BYTES elements need at least 64 bytes (a 4-byte length each), "
+                                       "raw_input_contents gives 6 bytes"),
+    (b"".join(struct.pack("<I", 2) + b"ab" for _ in range(15)) + struct.pack("<I", 9) + b"abc",
+     "input 'a': BYTES element 15 says 9 bytes but only 3 bytes remain of raw_input_contents 97"),
+    (b"".join(struct.pack("<I", 1) + b"a" for _ in range(16)) + b"xx",
+     "input 'a': 16 BYTES elements take 80 bytes, raw_input_contents gives 82 bytes"),
+], ids=["too short", "overrun", "left over"])
+def test_bytes_raw_contents_that_do_not_parse_name_raw_input_contents(entry, error):
+    """BYTES entries were checked by the decoder of the body the edge writes, whose messages
+    named ``binary_data_size``, a field no gRPC request has."""
+    message = request([raw_input("a", "INT32", ARRAYS["INT32"])])
+    message.inputs[0].datatype, message.inputs[0].shape[:] = "BYTES", [1, 16]
+    message.raw_input_contents[0] = entry
+    with pytest.raises(InvalidInput) as info:
+        infer_body(message)
+    assert info.value.message == error
+
+
+@pytest.mark.parametrize("datatype, needs", [("INT32", "64 bytes"), ("BYTES", "16 elements")])
+def test_an_input_with_no_contents_at_all_names_the_fields_that_carry_them(datatype, needs):
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="a", datatype=datatype, shape=[1, 16])
+    with pytest.raises(InvalidInput) as info:
+        infer_body(message)
+    assert info.value.message == (f"input 'a' has no data: shape [1, 16] x {datatype} needs {needs}; give them in "
+                                  "raw_input_contents (one entry per input, in the order of inputs), in the input's "
+                                  "contents, or in shared memory (parameters.shared_memory_region)")
 
 
 def test_a_bad_shape_or_datatype_in_typed_contents_is_the_decoders_to_name():
