@@ -76,6 +76,7 @@ class ReadinessWatch(V2Routes):
         """Every ``_READY_POLL_S`` (``_STOPPING_POLL_S`` while the application is being
         deleted), ``refresh_ready`` from the client's replica counts, and the client's
         ``cut_unassigned`` for models whose deployment is being deleted (runs forever)."""
+        failing = False  # the last turn failed: its warning was logged
         while True:
             deleting = False
             try:
@@ -90,7 +91,16 @@ class ReadinessWatch(V2Routes):
             except Exception as e:  # the controller did not answer: keep what we know
                 if isinstance(e, RuntimeError) and "after shutdown" in str(e):
                     return  # the loop's executor is shut down: this replica is stopping
-                logger.warning("readiness: Serve's replica counts are unavailable", exc_info=True)
+                # Once per outage, not once per turn; none while the application is being deleted
+                # (its control deployment may stop before this replica does).
+                if not (failing or deleting):
+                    logger.warning("readiness: Serve's replica counts or the model control state are unavailable "
+                                   "(logged once until they answer again)", exc_info=True)
+                failing = True
+            else:
+                if failing:
+                    logger.info("readiness: Serve's replica counts and the model control state answer again")
+                failing = False
             await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
 
     def note_missing(self, missing: Iterable[str]) -> None:

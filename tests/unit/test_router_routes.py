@@ -731,3 +731,42 @@ def test_a_repository_request_body_is_read_as_an_infer_body_is(router):
     r = router.post("/v2/repository/index", content=gzip.compress(b'{"ready": true}'),
                     headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert r.status_code == 200 and all(item["state"] == "READY" for item in r.json()), r.text
+
+
+class StoppingClient(CountingClient):
+    """Serve's counts answer (``deleting`` as set); the model control state does not (its
+    deployment is gone, as when the application is being deleted)."""
+
+    def __init__(self, repo: ModelRepository, deleting: bool) -> None:
+        super().__init__(repo, {"ocr_det": 1})
+        self.deleting = deleting
+
+    async def replica_counts(self) -> ReplicaCounts:
+        return ReplicaCounts(dict(self.counts), deleting=self.deleting)
+
+    async def control_desired(self) -> dict:
+        raise RuntimeError("Deployment(name='control', app='models') is unavailable")
+
+
+@pytest.mark.parametrize("deleting, warnings", [(False, 1), (True, 0)])
+def test_the_watch_warns_once_per_outage_and_not_while_the_application_is_deleted(repo, monkeypatch, caplog,
+                                                                                    deleting, warnings):
+    """Stopping a server in explicit mode printed the same traceback 43 times: the router's
+    watch asked the control deployment, already gone, every 0.1 s."""
+    import deployments.readiness as readiness
+
+    monkeypatch.setattr(readiness, "_READY_POLL_S", 0.01)
+    client = StoppingClient(repo, deleting)
+    app = RouterApp(repo, client, RouterOptions(max_body_bytes=LIMIT_BYTES, request_timeout_s=60.0))
+    app.initial = {}  # explicit model control: the watch follows the desired state
+
+    async def run() -> None:
+        watcher = asyncio.ensure_future(app.watch_replicas())
+        while client.passes < 8:
+            await asyncio.sleep(0.01)
+        watcher.cancel()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(asyncio.wait_for(run(), 30.0))
+    unavailable = [r for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage().startswith("readiness:")]
+    assert len(unavailable) == warnings, [r.getMessage() for r in caplog.records]
