@@ -46,6 +46,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from ray import serve
@@ -213,8 +214,11 @@ def initial_state(placements: dict[str, str], loaded: set[str]) -> Desired:
 
 def reading(entry: ModelEntry) -> dict[str, Any]:
     """What a load read in ``entry``'s folder, as the desired state carries it (JSON-ready):
-    ``{"versions": its served versions, "digest": its completed config's hash}``."""
-    return {"versions": list(entry.served), "digest": entry.digest}
+    ``{"versions": its served versions, "digest": the hash of its completed config and model
+    files (``ModelEntry.digest``), "config_digest": its config's alone, "files": [[version,
+    identity], ...]}``."""
+    return {"versions": list(entry.served), "digest": entry.digest, "config_digest": entry.config_digest,
+            "files": [list(f) for f in entry.files]}
 
 
 def read_as_desired(repo: ModelRepository, name: str, state: dict[str, Any]) -> ModelEntry:
@@ -234,6 +238,16 @@ def read_as_desired(repo: ModelRepository, name: str, state: dict[str, Any]) -> 
     if "versions" not in state:
         return repo.peek(name)
     entry = repo.peek(name, tuple(state["versions"]))
+    if state.get("loaded") and "reason" in state and "files" in state:
+        # A rollback to the reading served before a failed load (``ControlDeployment.report``):
+        # its files may have been written since (the load that failed read them), so its config
+        # is checked, and the entry keeps the files it served: a replica still holding them
+        # serves on, one that must load them again refuses other bytes (``ModelHost.load``).
+        if entry.config_digest != state.get("config_digest", entry.config_digest):
+            raise InvalidInput(f"{entry.path / CONFIG_FILENAME} changed since the load of '{name}' read it (config "
+                               f"hash {entry.config_digest}, the load read {state['config_digest']}); nothing is "
+                               "served under that reading: load it again")
+        return replace(entry, files=tuple((int(v), str(i)) for v, i in state["files"]))
     if entry.digest != state["digest"]:
         raise InvalidInput(f"{entry.path / CONFIG_FILENAME} (or the model file it is completed from) changed "
                            f"since the load of '{name}' read it (config hash {entry.digest}, the load read "

@@ -389,3 +389,11 @@ def test_a_context_thread_calls_in_order_raises_what_the_work_raised_and_stops_o
     assert not thread._thread.is_alive()
     with pytest.raises(RuntimeError, match="context thread test-thread is stopped"):
         thread.submit(seen.append, 0)
+
+
+def test_work_that_raises_stop_iteration_fails_its_caller_instead_of_leaving_it_waiting(threaded):
+    """An asyncio future refuses StopIteration as an exception (TypeError in the loop's callback):
+    the caller waited for ever."""
+    with pytest.raises(RuntimeError, match="the work raised StopIteration"):
+        asyncio.run(asyncio.wait_for(threaded.call(lambda: next(iter(()))), 10))
+    assert len(threaded._free) == 2

@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 from deployments.ingress import RouterApp
 from deployments.routes import RouterOptions
-from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome
+from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome, reading
 from deployments.runtime.contract.config import CacheOptions
 from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
 from deployments.runtime.contract.repository import ModelRepository
@@ -515,7 +515,7 @@ def test_a_load_that_times_out_and_fails_later_is_rolled_back_with_its_reason_an
     asyncio.run(app.follow_desired(fake.control.desired()))
     reason = "failed to load: model 'simple' needs 9.0 MiB, more than the budget of 8.0 MiB"
     assert fake.desired["simple"] == {"loaded": False, "placement": "pool", "generation": 1, "reason": reason,
-                                      "versions": [1], "digest": app.repo.get("simple").digest}
+                                      **reading(app.repo.get("simple"))}
     assert http.post("/v2/repository/index").json() == [
         {"name": "simple", "version": "1", "state": "UNAVAILABLE", "reason": reason}]
     r = http.post("/v2/models/simple/infer", json={"inputs": []})

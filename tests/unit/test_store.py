@@ -56,7 +56,7 @@ def test_a_remote_repository_reads_the_same_entries_as_the_same_files_on_disk(se
         assert remote.get(name).config == local.get(name).config  # the same config, completed from the same files
         version = remote.get(name).latest  # each reading records its file's identity: the store's ETag, the disk's time
         assert remote.get(name).file_identity(version).startswith("etag:")
-        assert local.get(name).file_identity(version).startswith("file:")
+        assert local.get(name).file_identity(version).startswith("sha256:")
         assert remote.get(name).served == local.get(name).served
         assert remote.get(name).onnx_path().read_bytes() == local.get(name).onnx_path().read_bytes()
         assert cache / "n1" in remote.get(name).path.parents

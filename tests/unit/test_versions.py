@@ -312,3 +312,45 @@ def test_a_load_after_the_served_file_was_written_in_place_serves_the_new_file(t
     assert not replacement.ready
     pool.cache.close()
     dedicated.host.unload()
+
+
+def test_a_file_half_written_after_another_replica_loaded_the_reading_is_not_taken_as_its_repair(tmp_path):
+    """A replica that never loaded the version saw a damaged file (one being copied over the
+    read one) and took whatever came next as a repair of the reading: other weights under the
+    label the first replica serves from the read file."""
+    from deployments.runtime.contract.errors import InvalidModelFile, ModelNotReady
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    entry = ModelRepository(root).get("cnn")
+    first = ModelHost(entry).load()
+    path = root / "cnn" / "1" / "model.onnx"
+    path.write_bytes(b"half a model")
+    second = ModelHost(entry)
+    with pytest.raises(InvalidModelFile):
+        second.load()
+    onnx.save(build_tiny_cnn(7), path)
+    with pytest.raises(ModelNotReady, match="changed on disk since the server read it"):
+        second.load()
+    first.unload()
+
+
+def test_a_rollback_after_a_failed_load_of_a_file_written_in_place_keeps_the_files_it_served(tmp_path):
+    """A load after an in-place edit that a replica failed rolls back to the reading served
+    before: its digest named files no longer on disk, so every replica and router refused the
+    rollback (503 everywhere). Now the rollback keeps the old reading's files: a replica still
+    holding them serves on, one that must load them again refuses the other bytes."""
+    from deployments.control import read_as_desired, reading
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    repo = ModelRepository(root)
+    served = repo.peek("cnn")
+    onnx.save(build_tiny_cnn(7), root / "cnn" / "1" / "model.onnx")  # in place; the load of it then failed
+    rollback = {"loaded": True, "placement": "pool", "generation": 2, **reading(served), "reason": "failed to load: x"}
+    entry = read_as_desired(repo, "cnn", rollback)
+    assert entry == served and entry.files == served.files
+    with pytest.raises(ModelNotReady, match="changed on disk since the server read it"):
+        ModelHost(entry).load()
+    changed = {**rollback, "config_digest": "0" * 16}
+    with pytest.raises(InvalidInput, match="changed since the load of 'cnn' read it"):
+        read_as_desired(repo, "cnn", changed)

@@ -15,6 +15,7 @@ from pathlib import Path
 from .completion import complete_config, model_file_error, read_onnx_signature
 from .config import ModelConfig, ModelConfigFile, completed_config, read_config_file
 from .errors import ConfigError, ModelNotFound, unknown_model
+from .files import file_sha256
 from .store import CONFIG_FILENAME, MODEL_FILENAME, PBTXT_FILENAME, FileInfo, Store, is_version
 from .triton_config import read_pbtxt
 
@@ -51,14 +52,15 @@ def read_folder_config(folder: Path) -> FolderConfig:
 
 
 def local_file_identity(path: Path) -> str:
-    """``file:<bytes>:<mtime_ns>`` of a local model file: what changes when it is replaced or
-    written in place (the same on every node that mounts the same volume).
+    """``sha256:<hex>`` of a local model file's content: what changes when it is replaced or
+    written in place, and the same on every node that holds the same bytes (a shared volume, or
+    a copy per node made at another time). Hashed once per file version in a process
+    (``files.file_sha256``, keyed by size and mtime).
 
     Raises:
         OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
     """
-    st = Path(path).stat()
-    return f"file:{st.st_size}:{st.st_mtime_ns}"
+    return f"sha256:{file_sha256(path)}"
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,10 @@ class ModelEntry:
     versions its ``version_policy`` serves (both ascending).
 
     ``files``: ``(version, identity)`` of each served version's ``model.onnx`` as this reading
-    saw it (``local_file_identity``, or ``etag:<bytes>:<ETag>`` from an object store's
-    listing): a reading of the same versions whose files were written since is another entry
-    (another ``digest``), and a load of a local file checks it is still the one read
-    (``ModelHost.load``), so a version's answers never change without a load."""
+    saw it (``local_file_identity``: its content's hash; or ``etag:<bytes>:<ETag>`` from an
+    object store's listing): a reading of the same versions whose files were written since is
+    another entry (another ``digest``), and a load of a local file checks it is still the one
+    read (``ModelHost.load``), so a version's answers never change without a load."""
 
     config: ModelConfig
     path: Path
@@ -88,11 +90,17 @@ class ModelEntry:
         return (self.served or self.versions)[-1]
 
     @property
+    def config_digest(self) -> str:
+        """A hash of the completed config alone (hex)."""
+        dump = json.dumps(self.config.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(dump.encode()).hexdigest()[:16]
+
+    @property
     def digest(self) -> str:
         """A hash of the completed config and the served model files' identities (``files``;
         hex): the identity of one reading of the folder, equal on every process that read the
         same ``config.yaml`` and model files."""
-        dump = json.dumps({"config": self.config.model_dump(mode="json"), "files": self.files}, sort_keys=True)
+        dump = json.dumps({"config": self.config_digest, "files": self.files}, sort_keys=True)
         return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
     def file_identity(self, version: int) -> str | None:
@@ -342,4 +350,4 @@ def _identity(listed: FileInfo | None, path: Path) -> str:
     try:
         return local_file_identity(path)
     except OSError:  # read as missing: the load names the missing file
-        return "file:missing"
+        return "sha256:missing"

@@ -92,7 +92,7 @@ class ModelHost:
         self._unloading = False
         self._graph_checks = GraphChecks()  # the model file's (``load`` reads them)
         read = entry.file_identity(self.version)
-        self._watch_file = read is not None and read.startswith("file:")  # a local file, its identity recorded
+        self._watch_file = read is not None and read.startswith("sha256:")  # a local file, its content's hash recorded
         self._file = read if self._watch_file else None  # the file this version serves (``_check_file``)
         self._served = False  # a load succeeded: answers were given from ``_file``
         self.load_ms: float | None = None  # engine and contexts, without the warmup runs
@@ -156,6 +156,7 @@ class ModelHost:
                 self.file_refused()
                 raise
             contexts: list[ExecutionContext] = []
+            own_threads: list[ContextThread] = []
             try:
                 # After the engine read it: a file that does not load says so first (a damaged
                 # file is the client's 400, a missing one a LoadFault), one that loads must be
@@ -177,7 +178,15 @@ class ModelHost:
                         raise
                     raise ConfigError(f"{self.entry.path / 'config.yaml'}: warmup: a warm-up run the model's config "
                                       f"asks for failed: {e.message}; change or remove its warmup section") from e
+                # Every context gets a thread for the calls queued for it (``call``): its backend's
+                # where it must run there, else one of the host's own.
+                pinned = {id(c): c.thread for c in contexts if getattr(c, "thread", None) is not None}
+                for c in contexts:
+                    if id(c) not in pinned:
+                        own_threads.append(ContextThread(f"ctx-{self.name}"))
             except BaseException:
+                for thread in own_threads:
+                    thread.stop()
                 for c in contexts:
                     c.close()
                 engine.close()
@@ -186,11 +195,8 @@ class ModelHost:
                 self._free = list(contexts)
                 self._last_shapes = {id(c): _shapes(warmups[-1]) for c in contexts} if warmups else {}
                 self._contexts = contexts
-                # Every context gets a thread for the calls queued for it (``call``): its backend's
-                # where it must run there, else one of the host's own.
-                pinned = {id(c): c.thread for c in contexts if getattr(c, "thread", None) is not None}
-                self._own_threads = [ContextThread(f"ctx-{self.name}") for c in contexts if id(c) not in pinned]
-                own = iter(self._own_threads)
+                self._own_threads = own_threads
+                own = iter(own_threads)
                 self._threads = {id(c): pinned.get(id(c)) or next(own) for c in contexts}
                 self._pinned = bool(pinned)
                 self._threaded = bool(contexts)
@@ -209,12 +215,18 @@ class ModelHost:
         """This version's model file does not load (``InvalidModelFile``, here or in a caller's
         look at it before the load): where it never loaded, nothing was served from it, so a
         repaired file takes its place at the next load (``_check_file``)."""
-        if self._watch_file and not self._served:
+        if not self._watch_file or self._served or self._file is None:
+            return
+        try:
+            refused = local_file_identity(self.entry.onnx_path(self.version))
+        except OSError:
+            refused = "sha256:missing"
+        if refused == self._file:  # the very file the reading saw (not one half-written since)
             self._file = None
 
     def _check_file(self, model_file: Path) -> str | None:
-        """``model_file``'s identity now (``local_file_identity``; None where this version's
-        reading recorded none: an object store's file, an entry made by hand). Raises
+        """``model_file``'s identity now (``local_file_identity``: its content's hash; None where
+        this version's reading recorded none: an object store's file, an entry made by hand). Raises
         ModelNotReady (503) when it is not the file this version serves: the one the
         repository's reading saw (``ModelEntry.files``), or, once loaded, the one it loaded. A
         file replaced or written in place since is served only after a load reads the folder
@@ -227,7 +239,7 @@ class ModelHost:
         try:
             now = local_file_identity(model_file)
         except OSError:
-            now = "file:missing"
+            now = "sha256:missing"
         if self._file is not None and now != self._file:
             raise ModelNotReady(
                 f"model '{self.name}' version {self.version}: its model file {shown_model_file(model_file)} changed "
@@ -589,6 +601,8 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
     """On the caller's loop: ``_Call.settle``'s outcome into ``future`` unless it is done."""
     if future.done():
         return
+    if isinstance(error, StopIteration):  # an asyncio future refuses it (TypeError): the caller would wait for ever
+        error = RuntimeError(f"the work raised StopIteration: {error!r}")
     if error is not None:
         future.set_exception(error)
     else:
