@@ -51,6 +51,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from ray import serve
 
+from .logs import Outage
 from .loopback import replica_grpc_on_loopback
 from .runtime.contract.config import ModelConfig
 from .runtime.contract.errors import ConfigError, InferenceError, InvalidInput, ServingError
@@ -295,12 +296,16 @@ def config_kept(entry: ModelEntry, deployed: ModelConfig, what: str) -> None:
 
 async def sync_forever(sync: Callable[[], Awaitable[Any]], every_s: float, unavailable: str) -> None:
     """Call ``sync`` every ``every_s`` seconds, for ever: a failure (the deployment it reads is
-    restarting) is logged as ``unavailable`` and tried again at the next turn."""
+    restarting, or stopping with the application) is logged as ``unavailable`` once per outage
+    (``logs.Outage``) and tried again at the next turn."""
+    outage = Outage(logger, unavailable)
     while True:
         try:
             await sync()
         except Exception:
-            logger.warning(unavailable, exc_info=True)
+            outage.failed()
+        else:
+            outage.answered()
         await asyncio.sleep(every_s)
 
 

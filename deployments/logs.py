@@ -138,3 +138,25 @@ def show_on_terminal() -> None:
         terminal.setLevel(level)
         terminal.setFormatter(logging.Formatter(_FORMAT))
         logger.addHandler(terminal)
+
+
+class Outage:
+    """The failures of something a replica polls (Serve's controller, the control or placement
+    deployment, the GCS), logged once per outage rather than once per turn: ``failed`` (called
+    in the ``except`` block, so the first failure's traceback is kept) warns at the first failure
+    after an answer, ``answered`` says so once it answers again. ``quiet=True``: a failure that
+    is expected (the application is being deleted, its deployments stop before this replica)
+    counts without a warning."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self.logger, self.what, self.down = logger, what, False
+
+    def failed(self, quiet: bool = False) -> None:
+        if not (self.down or quiet):
+            self.logger.warning("%s (logged once until it answers again)", self.what, exc_info=True)
+        self.down = True
+
+    def answered(self) -> None:
+        if self.down:
+            self.logger.info("%s: answers again", self.what)
+        self.down = False

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .client import POOL
+from .logs import Outage
 from .routes import V2Routes, answers_errors, error_response
 from .runtime.contract.errors import ModelNotReady, ServingError
 from .runtime.contract.repository import ModelEntry
@@ -76,7 +77,7 @@ class ReadinessWatch(V2Routes):
         """Every ``_READY_POLL_S`` (``_STOPPING_POLL_S`` while the application is being
         deleted), ``refresh_ready`` from the client's replica counts, and the client's
         ``cut_unassigned`` for models whose deployment is being deleted (runs forever)."""
-        failing = False  # the last turn failed: its warning was logged
+        outage = Outage(logger, "readiness: Serve's replica counts or the model control state are unavailable")
         while True:
             deleting = False
             try:
@@ -91,16 +92,9 @@ class ReadinessWatch(V2Routes):
             except Exception as e:  # the controller did not answer: keep what we know
                 if isinstance(e, RuntimeError) and "after shutdown" in str(e):
                     return  # the loop's executor is shut down: this replica is stopping
-                # Once per outage, not once per turn; none while the application is being deleted
-                # (its control deployment may stop before this replica does).
-                if not (failing or deleting):
-                    logger.warning("readiness: Serve's replica counts or the model control state are unavailable "
-                                   "(logged once until they answer again)", exc_info=True)
-                failing = True
+                outage.failed(quiet=deleting)  # the control deployment may stop before this replica
             else:
-                if failing:
-                    logger.info("readiness: Serve's replica counts and the model control state answer again")
-                failing = False
+                outage.answered()
             await asyncio.sleep(_STOPPING_POLL_S if deleting else _READY_POLL_S)
 
     def note_missing(self, missing: Iterable[str]) -> None:

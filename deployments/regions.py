@@ -25,6 +25,7 @@ import asyncio
 import logging
 import uuid
 
+from .logs import Outage
 from .protocol.shared_memory import Region, SharedMemory
 
 logger = logging.getLogger("ray.serve")
@@ -90,6 +91,7 @@ def process_shared_memory() -> SharedMemory:
 
 
 async def _sweep_forever(shm: SharedMemory) -> None:
+    outage = Outage(logger, "shared memory: the registered regions are unavailable")
     while True:
         await asyncio.sleep(SWEEP_S)
         try:
@@ -97,6 +99,8 @@ async def _sweep_forever(shm: SharedMemory) -> None:
         except RuntimeError as e:
             if "shutdown" in str(e):  # "cannot schedule new futures after shutdown": the process stops
                 return
-            logger.warning("shared memory: the registered regions are unavailable", exc_info=True)
+            outage.failed()
         except Exception:  # the GCS is restarting: try again
-            logger.warning("shared memory: the registered regions are unavailable", exc_info=True)
+            outage.failed()
+        else:
+            outage.answered()

@@ -144,3 +144,29 @@ def test_the_ready_line_counts_only_models_that_serve_now_and_names_the_rest():
                     "KServe v2 at http://127.0.0.1:8000/v2 (POST http://127.0.0.1:8000/v2/models/{name}/infer)")
     assert ready_line("u", ["a"], {"a"}, {"a"}, set(), set()) == (
         "ready: 1 models serving ['a']; KServe v2 at u/v2 (POST u/v2/models/{name}/infer)")
+
+
+def test_a_polled_outage_warns_once_with_its_traceback_and_says_when_it_answers_again(caplog):
+    """Stopping a server printed the same traceback every turn of a replica's poll (the router's
+    readiness watch, a pool replica's placement sync) while the deployment it asks had gone."""
+    from deployments.logs import Outage
+
+    outage = Outage(logging.getLogger("test.outage"), "placement: the decision is unavailable")
+    with caplog.at_level(logging.INFO, logger="test.outage"):
+        for turn in range(5):
+            try:
+                raise RuntimeError(f"turn {turn}")
+            except RuntimeError:
+                outage.failed()
+        outage.answered()
+        outage.answered()
+        try:
+            raise RuntimeError("again")
+        except RuntimeError:
+            outage.failed(quiet=True)  # expected (the application is being deleted): counted, not logged
+        outage.answered()
+    lines = [(r.levelname, r.getMessage(), r.exc_info[1].args[0] if r.exc_info else None) for r in caplog.records]
+    assert lines == [
+        ("WARNING", "placement: the decision is unavailable (logged once until it answers again)", "turn 0"),
+        ("INFO", "placement: the decision is unavailable: answers again", None),
+        ("INFO", "placement: the decision is unavailable: answers again", None)]
