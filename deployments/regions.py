@@ -96,11 +96,9 @@ async def _sweep_forever(shm: SharedMemory) -> None:
         await asyncio.sleep(SWEEP_S)
         try:
             await asyncio.to_thread(shm.sweep)
-        except RuntimeError as e:
-            if "shutdown" in str(e):  # "cannot schedule new futures after shutdown": the process stops
-                return
-            outage.failed()
-        except Exception:  # the GCS is restarting: try again
+        except Exception as e:  # the GCS is restarting: try again
+            if isinstance(e, RuntimeError) and "shutdown" in str(e):  # "cannot schedule new futures after
+                return  # shutdown": the process stops
             outage.failed()
         else:
             outage.answered()

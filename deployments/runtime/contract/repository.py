@@ -55,12 +55,12 @@ def local_file_identity(path: Path) -> str:
     """``sha256:<hex>`` of a local model file's content: what changes when it is replaced or
     written in place, and the same on every node that holds the same bytes (a shared volume, or
     a copy per node made at another time). Hashed once per file version in a process
-    (``files.file_sha256``, keyed by size and mtime).
-
-    Raises:
-        OSError: the file cannot be read (``FileNotFoundError`` when it does not exist).
-    """
-    return f"sha256:{file_sha256(path)}"
+    (``files.file_sha256``, keyed by size and mtime). ``sha256:missing`` for a file that cannot
+    be read (the load that needs it names why)."""
+    try:
+        return f"sha256:{file_sha256(path)}"
+    except OSError:
+        return "sha256:missing"
 
 
 @dataclass(frozen=True)
@@ -347,7 +347,4 @@ def _identity(listed: FileInfo | None, path: Path) -> str:
     listing has one (the node cache's copy has a local time), else the local file's."""
     if listed is not None and listed.etag:
         return f"etag:{listed.size}:{listed.etag}"
-    try:
-        return local_file_identity(path)
-    except OSError:  # read as missing: the load names the missing file
-        return "sha256:missing"
+    return local_file_identity(path)

@@ -78,7 +78,6 @@ class ModelHost:
         self.checkout_timeout_s = checkout_timeout_s
         self.engine: Engine | None = None
         self._contexts: list[ExecutionContext] = []
-        self._threaded = False  # ``threaded``: every one of ``_contexts`` has a thread of its own
         self._threads: dict[int, ContextThread] = {}  # id(context) -> the thread its queued calls run on
         self._own_threads: list[ContextThread] = []  # those of ``_threads`` this host started (and stops)
         self._pinned = False  # a context must run on its thread (the backend's: CUDA graphs are per thread)
@@ -199,7 +198,6 @@ class ModelHost:
                 own = iter(own_threads)
                 self._threads = {id(c): pinned.get(id(c)) or next(own) for c in contexts}
                 self._pinned = bool(pinned)
-                self._threaded = bool(contexts)
                 self._wake_next()
             self.engine = engine
             if file is not None:
@@ -217,11 +215,7 @@ class ModelHost:
         repaired file takes its place at the next load (``_check_file``)."""
         if not self._watch_file or self._served or self._file is None:
             return
-        try:
-            refused = local_file_identity(self.entry.onnx_path(self.version))
-        except OSError:
-            refused = "sha256:missing"
-        if refused == self._file:  # the very file the reading saw (not one half-written since)
+        if local_file_identity(self.entry.onnx_path(self.version)) == self._file:  # the very file the reading saw (not one half-written since)
             self._file = None
 
     def _check_file(self, model_file: Path) -> str | None:
@@ -236,10 +230,7 @@ class ModelHost:
         the repaired file at its next load (``file_refused``)."""
         if not self._watch_file:
             return None
-        try:
-            now = local_file_identity(model_file)
-        except OSError:
-            now = "sha256:missing"
+        now = local_file_identity(model_file)
         if self._file is not None and now != self._file:
             raise ModelNotReady(
                 f"model '{self.name}' version {self.version}: its model file {shown_model_file(model_file)} changed "
@@ -424,7 +415,7 @@ class ModelHost:
 
     def threaded(self) -> bool:
         """Whether every context has a thread of its own (``call`` runs work there): while loaded."""
-        return self._threaded
+        return bool(self._threads)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, blocking work that calls ``run`` (one request, a batch), off the event
@@ -535,7 +526,7 @@ class ModelHost:
             self._unloading = True
             self._lock.wait_for(lambda: self._in_flight == 0)
             contexts, self._contexts = self._contexts, []
-            self._threaded = self._pinned = False
+            self._pinned = False
             with self._slots:
                 self._free, self._last_shapes = [], {}
                 threads, self._own_threads, self._threads = self._own_threads, [], {}
