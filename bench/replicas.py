@@ -189,10 +189,14 @@ def server_rss_bytes(session: int, app: str) -> dict[str, int]:
 
 def interrupt_group(process: "subprocess.Popen", timeout_s: float = 60.0) -> None:
     """Ctrl-C a server started in its own session (SIGINT to its process group, as a terminal
-    does); SIGKILL the group if it has not exited within ``timeout_s``."""
-    os.killpg(process.pid, signal.SIGINT)
+    does); SIGKILL the group if it has not exited within ``timeout_s``. A group already gone (the
+    server exited and its children with it) is left as it is."""
     try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    except ProcessLookupError:
         process.wait()

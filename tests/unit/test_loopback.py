@@ -109,9 +109,40 @@ def test_servers_started_at_once_claim_separate_blocks_of_the_ingress_range(tmp_
         assert loopback.claim_ingress_block(b, 1000, 200, folder) == mine  # this process's own, again
     finally:
         other.communicate("")
-    loopback._CLAIMS.pop(b + 200)  # forget this process's claim (a new process's view) to read the first block
+    os.close(loopback._CLAIMS.pop(f"{b + 200}.lock"))  # forget this process's claim (a new process's view) to read the first block
     assert loopback.claim_ingress_block(b, 1000, 200, folder) == (b, b + 200)  # free once the other went
     with socket.socket() as held:  # a port taken inside a block: the block starts after it
         held.bind(("127.0.0.1", b + 400))
         held.listen()
         assert loopback.claim_ingress_block(b + 400, 400, 200, folder)[0] > b + 400
+
+
+def test_servers_started_at_once_take_different_haproxy_side_ports(tmp_path):
+    """Two servers started at once both found 8404 free, both gave it to their HAProxy, and the
+    second's died ("cannot bind socket (Address already in use) for [127.0.0.1:8404]"). A server
+    now claims the port for its life; another server gets a free port while that claim stands,
+    and the port once the claimant is gone."""
+    import subprocess
+    import sys
+
+    folder = str(tmp_path / "locks")
+    port = free_span(1)
+    claim = (f"import sys; from deployments import loopback; "
+             f"print(loopback.claim_port({port}, {folder!r}), flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == str(port)  # the other server's, though no socket holds it yet
+        mine = loopback.claim_port(port, folder)
+        assert mine != port and mine > 0
+    finally:
+        other.communicate("")
+    assert loopback.claim_port(port, folder) == port  # free once the other went
+    assert loopback.claim_port(port, folder) == port  # this process's own, again
+    os.close(loopback._CLAIMS.pop(f"port-{port}.lock"))
+    (tmp_path / "a-file").write_text("")
+    assert loopback.claim_port(port, str(tmp_path / "a-file" / "locks")) == port  # no folder for claims: free is enough
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        assert loopback.claim_port(port, folder) != port  # claimed here, but another process's socket holds it
+    os.close(loopback._CLAIMS.pop(f"port-{port}.lock"))
