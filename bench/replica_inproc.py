@@ -7,12 +7,16 @@ body ``bench.replica_cpu`` sends (64 KiB chunks), ``--concurrency`` at a time; o
 (``time.process_time``), the event loop thread's, the model's (``ModelHost.run``'s thread time:
 **model**) and the cycle collector's (``gc.callbacks``). What is left beside the model is the
 replica's own code, the thread hop and Starlette, without uvicorn, Serve or Ray's threads, so
-a cut in them shows here at a fraction of the noise of ``bench.replica_cpu``.
+a cut in them shows here at a fraction of the noise of ``bench.replica_cpu``. With
+``--protocol grpc`` each request is the same tensors as a serialized ``ModelInferRequest`` (raw
+contents) given to the replica's ``ModelInfer`` as Serve's gRPC server gives it, its answer
+serialized as Serve does: the replica's gRPC path without grpc.aio, Serve or sockets.
 
     python -m bench.replica_inproc --model simple --requests 3000
     TRT_SERVE_INLINE_RUN_US=0 python -m bench.replica_inproc --model simple   # every run in a thread
     python -m bench.replica_inproc --model tiny_cnn --requests 400
     python -m bench.replica_inproc --model resnet18 --fake-model --concurrency 1 --requests 4000
+    python -m bench.replica_inproc --model resnet18 --fake-model --concurrency 1 --protocol grpc
 """
 
 from __future__ import annotations
@@ -78,6 +82,46 @@ async def call(app: Any, model: str, root_path: str, body: bytes, head_bytes: in
         raise RuntimeError(f"{path} answered {status}")
 
 
+def message_of(model: str, body: bytes, head_bytes: int) -> bytes:
+    """``body`` (``body_of``'s) as a serialized ``ModelInferRequest`` for ``model``: the same
+    tensors in ``raw_input_contents``, as ``tritonclient.grpc`` sends them."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    head = json.loads(body[:head_bytes])
+    request, offset = pb.ModelInferRequest(model_name=model), head_bytes
+    for tensor in head["inputs"]:
+        size = tensor["parameters"]["binary_data_size"]
+        request.inputs.add(name=tensor["name"], datatype=tensor["datatype"], shape=tensor["shape"])
+        request.raw_input_contents.append(body[offset:offset + size])
+        offset += size
+    return request.SerializeToString()
+
+
+class _GrpcContext:
+    """What the replica's gRPC methods read of Serve's gRPC context: no metadata; a code set
+    other than OK fails the run."""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return []
+
+    def set_code(self, code: Any) -> None:
+        raise RuntimeError(f"ModelInfer answered {code}")
+
+    def set_details(self, details: str) -> None:
+        pass
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+
+async def grpc_call(replica: Any, message: bytes) -> None:
+    """One ModelInfer through the replica's gRPC method; its answer serialized as Serve does."""
+    answer = await replica.ModelInfer(message, _GrpcContext())
+    if not answer.raw_output_contents:
+        raise RuntimeError(f"ModelInfer answered no output: {answer}")
+    answer.SerializeToString()
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from deployments.model import ModelDeployment
     from deployments.routes import RouterOptions
@@ -116,13 +160,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         app, root_path = create_app(), ""
     else:
         app, root_path = replica.__serve_build_asgi_app__(), f"/v2/models/{args.model}"
+    if args.protocol == "grpc":
+        message = message_of(args.model, body, head_bytes)
+
+        async def one() -> None:
+            await grpc_call(replica, message)
+    else:
+        async def one() -> None:
+            await call(app, args.model, root_path, body, head_bytes)
     for _ in range(args.warmup):
-        await call(app, args.model, root_path, body, head_bytes)
+        await one()
     gate = asyncio.Semaphore(args.concurrency)
 
     async def bounded() -> None:
         async with gate:
-            await call(app, args.model, root_path, body, head_bytes)
+            await one()
 
     collected = [0, 0.0, 0.0]  # runs, CPU s, start of the running one
 
@@ -140,7 +192,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     cpu, wall, loop = time.process_time() - cpu, time.perf_counter() - wall, time.thread_time() - loop
     gc.callbacks.remove(on_collection)
     n = args.requests
-    return {"model": args.model, "app": "echo" if args.echo else "replica", "requests": n,
+    return {"model": args.model, "app": "echo" if args.echo else "replica", "protocol": args.protocol, "requests": n,
             "request_bytes": len(body), "qps": round(n / wall), "cpu_us_per_request": round(cpu * 1e6 / n),
             "model_us": round(model_s[0] * 1e6 / n), "outside_model_us": round((cpu - model_s[0]) * 1e6 / n),
             "loop_thread_us": round(loop * 1e6 / n), "gc_us": round(collected[1] * 1e6 / n), "gc_runs": collected[0],
@@ -156,6 +208,8 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--echo", action="store_true", help="bench.echo's app with the same requests")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http",
+                   help="grpc: the tensors as a ModelInferRequest to the replica's gRPC method")
     p.add_argument("--fake-model", action="store_true",
                    help="the model answers zeros at once, in the event loop's thread: the replica's own code alone")
     args = p.parse_args(argv)
