@@ -3,8 +3,12 @@ single-machine mode, and Ray's HAProxy run through ``deployments/haproxy.py`` on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import subprocess
+import sys
+from typing import Iterator
 
 from deployments import haproxy, loopback
 
@@ -89,26 +93,30 @@ def free_span(length: int) -> int:
     raise AssertionError("no free span of ports between 20000 and 30000")
 
 
+@contextlib.contextmanager
+def another_server(call: str) -> Iterator[str]:
+    """A process that prints what ``call`` (``loopback``'s) returns, then holds its claims until
+    the block ends: what it printed."""
+    code = f"import sys; from deployments import loopback; print(loopback.{call}, flush=True); sys.stdin.read()"
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield other.stdout.readline().strip()
+    finally:
+        other.communicate("")
+
+
 def test_servers_started_at_once_claim_separate_blocks_of_the_ingress_range(tmp_path):
     """Two servers started at once both found 30000 free and began there: one's replica took the
     port the other's HAProxy listed (its first requests 421). Each process now claims a block of
     the range with a lock held for its life; another process gets the next block, and a block
     comes free when its process is gone."""
-    import subprocess
-    import sys
-
     folder = str(tmp_path / "locks")
     b = free_span(1000)
-    claim = (f"import sys, time; from deployments import loopback; "
-             f"print(loopback.claim_ingress_block({b}, 1000, 200, {folder!r}), flush=True); sys.stdin.read()")
-    other = subprocess.Popen([sys.executable, "-c", claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == f"({b}, {b + 200})"  # the first block, held by the other process
+    with another_server(f"claim_ingress_block({b}, 1000, 200, {folder!r})") as theirs:
+        assert theirs == f"({b}, {b + 200})"  # the first block, held by the other process
         mine = loopback.claim_ingress_block(b, 1000, 200, folder)
         assert mine == (b + 200, b + 400)  # the next block: no port of the other's
         assert loopback.claim_ingress_block(b, 1000, 200, folder) == mine  # this process's own, again
-    finally:
-        other.communicate("")
     os.close(loopback._CLAIMS.pop(f"{b + 200}.lock"))  # forget this process's claim (a new process's view) to read the first block
     assert loopback.claim_ingress_block(b, 1000, 200, folder) == (b, b + 200)  # free once the other went
     with socket.socket() as held:  # a port taken inside a block: the block starts after it
@@ -122,20 +130,12 @@ def test_servers_started_at_once_take_different_haproxy_side_ports(tmp_path):
     second's died ("cannot bind socket (Address already in use) for [127.0.0.1:8404]"). A server
     now claims the port for its life; another server gets a free port while that claim stands,
     and the port once the claimant is gone."""
-    import subprocess
-    import sys
-
     folder = str(tmp_path / "locks")
     port = free_span(1)
-    claim = (f"import sys; from deployments import loopback; "
-             f"print(loopback.claim_port({port}, {folder!r}), flush=True); sys.stdin.read()")
-    other = subprocess.Popen([sys.executable, "-c", claim], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert other.stdout.readline().strip() == str(port)  # the other server's, though no socket holds it yet
+    with another_server(f"claim_port({port}, {folder!r})") as theirs:
+        assert theirs == str(port)  # the other server's, though no socket holds it yet
         mine = loopback.claim_port(port, folder)
         assert mine != port and mine > 0
-    finally:
-        other.communicate("")
     assert loopback.claim_port(port, folder) == port  # free once the other went
     assert loopback.claim_port(port, folder) == port  # this process's own, again
     os.close(loopback._CLAIMS.pop(f"port-{port}.lock"))
