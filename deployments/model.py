@@ -109,10 +109,11 @@ class ModelDeployment(ServeGrpcMethods):
         request joins the batch queue (the joined batch is not checked again). A request with
         tensors in CUDA shared memory runs alone, unbatched, where they lie.
         """
-        with self.admission.request(), self.gate.request():  # an unload waits for the requests inside
-            if version is not None and version != self.host.version:
-                raise replaced_version(self.host.name, version, f"version {self.host.version}")
-            return await self._infer(inputs, outputs)
+        with self.admission.request():
+            async with self.gate.request():  # an unload waits for the requests inside; a new version's load holds new ones
+                if version is not None and version != self.host.version:
+                    raise replaced_version(self.host.name, version, f"version {self.host.version}")
+                return await self._infer(inputs, outputs)
 
     async def _infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None) -> dict[str, np.ndarray]:
         if self._batched is None or device_io(inputs, outputs):  # CUDA shared memory runs where it lies
@@ -158,6 +159,7 @@ class ModelDeployment(ServeGrpcMethods):
             self.repo.release(self.host.name)  # the node cache may evict its files now
             return {self.host.name: outcome(None, False)}
         except Exception as error:
+            self.gate.settle()  # the requests a new version's load held: served again, or refused
             line = outcome(error, False)
             if not (self.host.ready and self.gate.is_open):  # one that serves keeps serving what it served
                 self.routes.model_unloaded(f"failed to load: {line['error'].message}")
@@ -194,9 +196,9 @@ class ModelDeployment(ServeGrpcMethods):
         added since not among them) and serve the newest of them from now on, as the routers
         report it (docs/models.md, "Versions"). A loaded model changing version, or whose model
         file was written since its reading (``ModelEntry.files``), is unloaded first: new
-        requests answer 503 while it loads, those in flight finish on the old version, and a
-        request labelled with the old version that arrives later is refused
-        (``infer``). The config must be the one this replica started with (its batch queue was
+        requests wait while it loads (``Gate.close(replacing=True)``), those in flight finish on
+        the old version, and a request labelled with the old version is refused once the new
+        one serves (``infer``: 503, "send the request again"). The config must be the one this replica started with (its batch queue was
         built from it; the router refuses a load of a changed one before it reaches a replica,
         and ``read_as_desired`` one changed since). The new version's file is checked before
         the old version is unloaded (``ModelEntry.check_files``: one engine at a time, as the
@@ -217,7 +219,7 @@ class ModelDeployment(ServeGrpcMethods):
                 entry.file_identity(entry.latest) != self.host.entry.file_identity(entry.latest)):
             if self.host.ready:
                 entry.at(entry.latest).check_files()
-                self.gate.close()
+                self.gate.close(replacing=True)  # new requests wait for the new version's load
                 self.host.unload()
                 replaced = self.host
             host = ModelHost(entry, self.host.backend_request, self.host.checkout_timeout_s)

@@ -236,8 +236,9 @@ class PoolDeployment(ServeGrpcMethods):
         another reading keeps it when this one fails, so a failed load changes nothing: the new
         versions' files are checked (``ModelEntry.check_files``) before the old versions are
         unloaded, and if the new engines still fail to load, the old reading is taken back and
-        loaded again (one engine set at a time: both may not fit the pool's byte budget).
-        Blocking.
+        loaded again (one engine set at a time: both may not fit the pool's byte budget). Its
+        requests meanwhile wait for the load (``ModelCache.replacing``) and run on what serves
+        then, where it is the version they are labelled with. Blocking.
 
         Raises: as ``ModelCache.load``; ``LoadFault`` (``check_files``).
         """
@@ -245,25 +246,26 @@ class PoolDeployment(ServeGrpcMethods):
         old = self.entries.get(name) if self.cache.serves(name) and entry != self.entries.get(name) else None
         if old is not None:
             entry.check_files()
-        self.repo.take(entry)
-        if entry != self.entries.get(name):
-            self._take(entry)
-        try:
-            for key in self._keys_of(name):
-                self.cache.load(key)
-        except Exception:
-            if old is None:
-                raise
-            self.repo.take(old)
-            self._take(old)
+        with self.cache.replacing(self._keys_of(name) if old is not None else ()):  # its requests wait meanwhile
+            self.repo.take(entry)
+            if entry != self.entries.get(name):
+                self._take(entry)
             try:
                 for key in self._keys_of(name):
                     self.cache.load(key)
             except Exception:
-                self._unload(name)
-                logger.exception("model control: '%s' failed to load its versions %s again after the load of %s "
-                                 "failed", name, list(old.served), list(entry.served))
-            raise
+                if old is None:
+                    raise
+                self.repo.take(old)
+                self._take(old)
+                try:
+                    for key in self._keys_of(name):
+                        self.cache.load(key)
+                except Exception:
+                    self._unload(name)
+                    logger.exception("model control: '%s' failed to load its versions %s again after the load of %s "
+                                     "failed", name, list(old.served), list(entry.served))
+                raise
 
     def _take(self, entry: ModelEntry) -> None:
         """Serve ``entry`` (a model new to this replica, or its folder read again with a new

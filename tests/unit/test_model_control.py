@@ -315,11 +315,18 @@ def test_a_load_and_an_unload_at_once_end_in_the_state_the_replicas_keep(root):
     repo = ModelRepository(root)
     client = FakeControlClient(repo)
     client.replicas["r1"].held = True  # the load is still being applied when the unload arrives
+    set_state, asked = client.control_set, threading.Event()
+
+    async def control_set(*args: Any, **kwargs: Any) -> Any:
+        asked.set()
+        return await set_state(*args, **kwargs)
+
+    client.control_set = control_set
     app = RouterApp(repo, client, RouterOptions(max_body_bytes=1 << 20, request_timeout_s=5), initial=client.initial)
     with TestClient(app.build_app(), raise_server_exceptions=False) as http:  # one event loop
         with ThreadPoolExecutor(2) as threads:
             load = threads.submit(http.post, "/v2/repository/models/simple/load")
-            time.sleep(0.1)
+            assert asked.wait(60)  # the load set the desired state first (a busy machine took 0.1 s and more)
             client.replicas["r1"].held = False
             unload = threads.submit(http.post, "/v2/repository/models/simple/unload")
             assert (load.result().status_code, unload.result().status_code) == (200, 200)

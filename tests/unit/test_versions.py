@@ -354,3 +354,86 @@ def test_a_rollback_after_a_failed_load_of_a_file_written_in_place_keeps_the_fil
     changed = {**rollback, "config_digest": "0" * 16}
     with pytest.raises(InvalidInput, match="changed since the load of 'cnn' read it"):
         read_as_desired(repo, "cnn", changed)
+
+
+def test_requests_that_arrive_while_a_load_replaces_the_served_file_wait_for_it_and_get_the_new_file(
+        tmp_path, monkeypatch):
+    """A load that replaced a served reading (a config changed, a file written in place, a new
+    version) unloaded it first, and a request arriving meanwhile answered 503 "has no available
+    versions; it is unloaded: POST .../load loads it" though the model was never unloaded (the
+    newcomer's 23 of 1,128 requests while toggling a pool model's config). Such a request now
+    waits for the load and runs on what serves then, where that is the version it is labelled
+    with; one labelled with a version the load replaced is told so ("send the request again")."""
+    import asyncio
+    import threading
+
+    from deployments.admission import Admission
+    from deployments.control import reading
+    from deployments.runtime.contract.errors import ModelNotReady
+
+    root = versioned_repository(tmp_path, {1: 0}, None)
+    pool, dedicated = replicas_of_cnn(root)
+    dedicated.admission, dedicated._batched, dedicated.recorder = Admission(8, None, 5.0), None, None
+    path = root / "cnn" / "1" / "model.onnx"
+    loading, go = threading.Event(), threading.Event()
+
+    def hold(owner: Any, method: str) -> None:
+        """``owner.method`` (called once the old reading is unloaded: the pool's ``ModelCache.add``
+        of the new entry, the dedicated replica's ``ModelHost.load`` of it) waits for ``go``."""
+        original = getattr(owner, method)
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            loading.set()  # a request now finds the model not loaded
+            assert go.wait(60)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, method, held)
+
+    async def while_replaced(apply: Any, request: Any) -> Any:
+        loading.clear()
+        go.clear()
+        applying = threading.Thread(target=apply)
+        applying.start()
+        assert await asyncio.to_thread(loading.wait, 60)
+        pending = asyncio.ensure_future(request())
+        await asyncio.sleep(0.2)
+        waited = not pending.done()
+        go.set()
+        answer = await pending
+        await asyncio.to_thread(applying.join)
+        return waited, answer
+
+    for seed, (replica, placement) in enumerate([(pool, "pool"), (dedicated, "dedicated")], start=7):
+        onnx.save(build_tiny_cnn(seed), path)  # in place, other weights: the same version, a new reading
+        new = ort.InferenceSession(str(path)).run(None, {"input": X})[0]
+        state = {"loaded": True, "placement": placement, "generation": seed, **reading(ModelRepository(root).peek("cnn"))}
+        hold(pool.cache, "add") if replica is pool else hold(ModelHost, "load")
+        request = (lambda: pool.cache.infer_async("cnn", {"input": X}, version=1)) if replica is pool else (
+            lambda: dedicated.infer({"input": X}, None, version=1))
+        waited, answer = asyncio.run(while_replaced(lambda: replica.apply({"cnn": state}), request))
+        monkeypatch.undo()
+        assert waited, placement  # it waited for the load, not answered at once
+        assert isinstance(answer, dict), (placement, answer)  # not ModelNotReady
+        np.testing.assert_allclose(answer["logits"], new, rtol=1e-4, atol=1e-5)
+
+    # a new version: a request labelled version 1 that waited is refused, naming the version serving now
+    versioned_repository(tmp_path, {2: 3}, None)
+    state = reading(ModelRepository(root).peek("cnn"))
+
+    async def refused() -> Any:
+        try:
+            return await pool.cache.infer_async("cnn", {"input": X}, version=1)
+        except ModelNotReady as e:
+            return e
+
+    for replica, placement, request in [(pool, "pool", refused),
+                                        (dedicated, "dedicated", lambda: dedicated.infer({"input": X}, None, version=1))]:
+        hold(pool.cache, "add") if replica is pool else hold(ModelHost, "load")
+        waited, answer = asyncio.run(while_replaced(
+            lambda: replica.apply({"cnn": {"loaded": True, "placement": placement, "generation": 30, **state}}), request))
+        monkeypatch.undo()
+        assert waited and isinstance(answer, ModelNotReady), (placement, answer)
+        assert str(answer) == ("model 'cnn' version 1 is no longer served by this replica: a load replaced it with "
+                               "version 2; send the request again"), placement
+    pool.cache.close()
+    dedicated.host.unload()

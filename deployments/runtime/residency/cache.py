@@ -81,6 +81,7 @@ and kept (the last ``timeline_size``) for ``timeline()``; a load's ``detail`` is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import logging
@@ -89,7 +90,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -155,6 +156,7 @@ class _Slot:
     evictions: int = 0
     load_error: str = ""  # why the last load failed, when it did and nothing loaded it since
     enabled: bool = True  # False after ``unload``: requests get ModelNotReady until ``load``
+    replacing: bool = False  # a load replaces its reading (``replacing``): requests wait for it instead
     evict_detail: str = ""  # why it is marked for eviction, when not for room: its evict event's detail
 
 
@@ -283,6 +285,24 @@ class ModelCache:
             slot.enabled = True
         with self.acquire(name):
             pass
+
+    @contextlib.contextmanager
+    def replacing(self, names: Iterable[str]) -> Iterator[None]:
+        """While inside, a load replaces the reading of ``names`` (unloaded, given a new entry with
+        ``add``, loaded again: ``PoolDeployment._load_reading``): a request for one of them that
+        finds it unloaded waits for the load instead of answering ``ModelNotReady``, then goes on
+        with what serves when the block ends (``infer_async`` checks it against its request)."""
+        slots = [self._slot(name) for name in names]
+        with self._cond:
+            for slot in slots:
+                slot.replacing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                for slot in slots:
+                    slot.replacing = False
+                self._cond.notify_all()
 
     def unload(self, name: str) -> None:
         """Stop serving ``name``: new requests get ``ModelNotReady`` at once; the requests that
@@ -465,19 +485,25 @@ class ModelCache:
         run still finishes in its thread and releases the model then.
 
         ``version``: the version the answer will be labelled with; the request runs only on that
-        version's engine, and on the very entry it was validated against (``add`` may replace
-        an unloaded entry while the request waits: a new version or config read at a load).
+        version's engine (``add`` may replace an unloaded entry while the request waits: a new
+        version or config read at a load, ``replacing``), validated again where the entry it was
+        validated against was replaced.
 
-        Raises: as ``infer``; ``ModelNotReady`` when the entry was replaced, or serves another
-        version than ``version``.
+        Raises: as ``infer``; ``ModelNotReady`` when what serves now is another version than
+        ``version`` (or than the replaced entry's, where ``version`` is None).
         """
         expected = self._slot(name).host
         wanted = validate_request(expected.config, inputs, outputs)
         host = await self._checkout_async(name)
-        if host is not expected or (version is not None and host.version != version):
+        asked = version if version is not None else expected.version
+        try:
+            if host.version != asked:
+                raise replaced_version(name, asked, f"version {host.version}")
+            if host is not expected:  # the same version read again (a new config, or its file rewritten)
+                wanted = validate_request(host.config, inputs, outputs)
+        except BaseException:
             self._release(name)
-            served = f"version {host.version}" if host is expected else "a new reading of its folder"
-            raise replaced_version(name, version if version is not None else expected.version, served)
+            raise
         if host.runs_inline():  # a short run: the hop to a thread costs more (``ModelHost.runs_inline``)
             try:
                 return host.run(inputs, wanted)
@@ -568,6 +594,7 @@ class ModelCache:
         self._stop.set()
         with self._cond:
             self._closed = True
+            self._cond.notify_all()  # requests waiting for a load that replaces a reading end
             self._cond.wait_for(lambda: all(s.refcount == 0 and s.state != _LOADING for s in self._slots.values()))
             for s in self._slots.values():
                 if s.state == _READY:
@@ -603,6 +630,9 @@ class ModelCache:
                 if self._closed:
                     raise ModelNotReady(f"model '{name}': the model cache is closed")
                 if not slot.enabled:
+                    if slot.replacing:  # a load is replacing its reading: wait for it
+                        self._cond.wait_for(lambda: not slot.replacing or slot.enabled or self._closed)
+                        continue
                     raise unloaded_model(name)
                 if slot.state == _READY:
                     slot.refcount += 1
