@@ -134,11 +134,18 @@ class RepositoryRoutes(V2Routes):
                 item["reason"] = state_reason[1].format(held=len(cached["resident"]), replicas=cached["replicas"])
             if cached["state"] == "absent" and cached["evictions"]:
                 item["reason"] = "evicted from the pool replica's cache; loads on next request"
+            if cached["state"] == "absent" and cached.get("load_error"):  # as its readiness (``_load_failed``)
+                item["reason"] = f"its last load failed: {cached['load_error']}; the next request tries again"
         if entry.name in self.changing:
             item["state"], item["reason"] = self.changing[entry.name], "asked for through the repository API"
         elif state.status not in LOADED:
             item["state"], item["reason"] = state.status.index_state, state.index_reason
         return item
+
+    async def _serves(self, entry: ModelEntry) -> bool:
+        """Whether a loaded model serves: not a pool model whose every load fails
+        (``_load_failed``), of which a failed load cannot say "it serves ... as before"."""
+        return await self._load_failed(entry) is None
 
     async def follow_desired(self, desired: dict[str, Any]) -> None:
         """Take the loads and unloads that other router replicas made, and the outcome of loads
@@ -315,12 +322,14 @@ class RepositoryRoutes(V2Routes):
             entry, placement = await self._read_to_load(name)
         except (InvalidInput, LoadFault) as e:
             await self._refused(name, e)
-            if self.states.is_loaded(name) and name in self.repo.names() and "changes nothing" not in e.message:
+            if (self.states.is_loaded(name) and name in self.repo.names() and "changes nothing" not in e.message
+                    and await self._serves(self.repo.get(name))):
                 # as a load a replica failed ends (``load``): what serves goes on serving
                 raise type(e)(f"{e.message}; it serves versions {list(self.repo.get(name).served)} as before") from None
             raise
         async with self._control_lock(name):
             served = self.repo.get(name) if self.states.is_ready(name) and name in self.repo.names() else None
+            served = served if served is not None and await self._serves(served) else None
             self.changing[name] = "LOADING"
             going_on = False
             try:

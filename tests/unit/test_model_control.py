@@ -24,7 +24,8 @@ from deployments.ingress import RouterApp
 from deployments.routes import RouterOptions
 from deployments.control import ControlDeployment, Desired, Follower, initial_state, outcome, reading
 from deployments.runtime.contract.config import CacheOptions
-from deployments.runtime.contract.errors import ConfigError, ModelNotFound, ModelNotReady, OverBudget, ServingError
+from deployments.runtime.contract.errors import (ConfigError, InvalidModelFile, ModelNotFound, ModelNotReady, OverBudget,
+                                               ServingError)
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 from deployments.runtime.residency.gate import Gate
@@ -785,6 +786,34 @@ def test_a_failed_load_of_a_changed_pool_model_leaves_the_routers_view_as_the_re
     edit_config(root, "simple", max_batch_size=4, deployment={"mode": "pool"})
     assert http.post("/v2/repository/models/simple/load").status_code == 200
     assert http.get("/v2/models/simple/config").json()["max_batch_size"] == 4
+
+
+def test_a_failed_load_of_a_pool_model_whose_every_load_fails_does_not_say_it_serves_as_before(root):
+    """A pool model loaded on first use whose every load failed (ONNX Runtime made no session of
+    its file): a load refused by the router answered "...; it serves versions [1] as before",
+    though no request was ever answered, and the index said "not loaded yet; loads on first
+    request". The index now gives the failure, as readiness does, and the load claims nothing."""
+    app, fake, http = explicit_router(root)
+    assert http.post("/v2/repository/models/simple/load").status_code == 200
+    failure = "model 'simple': ONNX Runtime could not create a session from its model file simple/1/model.onnx: x"
+
+    async def pool_states() -> dict[str, dict[str, Any]]:
+        return {n: {"state": "absent", "evictions": 0, "backend": "onnxruntime",
+                    "load_error": failure if n == "simple" else ""} for n in fake.pool_models}
+
+    fake.pool_states = pool_states
+    [line] = [item for item in http.post("/v2/repository/index").json() if item["name"] == "simple"]
+    assert (line["state"], line["reason"]) == ("UNAVAILABLE", f"its last load failed: {failure}; the next request "
+                                                              "tries again")
+    assert http.get("/v2/models/simple/ready").json()["error"] == (f"model 'simple' is not ready: its last load "
+                                                                  f"failed: {failure}; the next request tries again")
+    edit_config(root, "simple", deployment={"mode": "dedicated"})  # refused by the router before any replica
+    r = http.post("/v2/repository/models/simple/load")
+    assert r.status_code == 400 and "as before" not in r.json()["error"], r.text
+    edit_config(root, "simple", deployment={"mode": "pool"})
+    fake.replicas["r1"].fail = InvalidModelFile(failure)  # refused by the replica
+    r = http.post("/v2/repository/models/simple/load")
+    assert (r.status_code, r.json()["error"]) == (400, f"failed to load 'simple': {failure}")
 
 
 def test_a_failed_load_of_a_new_version_of_a_loaded_model_changes_nothing_and_the_old_version_serves(root):

@@ -106,6 +106,23 @@ def _unreadable(root: Path) -> None:
     (folder / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
 
 
+def _no_session(root: Path) -> None:
+    """A file that parses and checks (``onnx.checker``) but of which ONNX Runtime makes no session:
+    a StringNormalizer whose locale this machine lacks (a newcomer's was told the file was
+    "damaged, truncated or another format")."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("StringNormalizer", ["text"], ["normalized"], case_change_action="LOWER",
+                            locale="xx_YY.UTF-8")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("text", TensorProto.STRING, [None])],
+                              [helper.make_tensor_value_info("normalized", TensorProto.STRING, [None])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    (root / "m" / "1").mkdir(parents=True)
+    onnx.save(model, root / "m" / "1" / "model.onnx")
+
+
 def _warmup_fails(root: Path) -> None:
     write_token_model(root, "m", vocab=5, warmup={"batch_sizes": [1], "data": "random"})  # ids 0-9
 
@@ -114,9 +131,11 @@ def _warmup_fails(root: Path) -> None:
     (_bad_config, 400, "config.yaml: inputs: ['ids', 'attention_mask'] are not the inputs of "),
     (_unreadable, 400, "model 'm': its model file m/1/model.onnx is not a valid ONNX model: onnx could not parse "
                        "it (DecodeError; damaged, truncated or another format)"),
+    (_no_session, 400, "model 'm': ONNX Runtime could not create a session from its model file m/1/model.onnx: "
+                       "Failed to construct locale with name:xx_YY.UTF-8"),
     (_warmup_fails, 400, "config.yaml: warmup: a warm-up run the model's config asks for failed: model 'm' input "
                          "'input_ids': element"),
-], ids=["config-the-sender-wrote", "unreadable-model-file", "warm-up-failure"])
+], ids=["config-the-sender-wrote", "unreadable-model-file", "no-session", "warm-up-failure"])
 def test_a_failed_load_reports_whose_fault_it_is(tmp_path, make, status, fragment):
     """A load through model control (the pool replica's ``apply``: the folder read, then
     ``ModelCache.load``, then ``outcome``) answers 400 for what its sender put in the repository:

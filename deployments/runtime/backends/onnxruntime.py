@@ -24,8 +24,8 @@ from ..contract.config import ModelConfig
 from ..contract.datatypes import ONNX_TYPE_BY_DATATYPE
 from .base import Footprint
 from .process import measured_rss_bytes
-from ..contract.errors import (ConfigError, DeviceOutOfMemory, InferenceError, InvalidInput, ServingError,
-                               unreadable_model_file, unsupported_operator)
+from ..contract.errors import (ConfigError, DeviceOutOfMemory, InferenceError, InvalidInput, InvalidModelFile,
+                               ServingError, unreadable_model_file, unsupported_operator)
 from ..contract.files import shown_model_file
 from ..contract.repository import MODEL_FILENAME
 
@@ -39,9 +39,10 @@ _NOT_IMPLEMENTED_OP = re.compile(r"Could not find an implementation for (\w+)\((
 def session_error(model: str, path: Path, error: Exception) -> ServingError:
     """The error for an ONNX Runtime session that could not be created from ``path``: an
     operator it does not implement (``unsupported_operator``: a custom domain's, or one of a
-    standard domain without a kernel for these types), else ``unreadable_model_file`` (a file
-    that does not parse, or is missing). ONNX Runtime's text (it names the full path) goes to
-    the log only."""
+    standard domain without a kernel for these types), ``unreadable_model_file`` for a file that
+    does not parse or is missing (ONNX Runtime's text, which names the full path, goes to the
+    log only), else ONNX Runtime's reason for a file that parses but makes no session (a graph
+    whose types do not check, an operator that cannot start: ``_session_reason``)."""
     text = str(error)
     if (found := _UNREGISTERED_OP.search(text)) is not None:
         return unsupported_operator(model, shown_model_file(path), found.group(2), found.group(1))
@@ -49,7 +50,27 @@ def session_error(model: str, path: Path, error: Exception) -> ServingError:
         return unsupported_operator(model, shown_model_file(path), found.group(1), "")
     if not path.is_file():
         return unreadable_model_file(model, "ONNX Runtime", FileNotFoundError(str(path)), shown_model_file(path))
-    return unreadable_model_file(model, "ONNX Runtime", error, shown_model_file(path))
+    if isinstance(error, ort_errors.InvalidProtobuf) or _NO_GRAPH in text:
+        return unreadable_model_file(model, "ONNX Runtime", error, shown_model_file(path))
+    return InvalidModelFile(f"model '{model}': ONNX Runtime could not create a session from its model file "
+                            f"{shown_model_file(path)}: {_session_reason(text, path)}")
+
+
+_NO_GRAPH = "No graph was found in the protobuf"  # ONNX Runtime's words for an empty file
+_ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+# Where in ONNX Runtime's sources it failed (``/onnxruntime_src/.../x.cc:235 onnxruntime::...()::<lambda()> ``)
+_SOURCE_LOCATION = re.compile(r"\S+\.(?:cc|cpp|h):\d+ .*?(?:\)|>) (?=\S)")
+
+
+def _session_reason(text: str, path: Path) -> str:
+    """ONNX Runtime's reason a session of a file that parses could not be made (a graph whose
+    types do not check, an operator's attribute it cannot use), for a client: its first line,
+    without its error prefix, the file's full path or the source location it failed at."""
+    line = _ORT_PREFIX.sub("", text.strip().splitlines()[0] if text.strip() else type(text).__name__)
+    line = line.replace(f"Load model from {path} failed:", "").replace(str(path), shown_model_file(path))
+    line = line.replace("Exception during initialization: ", "")
+    line = _SOURCE_LOCATION.sub("", line, count=1).strip()
+    return (line[:300] + " ...") if len(line) > 300 else line
 
 
 def _text_array(model: str, name: str, array: np.ndarray) -> np.ndarray:
