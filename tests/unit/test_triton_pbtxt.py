@@ -343,20 +343,28 @@ def test_a_name_other_than_the_folders_is_refused_as_for_config_yaml(tmp_path):
     assert error_of(tmp_path, "m") == f"{tmp_path}/m/config.pbtxt: name: 'simple' must equal its folder name 'm'"
 
 
-def test_the_config_is_checked_against_the_model_file(tmp_path):
+def test_the_config_is_checked_against_the_model_file_naming_fields_as_config_pbtxt_does(tmp_path):
+    """A mismatch named the field as this server's config.yaml would (``inputs.0.dims: [-1, 9]``,
+    the batch axis added), not as the config.pbtxt the user wrote (``input[0].dims: [9]``)."""
     # TYPE_FP32 where the file has INT32; dims of rank 1 after the batch axis against the file's [N, 16]
     folder_with(tmp_path, "m", SIMPLE_PBTXT.replace('name: "simple"\n', "").replace("TYPE_INT32", "TYPE_FP32", 1))
     assert error_of(tmp_path, "m") == (
-        f"{tmp_path}/m/config.pbtxt: inputs.0.datatype: FP32, but {tmp_path}/m/1/model.onnx has input 'INPUT0' as "
-        "INT32: the datatype must be the file's")
+        f"{tmp_path}/m/config.pbtxt: input[0].data_type: TYPE_FP32, but {tmp_path}/m/1/model.onnx has input 'INPUT0' "
+        "as INT32: the datatype must be the file's")
     (tmp_path / "m" / "config.pbtxt").write_text(SIMPLE_PBTXT.replace('name: "simple"\n', "")
                                                  .replace("dims: [ 16 ]", "dims: [ 4, 4 ]", 1))
-    assert error_of(tmp_path, "m").startswith(f"{tmp_path}/m/config.pbtxt: inputs.0.dims: [-1, 4, 4] has rank 3, but "
-                                              f"{tmp_path}/m/1/model.onnx has input 'INPUT0' with rank 2")
+    assert error_of(tmp_path, "m").startswith(
+        f"{tmp_path}/m/config.pbtxt: input[0].dims: [4, 4] has rank 3 with the batch axis, but "
+        f"{tmp_path}/m/1/model.onnx has input 'INPUT0' with rank 2")
+    (tmp_path / "m" / "config.pbtxt").write_text(SIMPLE_PBTXT.replace('name: "simple"\n', "")
+                                                 .replace("dims: [ 16 ]", "dims: [ 9 ]", 1))
+    assert error_of(tmp_path, "m").startswith(
+        f"{tmp_path}/m/config.pbtxt: input[0].dims: [9], but {tmp_path}/m/1/model.onnx has input 'INPUT0' with "
+        "axis 1 fixed to 16")
     # a reshape is what the file is checked against
     folder_with(tmp_path, "d", DENSENET_PBTXT.replace("densenet_onnx", "d").replace("[ 1, 1000, 1, 1 ]", "[ 1000, 1, 1 ]"),
                 densenet_like)
-    assert error_of(tmp_path, "d").startswith(f"{tmp_path}/d/config.pbtxt: outputs.0.reshape: [1000, 1, 1] has rank 3")
+    assert error_of(tmp_path, "d").startswith(f"{tmp_path}/d/config.pbtxt: output[0].reshape: [1000, 1, 1] has rank 3")
 
 
 def test_a_reshape_must_keep_the_element_count(tmp_path):
@@ -422,5 +430,5 @@ def test_make_check_shows_what_a_config_pbtxt_left_to_complete_and_what_it_ignor
     result = subprocess.run([sys.executable, "-m", "deployments.check", str(tmp_path / "serve_config.yaml")],
                             capture_output=True, text=True, cwd=root, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
-        f"config error: {tmp_path}/engines/densenet_onnx/config.pbtxt: inputs.0.datatype: FP16, but "
+        f"config error: {tmp_path}/engines/densenet_onnx/config.pbtxt: input[0].data_type: TYPE_FP16, but "
         f"{tmp_path}/engines/densenet_onnx/1/model.onnx has input 'data_0' as FP32: the datatype must be the file's")

@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import ModelConfig, ModelConfigFile, TensorSpec, completed_config
-from .datatypes import ONNX_TYPE_BY_DATATYPE
+from .datatypes import ONNX_TYPE_BY_DATATYPE, TRITON_TYPES
 from .errors import ConfigError, InvalidModelFile, ServingError, unreadable_model_file, unsupported_operator
 from .files import file_version, shown_model_file
+from .store import PBTXT_FILENAME
 
 # As Triton's ``--backend-config=default-max-batch-size`` (4): the max_batch_size a batched model
 # gets when its config gives none.
@@ -271,23 +272,47 @@ def check_against_file(config: ModelConfig, config_path: Path, signature: FileSi
     names = [t.name for t in config.inputs]
     missing = [n for n in file_inputs if n not in names]
     unknown = [n for n in names if n not in file_inputs]
+    pbtxt = config_path.name == PBTXT_FILENAME  # a Triton config: its fields named as it names them
     if missing or unknown:
-        raise ConfigError(f"{config_path}: inputs: {names} are not the inputs of {signature.path}, "
-                          f"{list(file_inputs)} (missing {missing}, not in the file {unknown}): list every input "
-                          "of the file, or leave inputs out to take them from it")
+        raise ConfigError(f"{config_path}: {'input' if pbtxt else 'inputs'}: {names} are not the inputs of "
+                          f"{signature.path}, {list(file_inputs)} (missing {missing}, not in the file {unknown}): list "
+                          "every input of the file, or leave inputs out to take them from it")
     file_outputs = {t.name: t for t in signature.outputs}
     unknown = [t.name for t in config.outputs if t.name not in file_outputs]
     if unknown:
-        raise ConfigError(f"{config_path}: outputs: {unknown} are not outputs of {signature.path}, whose outputs "
-                          f"are {list(file_outputs)}: list some of them, or leave outputs out to take them all")
+        raise ConfigError(f"{config_path}: {'output' if pbtxt else 'outputs'}: {unknown} are not outputs of "
+                          f"{signature.path}, whose outputs are {list(file_outputs)}: list some of them, or leave "
+                          "outputs out to take them all")
     for kind, specs, found in (("inputs", config.inputs, file_inputs), ("outputs", config.outputs, file_outputs)):
         for index, spec in enumerate(specs):
-            _check_tensor(spec, found[spec.name], config_path, f"{kind}.{index}",
+            _check_tensor(spec, found[spec.name], config_path, _ConfigField(pbtxt, kind, index, config.max_batch_size),
                           f"{signature.path} has {kind[:-1]} '{spec.name}'")
 
 
-def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field: str, file: str) -> None:
-    """One config tensor (``field``: its path in ``config_path``) against the file's tensor of
+@dataclass(frozen=True)
+class _ConfigField:
+    """A tensor of a config as its file names it: ``inputs.0.dims: [-1, 9]`` in a config.yaml,
+    ``input[0].dims: [9]`` in Triton's config.pbtxt (``pbtxt``), whose dims leave out the batch
+    axis of a batched model and whose datatypes are ``data_type: TYPE_FP32``."""
+    pbtxt: bool
+    kind: str
+    index: int
+    max_batch_size: int
+
+    def __call__(self, key: str, value: Any) -> str:
+        if not self.pbtxt:
+            return f"{self.kind}.{self.index}.{key}: {value}"
+        if key == "datatype":
+            return f"{self.kind[:-1]}[{self.index}].data_type: {TRITON_TYPES.get(value, value)}"
+        return f"{self.kind[:-1]}[{self.index}].{key}: {value[1:] if self.max_batch_size > 0 else value}"
+
+    def with_batch_axis(self) -> str:
+        """What to say after a rank counted with a batch axis that the file's dims leave out."""
+        return " with the batch axis" if self.pbtxt and self.max_batch_size > 0 else ""
+
+
+def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field: _ConfigField, file: str) -> None:
+    """One config tensor (``field``: how ``config_path`` names it) against the file's tensor of
     that name (``file``: says which): its ``reshape`` where it has one (the model's shape),
     else its ``dims``.
 
@@ -295,18 +320,18 @@ def _check_tensor(spec: TensorSpec, tensor: FileTensor, config_path: Path, field
         ConfigError: another datatype, rank or fixed axis.
     """
     if spec.datatype != tensor.datatype:
-        raise ConfigError(f"{config_path}: {field}.datatype: {spec.datatype}, but {file} as {tensor.datatype}: the datatype must "
-                          "be the file's")
+        raise ConfigError(f"{config_path}: {field('datatype', spec.datatype)}, but {file} as {tensor.datatype}: the "
+                          "datatype must be the file's")
     if tensor.dims is None:
         return  # the file gives no shape: the config's dims stand
     shown = tensor.shown()
     dims, key = (spec.dims, "dims") if spec.reshape is None else (spec.reshape, "reshape")
     if len(dims) != len(tensor.dims):
-        raise ConfigError(f"{config_path}: {field}.{key}: {list(dims)} has rank {len(dims)}, but {file} with rank "
-                          f"{len(tensor.dims)} (dims {shown}): the rank must be the file's")
+        raise ConfigError(f"{config_path}: {field(key, list(dims))} has rank {len(dims)}{field.with_batch_axis()}, "
+                          f"but {file} with rank {len(tensor.dims)} (dims {shown}): the rank must be the file's")
     for axis, (want, have) in enumerate(zip(dims, tensor.dims)):
         if isinstance(have, int) and want != have:
-            raise ConfigError(f"{config_path}: {field}.{key}: {list(dims)}, but {file} with axis {axis} fixed to {have} "
+            raise ConfigError(f"{config_path}: {field(key, list(dims))}, but {file} with axis {axis} fixed to {have} "
                               f"(dims {shown}): a config may fix a dynamic axis to a size, not change a fixed one")
 
 
