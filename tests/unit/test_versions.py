@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deployments.runtime.contract.config import CacheOptions, VersionPolicy
-from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotFound
+from deployments.runtime.contract.errors import ConfigError, InvalidInput, ModelNotFound, ModelNotReady
 from deployments.runtime.contract.repository import ModelRepository
 from deployments.runtime.residency.cache import ModelCache
 from deployments.runtime.residency.host import ModelHost
@@ -83,6 +83,13 @@ def test_the_cache_holds_each_version_as_an_entry_of_its_own_under_the_same_coun
     assert cache.resident() == ["cnn"]  # the count cap of 1 evicted version 1 for version 2
     assert [(e["event"], e["model"]) for e in cache.timeline()] == [
         ("load", "cnn@1"), ("evict", "cnn@1"), ("load", "cnn")]
+    # an unloaded version's request is told in the model's name, never its cache key: "'cnn@1' ...
+    # POST /v2/repository/models/cnn@1/load loads it" sent the client to a load that 404s
+    cache.unload("cnn@1")
+    with pytest.raises(ModelNotReady) as refused:
+        cache.infer("cnn@1", {"input": X})
+    assert str(refused.value) == ("Request for unknown model: 'cnn' has no available versions; it is unloaded: "
+                                  "POST /v2/repository/models/cnn/load loads it")
     cache.close()
 
 
@@ -369,7 +376,6 @@ def test_requests_that_arrive_while_a_load_replaces_the_served_file_wait_for_it_
 
     from deployments.admission import Admission
     from deployments.control import reading
-    from deployments.runtime.contract.errors import ModelNotReady
 
     root = versioned_repository(tmp_path, {1: 0}, None)
     pool, dedicated = replicas_of_cnn(root)

@@ -498,7 +498,7 @@ class ModelCache:
         asked = version if version is not None else expected.version
         try:
             if host.version != asked:
-                raise replaced_version(name, asked, f"version {host.version}")
+                raise replaced_version(host.name, asked, f"version {host.version}")
             if host is not expected:  # the same version read again (a new config, or its file rewritten)
                 wanted = validate_request(host.config, inputs, outputs)
         except BaseException:
@@ -628,12 +628,12 @@ class ModelCache:
         with self._cond:
             while True:
                 if self._closed:
-                    raise ModelNotReady(f"model '{name}': the model cache is closed")
+                    raise ModelNotReady(f"model '{slot.host.name}': the model cache is closed")
                 if not slot.enabled:
                     if slot.replacing:  # a load is replacing its reading: wait for it
                         self._cond.wait_for(lambda: not slot.replacing or slot.enabled or self._closed)
                         continue
-                    raise unloaded_model(name)
+                    raise unloaded_model(slot.host.name)  # the model's name, not its cache key (``m@1``)
                 if slot.state == _READY:
                     slot.refcount += 1
                     slot.last_used = next(self._tick)
@@ -644,7 +644,7 @@ class ModelCache:
                     joined.holders += 1
                     self._cond.wait_for(lambda: joined.done)
                     if joined.error is not None:
-                        raise _shared_error(joined.error, name)
+                        raise _shared_error(joined.error, slot.host.name)
                     return slot.host  # the loader took our reference
                 if slot.state == _EVICTING:
                     self._cond.wait_for(lambda: slot.state != _EVICTING)
