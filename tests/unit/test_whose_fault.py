@@ -6,6 +6,7 @@ a request is a 400 that names it (the runtime's own text in the log only), a loa
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +176,26 @@ def test_a_model_file_that_does_not_parse_is_invalid_and_a_missing_one_a_load_fa
     entry.onnx_path().unlink()
     with pytest.raises(LoadFault, match="model 'm': ONNX Runtime could not read its model file m/1/model.onnx"):
         ModelHost(entry, "onnxruntime").load()
+
+
+def test_a_pool_model_whose_file_went_after_an_eviction_answers_its_load_fault_naming_the_file(tmp_path):
+    """A pool model loaded and measured, evicted, then its folder deleted: every request
+    answered 500 "internal server error" (a FileNotFoundError from the measured footprint's
+    lookup, before the load's own error handling) and readiness stayed ready. Its load now
+    fails as any load of a missing file does (``LoadFault`` naming the file), and the cache
+    reports that failure (``load_error``: readiness and the index give it)."""
+    write_token_model(tmp_path, "m")
+    cache = ModelCache(ModelRepository(tmp_path), ["m"], CacheOptions(load_policy="lru"), backend="onnxruntime")
+    try:
+        cache.load("m")
+        assert cache.release("m") and cache.status()["models"]["m"]["state"] == "absent"  # evicted
+        shutil.rmtree(tmp_path / "m")
+        with pytest.raises(LoadFault, match=r"^model 'm': onnx could not read its model file m/1/model.onnx "
+                                            r"\(FileNotFoundError\): the file is missing or unreadable"):
+            cache.infer("m", token_inputs([[1, 2, 3]]))
+        assert cache.status()["models"]["m"]["load_error"].startswith("model 'm': onnx could not read its model file")
+    finally:
+        cache.close()
 
 
 def test_a_dimension_named_question_mark_ties_no_axes_together():

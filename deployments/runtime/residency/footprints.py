@@ -67,8 +67,14 @@ _MEASURED_LOCK = threading.Lock()
 _FAILED: dict[tuple, str] = {}  # why the measuring runs failed, by ``_measure_key``
 
 
-def _measure_key(entry: ModelEntry, backend: str) -> tuple:
-    return (_file_key(entry.onnx_path()), backend, json.dumps(engine_options(entry, backend), sort_keys=True))
+def _measure_key(entry: ModelEntry, backend: str) -> tuple | None:
+    """What a measurement of ``entry`` on ``backend`` is kept under; None when its model file
+    cannot be read (deleted since it was read): nothing measured of it, and its load says why."""
+    try:
+        file = _file_key(entry.onnx_path())
+    except OSError:
+        return None
+    return (file, backend, json.dumps(engine_options(entry, backend), sort_keys=True))
 
 
 def engine_options(entry: ModelEntry, backend: str) -> dict[str, Any]:
@@ -109,6 +115,8 @@ def _record_measurement(entry: ModelEntry, backend: str, footprint: Footprint) -
     """Remember ``footprint``; returns what is kept: per part, the smallest reading so far
     (RSS noise from other requests only adds)."""
     key = _measure_key(entry, backend)
+    if key is None:
+        return footprint
     with _MEASURED_LOCK:
         known = _MEASURED.get(key)
         if known is not None:
@@ -228,8 +236,10 @@ def _measuring_failed(host: ModelHost, error: ServingError) -> None:
     """Remember (and log, once per model file) why ``host``'s measuring runs failed."""
     reason = (f"the measuring run on zeros at the max profile failed ({error.message}); "
               "the graph prediction stands in for its context bytes")
+    key = _measure_key(host.entry, "onnxruntime")
     with _MEASURED_LOCK:
-        _FAILED[_measure_key(host.entry, "onnxruntime")] = reason
+        if key is not None:
+            _FAILED[key] = reason
     logger.warning("model '%s': %s", host.name, reason)
 
 
@@ -271,11 +281,11 @@ def read_record(entry: ModelEntry, backend: str) -> Footprint | None:
     them stands for none)."""
     path = entry.onnx_path().parent / RECORD_FILENAME
     try:
-        record = json.loads(path.read_text())
+        record, model_bytes = json.loads(path.read_text()), entry.onnx_path().stat().st_size
     except (OSError, ValueError):
         return None
     if (record.get("backend") != backend or record.get("runtime_version") != _runtime_version(backend)
-            or record.get("model_bytes") != entry.onnx_path().stat().st_size
+            or record.get("model_bytes") != model_bytes
             or record.get("engine_options", {}) != engine_options(entry, backend)):
         return None
     try:
