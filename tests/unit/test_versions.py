@@ -60,6 +60,26 @@ def test_a_bad_policy_fails_naming_the_file_and_the_field(tmp_path):
         assert "config.yaml" in e.value.message and words in e.value.message, e.value.message
 
 
+def test_a_version_folder_named_with_leading_zeros_is_refused_naming_it(tmp_path):
+    """``cnn/07`` was listed as version 7 and then read from ``cnn/7/model.onnx``, which is not
+    there: its load answered 500 naming a file that never existed (alone: the folder was no model
+    at all). The folder is now refused, named, with the name it should have."""
+    import shutil
+
+    for also in (False, True):
+        root = versioned_repository(tmp_path / str(also), {1: 0} if also else {}, None)
+        (root / "cnn" / "07").mkdir(parents=True)
+        onnx.save(build_tiny_cnn(1), root / "cnn" / "07" / "model.onnx")
+        if not also:
+            (root / "cnn" / "config.yaml").unlink()  # a folder with only the zero-led version is a model too
+        with pytest.raises(ConfigError) as e:
+            ModelRepository(root)
+        assert e.value.message == (f"{root}/cnn: version folders ['07'] are named with leading zeros; a version "
+                                   "folder is named by its number (['7']): rename them")
+        shutil.move(root / "cnn" / "07", root / "cnn" / "7")
+        assert ModelRepository(root).get("cnn").latest == 7
+
+
 def test_the_repository_serves_the_policys_versions_and_names_them_for_one_not_served(tmp_path):
     repo = ModelRepository(versioned_repository(tmp_path, {1: 0, 2: 1, 3: 2}, {"specific": {"versions": [1, 2]}}))
     entry = repo.get("cnn", "1")

@@ -225,6 +225,10 @@ class ModelRepository:
         for note in read.notes:
             logger.warning("model '%s': %s", name, note)
         given, config_path = read.given, read.path
+        if listing.zero_led_versions():
+            misnamed = listing.zero_led_versions()
+            raise ConfigError(f"{folder}: version folders {misnamed} are named with leading zeros; a version folder "
+                              f"is named by its number ({[str(int(v)) for v in misnamed]}): rename them")
         versions = (1,) if given.pipeline else listing.versions
         if not versions and self.require_versions:
             plans = sorted(rel for rel in listing.files if rel.endswith("/model.plan"))

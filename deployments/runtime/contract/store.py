@@ -33,7 +33,10 @@ MODEL_FILENAME = "model.onnx"
 CONFIG_FILENAME = "config.yaml"
 PBTXT_FILENAME = "config.pbtxt"  # a Triton model configuration (contract.triton_config)
 SCHEMES = ("s3",)
-_VERSION = re.compile(r"[0-9]{1,9}")  # ASCII digits only: str.isdigit() also accepts e.g. '²'
+# A version folder's name: its number in ASCII digits (str.isdigit() also accepts e.g. '²'), at
+# most 9, without leading zeros (``07`` would be read as 7, whose folder is ``7``).
+_VERSION = re.compile(r"0|[1-9][0-9]{0,8}")
+_ZERO_LED = re.compile(r"0[0-9]{1,9}")
 DEFAULT_CACHE_BYTES = 20 * 2**30
 
 
@@ -89,6 +92,12 @@ class Listing:
                             if rel.endswith("/" + MODEL_FILENAME) and rel.count("/") == 1
                             and is_version(rel.split("/")[0])))
 
+    def zero_led_versions(self) -> list[str]:
+        """Folders holding a ``model.onnx`` named by a number with leading zeros (``07``): not
+        version folders (``is_version``), and no version folder is read from them."""
+        return sorted({rel.split("/")[0] for rel in self.files if rel.endswith("/" + MODEL_FILENAME)
+                       and rel.count("/") == 1 and _ZERO_LED.fullmatch(rel.split("/")[0])})
+
     def version_files(self, version: int) -> dict[str, FileInfo]:
         """The files of version folder ``version`` (relative to the model folder)."""
         return {rel: info for rel, info in self.files.items() if rel.split("/")[0] == str(version)}
@@ -99,7 +108,8 @@ class Listing:
 
 
 def is_version(name: str) -> bool:
-    """Whether folder ``name`` is a version folder's (ASCII digits, at most 9)."""
+    """Whether folder ``name`` is a version folder's (its number: ASCII digits, at most 9, no
+    leading zero)."""
     return bool(_VERSION.fullmatch(name))
 
 
@@ -255,7 +265,8 @@ class Store:
         for rel in self._find(self.path, what, maxdepth=3):
             parts = rel.split("/")
             if (len(parts) == 2 and parts[1] in (CONFIG_FILENAME, PBTXT_FILENAME)) or (
-                    len(parts) == 3 and is_version(parts[1]) and parts[2] == MODEL_FILENAME):
+                    len(parts) == 3 and (is_version(parts[1]) or _ZERO_LED.fullmatch(parts[1]))
+                    and parts[2] == MODEL_FILENAME):  # a zero-led one: its read says how to name it
                 names.add(parts[0])
         return sorted(n for n in names if n not in ("", ".", "..") and not n.startswith("."))
 
