@@ -184,7 +184,10 @@ def local_env(environ: Mapping[str, str]) -> dict[str, str]:
 
     Raises ``FileNotFoundError`` when HAProxy is on and no HAProxy binary is found.
     """
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # Serve kills a proxy whose first ready check takes over 5 s (``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``):
+    # HAProxy's start (the wrapper's Python, then HAProxy) took longer on a 2-core machine at load
+    # 50, and ``serve run`` died with the killed actor's error. 30 s gives a busy machine room.
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         if not any(name in environ for name in HAPROXY_FILES):  # a folder of its own, unless the user chose files
             folder = haproxy_folder(os.getpid())

@@ -18,8 +18,8 @@ def _real_haproxy() -> str:
 
 
 def test_local_env_without_haproxy_is_rays_single_machine_mode():
-    assert loopback.local_env({}) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    assert loopback.local_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}) == {}  # the user's choice stands
+    assert loopback.local_env({}) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
+    assert loopback.local_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "9"}) == {}  # the user's choice stands
 
 
 def test_local_env_with_haproxy_wraps_the_binary_ray_would_run_and_keeps_the_users_ports():
