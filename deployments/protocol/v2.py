@@ -47,22 +47,40 @@ def _reject_constant(token: str) -> Any:
     raise InvalidInput(f"request body is not valid JSON: {token} is not allowed (JSON has no NaN or Infinity)")
 
 
-def _finite_float(token: str) -> float:
-    value = float(token)
-    if not math.isfinite(value):
-        raise InvalidInput(f"request body is not valid JSON: the number {token[:40]} overflows to Infinity")
-    return value
+def _check_finite(value: Any) -> None:
+    """Every float of a parsed body outside a ``data`` member finite (json reads a number
+    past float64, e.g. 1e999, as Infinity).
+
+    Raises:
+        InvalidInput: one is not.
+    """
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput("request body is not valid JSON: a number in it overflows to Infinity (the largest "
+                               f"finite is {sys.float_info.max:g})")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key != "data":
+                _check_finite(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_finite(item)
 
 
 def parse_json(body: bytes | memoryview) -> Any:
-    """Parse a JSON body strictly (UTF-8, or UTF-16/32 as ``json.loads`` detects).
+    """Parse a JSON body strictly (UTF-8, or UTF-16/32 as ``json.loads`` detects). Floats are
+    parsed by json itself, then checked finite outside tensors' ``data`` (``_check_finite``;
+    the decoder checks those as arrays: ``_numeric_array``): a Python check per number held a
+    replica's event loop 50 of the 85 ms a 1.5 MB tensor took to decode.
 
     Raises:
         InvalidInput: not JSON, NaN/Infinity tokens or numbers that overflow to Infinity,
             integers over Python's digit limit, nesting too deep.
     """
     try:
-        return json.loads(bytes(body), parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(bytes(body), parse_constant=_reject_constant)
+        _check_finite(value)
+        return value
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digit limit
         if "integer string conversion" in str(e):  # Python's own advice names a function only it can call
             raise InvalidInput(f"request body holds an integer of more than {sys.get_int_max_str_digits()} "
@@ -96,7 +114,7 @@ def _flatten(where: str, data: Any, shape: tuple[int, ...]) -> list:
             return [data]
         raise InvalidInput(f"{where}: 'data' must be a list (flat, or nested as the shape; for shape [] its "
                            "one element, alone or in a list)")
-    if not any(isinstance(item, list) for item in data):
+    if list not in map(type, data):  # flat (the scan in C: a tensor's data is 150,528 numbers)
         return data
     out: list = []
 
@@ -141,7 +159,7 @@ def _numeric_array(where: str, datatype: str, flat: list) -> np.ndarray:
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data must be true/false values")
         return raw
-    if any(type(x) is bool for x in flat):  # numpy would read true/false as 1/0 among numbers
+    if bool in map(type, flat):  # numpy would read true/false as 1/0 among numbers
         raise InvalidInput(f"{where}: {datatype} data must be numbers, not true/false")
     if dtype.kind in "iu":
         if kind not in "iu":  # numpy reads ints no one 64-bit type holds (1 and 2**63, 2**64) as float64 or objects
