@@ -158,8 +158,20 @@ def table_status(exc: BaseException) -> int | None:
     return next((STATUS_BY_ERROR[c] for c in type(exc).__mro__ if c in STATUS_BY_ERROR), 500)
 
 
+# The longest error message sent: one quoting a client's text (a model or region name of 20,000
+# characters) grew past gRPC's 8 KiB limit on a trailer's metadata, and the client got
+# RESOURCE_EXHAUSTED "Stream removed" instead of the error.
+MAX_ERROR_CHARS = 2000
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS} more characters)"
+
+
 def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
-    """HTTP status and client-safe message for an exception.
+    """HTTP status and client-safe message for an exception (at most ``MAX_ERROR_CHARS`` of it).
 
     A ``ServingError`` keeps its message; anything else is a real fault: 500 with a generic
     message (the exception is logged, never sent). Client errors (4xx) are not logged as errors;
@@ -169,8 +181,8 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     if isinstance(exc, ServingError):
         status = table_status(exc) or 500
         if status >= 500 and log and not isinstance(exc, Overloaded):  # shedding is the plan, not a fault
-            logger.warning("serving error %d: %s", status, exc.message)
-        return status, exc.message
+            logger.warning("serving error %d: %s", status, _bounded(exc.message))
+        return status, _bounded(exc.message)
     logger.error("internal error", exc_info=exc)
     return 500, "internal server error; the server log has the details"
 

@@ -330,10 +330,11 @@ class Registry:
 
         Raises:
             RegionNotFound: ``name`` is not registered, or is of the other kind (Triton's words).
+            SharedMemoryError: ``name`` is one no region can have (``check_region_name``).
         """
         if name is None:
             return [r.status() for r in sorted(self.store.regions(), key=lambda r: r.name) if r.kind == kind]
-        region = self.store.get(name)
+        region = self.store.get(check_region_name(name))  # a name no region can have: 400, as at register
         if region is None:
             raise RegionNotFound(f"Unable to find {kind} shared memory region: '{name}'")
         if region.kind != kind:

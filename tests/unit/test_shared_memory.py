@@ -178,6 +178,17 @@ def test_a_region_name_with_a_slash_or_nul_is_refused(memory, key, name):
         memory.registry.register(SYSTEM, name, {"key": key, "byte_size": 8})
 
 
+def test_a_name_no_region_can_have_is_refused_by_status_as_by_register_and_errors_stay_short(memory):
+    """Status of a 300-character name answered 404 "Unable to find ..." though register refuses
+    such a name (400); a 20,000-character one quoted whole made a gRPC error's trailer overflow
+    gRPC's metadata limit (the client got RESOURCE_EXHAUSTED "Stream removed")."""
+    with pytest.raises(SharedMemoryError, match="^invalid shared memory region name .* a region name is 1 to 255"):
+        memory.registry.status(SYSTEM, "m" * 300)
+    whole = f"Unable to find system shared memory region: '{'m' * 20000}'"
+    status, message = error_status(RegionNotFound(whole))
+    assert status == 404 and message == f"{whole[:2000]}... ({len(whole) - 2000} more characters)"
+
+
 def test_cuda_register_needs_a_64_byte_handle(memory):
     with pytest.raises(SharedMemoryError, match="^'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"):
         memory.registry.register(CUDA, "g", {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 8})
