@@ -80,8 +80,13 @@ def test_two_versions_of_a_pool_model_serve_side_by_side_each_by_its_route(versi
     assert requests.get(f"{url}/v2/models/cnn").json()["versions"] == ["1", "2"]
     assert requests.get(f"{url}/v2/models/cnn/versions/1/ready").status_code == 200
     assert requests.get(f"{url}/v2/models/cnn/versions/1/config").json()["version_policy"] == {"all": {}}
-    index = [(i["name"], i["version"], i["state"]) for i in requests.post(f"{url}/v2/repository/index").json()]
-    assert ("cnn", "1", "READY") in index and ("cnn", "2", "READY") in index
+    deadline = time.monotonic() + 30  # the index reads the pool replicas' reports, sent once a second
+    while True:
+        index = [(i["name"], i["version"], i["state"]) for i in requests.post(f"{url}/v2/repository/index").json()]
+        if ("cnn", "1", "READY") in index and ("cnn", "2", "READY") in index:
+            break
+        assert time.monotonic() < deadline, index
+        time.sleep(0.5)
 
 
 def test_tritonclient_picks_each_version_by_model_version(versions):
