@@ -110,7 +110,7 @@ class ModelDeployment(ServeGrpcMethods):
         tensors in CUDA shared memory runs alone, unbatched, where they lie.
         """
         with self.admission.request():
-            async with self.gate.request():  # an unload waits for the requests inside; a new version's load holds new ones
+            async with self.gate.request():  # an unload waits for those inside; a new version's load holds new ones
                 if version is not None and version != self.host.version:
                     raise replaced_version(self.host.name, version, f"version {self.host.version}")
                 return await self._infer(inputs, outputs)
@@ -198,9 +198,10 @@ class ModelDeployment(ServeGrpcMethods):
         file was written since its reading (``ModelEntry.files``), is unloaded first: new
         requests wait while it loads (``Gate.close(replacing=True)``), those in flight finish on
         the old version, and a request labelled with the old version is refused once the new
-        one serves (``infer``: 503, "send the request again"). The config must be the one this replica started with (its batch queue was
-        built from it; the router refuses a load of a changed one before it reaches a replica,
-        and ``read_as_desired`` one changed since). The new version's file is checked before
+        one serves (``infer``: 503, "send the request again"). The config must be the one this
+        replica started with (its batch queue was built from it; the router refuses a load of a
+        changed one before it reaches a replica, and ``read_as_desired`` one changed since). The
+        new version's file is checked before
         the old version is unloaded (``ModelEntry.check_files``: one engine at a time, as the
         replica's memory was sized for one). Returns the entry read and the loaded host it
         replaced (None: none), which ``apply`` serves again if the new one fails to load.

@@ -179,10 +179,10 @@ def error_status(exc: BaseException, log: bool = True) -> tuple[int, str]:
     """
     exc = _serving_error(exc)
     if isinstance(exc, ServingError):
-        status = table_status(exc) or 500
+        status, message = table_status(exc) or 500, _bounded(exc.message)
         if status >= 500 and log and not isinstance(exc, Overloaded):  # shedding is the plan, not a fault
-            logger.warning("serving error %d: %s", status, _bounded(exc.message))
-        return status, _bounded(exc.message)
+            logger.warning("serving error %d: %s", status, message)
+        return status, message
     logger.error("internal error", exc_info=exc)
     return 500, "internal server error; the server log has the details"
 

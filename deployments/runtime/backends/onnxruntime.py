@@ -53,7 +53,7 @@ def session_error(model: str, path: Path, error: Exception) -> ServingError:
     if isinstance(error, ort_errors.InvalidProtobuf) or _NO_GRAPH in text:
         return unreadable_model_file(model, "ONNX Runtime", error, shown_model_file(path))
     return InvalidModelFile(f"model '{model}': ONNX Runtime could not create a session from its model file "
-                            f"{shown_model_file(path)}: {_session_reason(text, path)}")
+                            f"{shown_model_file(path)}: {_session_reason(error, path)}")
 
 
 _NO_GRAPH = "No graph was found in the protobuf"  # ONNX Runtime's words for an empty file
@@ -62,11 +62,13 @@ _ORT_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
 _SOURCE_LOCATION = re.compile(r"\S+\.(?:cc|cpp|h):\d+ .*?(?:\)|>) (?=\S)")
 
 
-def _session_reason(text: str, path: Path) -> str:
+def _session_reason(error: Exception, path: Path) -> str:
     """ONNX Runtime's reason a session of a file that parses could not be made (a graph whose
     types do not check, an operator's attribute it cannot use), for a client: its first line,
-    without its error prefix, the file's full path or the source location it failed at."""
-    line = _ORT_PREFIX.sub("", text.strip().splitlines()[0] if text.strip() else type(text).__name__)
+    without its error prefix, the file's full path or the source location it failed at (the
+    error's type where it says nothing)."""
+    text = str(error).strip()
+    line = _ORT_PREFIX.sub("", text.splitlines()[0] if text else type(error).__name__)
     line = line.replace(f"Load model from {path} failed:", "").replace(str(path), shown_model_file(path))
     line = line.replace("Exception during initialization: ", "")
     line = _SOURCE_LOCATION.sub("", line, count=1).strip()

@@ -225,8 +225,8 @@ class ModelRepository:
         for note in read.notes:
             logger.warning("model '%s': %s", name, note)
         given, config_path = read.given, read.path
-        if listing.zero_led_versions():
-            misnamed = listing.zero_led_versions()
+        misnamed = listing.zero_led_versions()
+        if misnamed:
             raise ConfigError(f"{folder}: version folders {misnamed} are named with leading zeros; a version folder "
                               f"is named by its number ({[str(int(v)) for v in misnamed]}): rename them")
         versions = (1,) if given.pipeline else listing.versions

@@ -85,18 +85,19 @@ class Listing:
     name: str
     files: dict[str, FileInfo]
 
+    def _model_folders(self) -> list[str]:
+        """The folders directly holding a ``model.onnx``."""
+        return [rel.split("/")[0] for rel in self.files if rel.endswith("/" + MODEL_FILENAME) and rel.count("/") == 1]
+
     @property
     def versions(self) -> tuple[int, ...]:
         """Version numbers (ascending) of its ``<version>/model.onnx`` files."""
-        return tuple(sorted(int(rel.split("/")[0]) for rel in self.files
-                            if rel.endswith("/" + MODEL_FILENAME) and rel.count("/") == 1
-                            and is_version(rel.split("/")[0])))
+        return tuple(sorted(int(folder) for folder in self._model_folders() if is_version(folder)))
 
     def zero_led_versions(self) -> list[str]:
         """Folders holding a ``model.onnx`` named by a number with leading zeros (``07``): not
         version folders (``is_version``), and no version folder is read from them."""
-        return sorted({rel.split("/")[0] for rel in self.files if rel.endswith("/" + MODEL_FILENAME)
-                       and rel.count("/") == 1 and _ZERO_LED.fullmatch(rel.split("/")[0])})
+        return sorted(folder for folder in self._model_folders() if _ZERO_LED.fullmatch(folder))
 
     def version_files(self, version: int) -> dict[str, FileInfo]:
         """The files of version folder ``version`` (relative to the model folder)."""

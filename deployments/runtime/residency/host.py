@@ -215,8 +215,8 @@ class ModelHost:
         repaired file takes its place at the next load (``_check_file``)."""
         if not self._watch_file or self._served or self._file is None:
             return
-        if local_file_identity(self.entry.onnx_path(self.version)) == self._file:  # the very file the reading saw (not one half-written since)
-            self._file = None
+        if local_file_identity(self.entry.onnx_path(self.version)) == self._file:  # the very file the reading
+            self._file = None  # saw (not one half-written since)
 
     def _check_file(self, model_file: Path) -> str | None:
         """``model_file``'s identity now (``local_file_identity``: its content's hash; None where
